@@ -1,0 +1,5 @@
+import sys
+
+from ds4desk.cli import main
+
+sys.exit(main())

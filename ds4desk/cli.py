@@ -1,0 +1,150 @@
+"""`ds4desk` opens the window; `ds4desk VERB` runs headless (generate, check)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ds4desk.paths import DataDirs, resolve_data_dirs
+
+VERBS = ("gui", "generate", "check")
+
+
+def _common(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
+    # Sub-parsers must not overwrite a --data-dir given before the verb with their own default.
+    parser.add_argument(
+        "--data-dir",
+        default=None if top_level else argparse.SUPPRESS,
+        metavar="DIR",
+        help="keep settings, history, caches and the crash log in DIR (default: $DS4DESK_HOME or the "
+        "platform's user directories)",
+    )
+
+
+def _parse_token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ds4desk",
+        description="A desktop chat for local models. With no verb, opens the window.",
+    )
+    _common(parser, top_level=True)
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
+
+    gui = verbs.add_parser("gui", help="open the chat window (the default)")
+    _common(gui)
+    gui.add_argument("model", nargs="?", help="model folder or .gguf (default: the last one, else SmolLM2)")
+    gui.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+
+    gen = verbs.add_parser("generate", help="generate text headless and print it")
+    _common(gen)
+    gen.add_argument("model", nargs="?", help="model folder or .gguf (default: the embedded SmolLM2)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="one user message, rendered with the model's chat template")
+    prompt.add_argument("--raw", help="text tokenized as-is")
+    prompt.add_argument("--prompt-tokens", type=_parse_token_ids, metavar="1,2,3", help="token ids")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--chunk", type=int, default=512, help="prefill chunk size in tokens")
+    gen.add_argument("--context", type=int, default=4096, help="context size in tokens")
+    gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    gen.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+    check = verbs.add_parser("check", help="say what a model path is, or why it cannot be loaded")
+    _common(check)
+    check.add_argument("path")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    # `ds4desk PATH` and `ds4desk --device cuda` mean the window, like `ds4desk gui ...`.
+    if not any(word in VERBS for word in args_list) and not {"-h", "--help"} & set(args_list):
+        args_list.insert(0, "gui")
+    args = build_parser().parse_args(args_list)
+    dirs = resolve_data_dirs(args.data_dir).create()
+    if args.verb == "generate":
+        return _generate(args, dirs)
+    if args.verb == "check":
+        return _check(args, dirs)
+    from ds4desk.app import run_app
+
+    return run_app(dirs, model_path=args.model, device=args.device)
+
+
+def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
+    from ds4desk.engine import Engine, GenerateRequest, LoadRequest, SamplingParams
+
+    engine = Engine(dirs.model_cache)
+    try:
+        loaded = engine.load(
+            LoadRequest(
+                path=args.model, device=args.device, dtype=args.dtype, context=args.context, chunk=args.chunk
+            )
+        )
+        if not loaded.ok:
+            assert loaded.error is not None
+            return _fail(args.json, loaded.error.to_json())
+        request = GenerateRequest(
+            prompt_tokens=args.prompt_tokens,
+            messages=[{"role": "user", "content": args.prompt}] if args.prompt is not None else None,
+            raw_text=args.raw,
+            sampling=SamplingParams(
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+            ),
+            max_new_tokens=args.max_tokens,
+        )
+
+        def stream(_token: int | None, text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        result = engine.generate(request, None if args.json else stream)
+    finally:
+        engine.close()
+    if args.json:
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+    else:
+        print()
+        stats = result.stats
+        print(
+            f"[{result.finish_reason}] {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated; "
+            f"first token {stats.time_to_first_token_s * 1000:.0f} ms, prefill {stats.prefill_tok_s:.1f} tok/s, "
+            f"decode {stats.decode_tok_s:.1f} tok/s",
+            file=sys.stderr,
+        )
+        if result.error:
+            print(f"error: {result.error}", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _fail(as_json: bool, error: dict[str, str]) -> int:
+    if as_json:
+        print(json.dumps({"tokens": [], "logprobs": [], "text": "", "finish_reason": "error", "error": error}))
+    print(f"error: {error['code']}: {error['detail']}", file=sys.stderr)
+    return 1
+
+
+def _check(args: argparse.Namespace, dirs: DataDirs) -> int:
+    from ds4desk.engine.api import EngineFailure
+    from ds4desk.engine.loading.detect import check_model
+
+    try:
+        report = check_model(Path(args.path), dirs.model_cache)
+    except EngineFailure as failure:
+        print(f"cannot load {args.path}: {failure.error.detail}", file=sys.stderr)
+        return 2
+    print(report.describe())
+    return 0

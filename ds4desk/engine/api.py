@@ -1,0 +1,193 @@
+"""Plain data that crosses the engine's thread boundary: requests, results, events, errors.
+
+Nothing here imports torch, so the UI can use these types without paying for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    CONTEXT_OVERFLOW = "context_overflow"
+    PREFILL_FAILED = "prefill_failed"
+    DECODE_FAILED = "decode_failed"
+    INVALID_SNAPSHOT_SLOT = "invalid_snapshot_slot"
+    MODEL_PARKED = "model_parked"
+    MODEL_NOT_LOADED = "model_not_loaded"
+    OUT_OF_MEMORY = "out_of_memory"
+    CANCELLED = "cancelled"
+    BAD_REQUEST = "bad_request"
+    LOAD_FAILED = "load_failed"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(slots=True, frozen=True)
+class EngineError:
+    code: ErrorCode
+    detail: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"code": str(self.code), "detail": self.detail}
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.detail}"
+
+
+class EngineFailure(Exception):
+    """Raised inside the engine; turned into an EngineError before it crosses a thread boundary."""
+
+    def __init__(self, code: ErrorCode, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.error = EngineError(code, detail)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+_request_ids = itertools.count(1)
+
+# Called on the engine thread with every newly generated token id, in order.
+TokenCallback = Callable[[int], None]
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """Exactly one of prompt_tokens, messages or raw_text says what the prompt is."""
+
+    prompt_tokens: list[int] | None = None
+    messages: list[dict[str, str]] | None = None  # rendered with the model's chat template
+    raw_text: str | None = None  # tokenized as-is
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 512
+    stop_tokens: list[int] | None = None  # None: the tokenizer's end-of-turn tokens
+    on_token: TokenCallback | None = None
+    request_id: int = field(default_factory=lambda: next(_request_ids))
+
+
+@dataclass(slots=True)
+class GenerateStats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # taken from a snapshot instead of prefilled
+    generated_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        computed = self.prompt_tokens - self.reused_tokens
+        return computed / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first token comes out of prefill; the decode steps make the rest.
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, float | int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "generated_tokens": self.generated_tokens,
+            "time_to_first_token_s": self.time_to_first_token_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "prefill_tok_s": self.prefill_tok_s,
+            "decode_tok_s": self.decode_tok_s,
+        }
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    request_id: int
+    prompt_tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason = FinishReason.ERROR
+    error: EngineError | None = None
+    stats: GenerateStats = field(default_factory=GenerateStats)
+    budget_forced_close: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "request_id": self.request_id,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "logprobs": self.logprobs,
+            "text": self.text,
+            "finish_reason": str(self.finish_reason),
+            "error": self.error.to_json() if self.error else None,
+            "budget_forced_close": self.budget_forced_close,
+            "stats": self.stats.to_json(),
+        }
+
+
+@dataclass(slots=True)
+class LoadRequest:
+    path: str | None = None  # None: the embedded default model
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on cpu, bfloat16 on a GPU
+    context: int = 4096
+    chunk: int = 512
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    name: str
+    family: str  # "llama", "qwen2", "qwen3", "mistral", ...
+    architecture: str  # as the config names it, e.g. "LlamaForCausalLM"
+    path: str
+    device: str
+    dtype: str
+    parameters: int
+    weight_bytes: int
+    context: int
+    tokenizer: str  # what the tokenizer is, e.g. "BPE, 49152 tokens"
+    has_chat_template: bool
+
+
+@dataclass(slots=True)
+class LoadResult:
+    info: ModelInfo | None = None
+    error: EngineError | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.info is not None
+
+
+# Events the client delivers on the asyncio loop.
+
+
+@dataclass(slots=True, frozen=True)
+class TextDelta:
+    """A batch of streamed output: the new token ids and the text they completed."""
+
+    request_id: int
+    tokens: tuple[int, ...]
+    text: str
