@@ -132,7 +132,9 @@ def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
 
 def _fail(as_json: bool, error: dict[str, str]) -> int:
     if as_json:
-        print(json.dumps({"tokens": [], "logprobs": [], "text": "", "finish_reason": "error", "error": error}))
+        print(
+            json.dumps({"tokens": [], "logprobs": [], "text": "", "finish_reason": "error", "error": error})
+        )
     print(f"error: {error['code']}: {error['detail']}", file=sys.stderr)
     return 1
 

@@ -10,7 +10,7 @@ import pytest
 # Qt must never look for a display in tests; set before anything imports Qt.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from ds4desk.paths import resolve_data_dirs  # noqa: E402
+from ds4desk.paths import resolve_data_dirs
 
 
 @pytest.fixture(scope="session")

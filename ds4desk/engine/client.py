@@ -79,7 +79,9 @@ class EngineClient:
     ) -> GenerateResult:
         batcher = None
         if on_delta is not None:
-            batcher = _DeltaBatcher(asyncio.get_running_loop(), request.request_id, on_delta, self._interval_s)
+            batcher = _DeltaBatcher(
+                asyncio.get_running_loop(), request.request_id, on_delta, self._interval_s
+            )
         future = self._engine.submit_generate(request, batcher.push if batcher else None)
         try:
             return await asyncio.wrap_future(future)

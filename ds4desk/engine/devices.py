@@ -23,7 +23,9 @@ def resolve_device(name: str | None) -> torch.device:
     try:
         device = torch.device(word)
     except RuntimeError as exc:
-        raise EngineFailure(ErrorCode.LOAD_FAILED, f"unknown device '{name}': use cpu, cuda or cuda:N") from exc
+        raise EngineFailure(
+            ErrorCode.LOAD_FAILED, f"unknown device '{name}': use cpu, cuda or cuda:N"
+        ) from exc
     if device.type == "cpu":
         return device
     if device.type != "cuda":
@@ -33,7 +35,8 @@ def resolve_device(name: str | None) -> torch.device:
     index = 0 if device.index is None else device.index
     if index >= torch.cuda.device_count():
         raise EngineFailure(
-            ErrorCode.LOAD_FAILED, f"device '{name}' does not exist: {torch.cuda.device_count()} GPU(s) visible"
+            ErrorCode.LOAD_FAILED,
+            f"device '{name}' does not exist: {torch.cuda.device_count()} GPU(s) visible",
         )
     return torch.device("cuda", index)
 

@@ -165,7 +165,9 @@ class Engine:
         try:
             check_fits(weight_count * dtype_bytes, device, f"{path.name} in {_dtype_name(dtype)}")
             loaded = load_model(source, device, dtype)
-            context = min(request.context, int(source.config.get("max_position_embeddings") or request.context))
+            context = min(
+                request.context, int(source.config.get("max_position_embeddings") or request.context)
+            )
             runtime = Runtime(loaded.model, device, context=context, chunk=request.chunk)
         except BaseException:
             self._loaded = None
@@ -263,9 +265,7 @@ class Engine:
 def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]:
     given = [x is not None for x in (request.prompt_tokens, request.messages, request.raw_text)]
     if sum(given) != 1:
-        raise EngineFailure(
-            ErrorCode.BAD_REQUEST, "give exactly one of prompt_tokens, messages or raw_text"
-        )
+        raise EngineFailure(ErrorCode.BAD_REQUEST, "give exactly one of prompt_tokens, messages or raw_text")
     if request.max_new_tokens < 1:
         raise EngineFailure(ErrorCode.BAD_REQUEST, "max_new_tokens must be at least 1")
     if request.prompt_tokens is not None:

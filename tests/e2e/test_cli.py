@@ -43,7 +43,9 @@ def test_generate_json_on_the_embedded_model(ds4_home: Path) -> None:
 
 
 def test_generate_prompt_tokens_and_raw_agree(ds4_home: Path) -> None:
-    raw = ds4desk("generate", "--raw", "The capital of France is", "--max-tokens", "5", "--json", home=ds4_home)
+    raw = ds4desk(
+        "generate", "--raw", "The capital of France is", "--max-tokens", "5", "--json", home=ds4_home
+    )
     assert raw.returncode == 0, raw.stderr
     first = json.loads(raw.stdout.strip().splitlines()[-1])
     ids = ",".join(map(str, first["prompt_tokens"]))
@@ -66,10 +68,12 @@ def test_check_describes_the_embedded_model(ds4_home: Path) -> None:
     [
         ("cut.gguf", b"GGUF\x03\x00\x00\x00" + b"\x01" * 40),
         ("notes.txt", b"just some text"),
-        ("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":"),
+        ("model.safetensors", b'\x10\x00\x00\x00\x00\x00\x00\x00{"a":'),
     ],
 )
-def test_bad_files_fail_clearly_without_traceback(ds4_home: Path, tmp_path: Path, name: str, content: bytes) -> None:
+def test_bad_files_fail_clearly_without_traceback(
+    ds4_home: Path, tmp_path: Path, name: str, content: bytes
+) -> None:
     path = tmp_path / name
     path.write_bytes(content)
     checked = ds4desk("check", str(path), home=ds4_home)

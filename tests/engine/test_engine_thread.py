@@ -126,7 +126,8 @@ def test_client_batches_deltas_on_the_loop(engine: Engine) -> None:
 
     async def run() -> object:
         return await client.generate(
-            GenerateRequest(raw_text="The history of the bicycle", max_new_tokens=40, stop_tokens=[]), on_delta
+            GenerateRequest(raw_text="The history of the bicycle", max_new_tokens=40, stop_tokens=[]),
+            on_delta,
         )
 
     result = asyncio.run(run())

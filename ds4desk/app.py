@@ -1,0 +1,282 @@
+"""The GUI entry point: crash log, QApplication + qasync loop, backend, window.
+
+The window is shown before the model starts loading, and loading runs on the engine thread, so the
+app is on screen and usable (history, typing) while the model is still coming in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import faulthandler
+import logging
+import signal
+import sqlite3
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import qasync
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+
+from ds4desk.engine.api import (
+    EngineError,
+    ErrorCode,
+    GenerateRequest,
+    GenerateResult,
+    LoadRequest,
+    LoadResult,
+    ModelInfo,
+    TextDelta,
+)
+from ds4desk.history import History, HistoryError
+from ds4desk.paths import DataDirs
+from ds4desk.settings import Settings
+from ds4desk.ui.backend import ChatBackend
+from ds4desk.ui.main_window import MainWindow
+from ds4desk.ui.theme import apply_theme
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "ds4desk"
+
+
+class CrashLog:
+    """Unhandled exceptions go to the crash log and the status bar instead of ending the app;
+    faulthandler writes hard crashes (segfaults in native code) to the same file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.notify: Callable[[str], None] | None = None  # the window's report_exception, once it exists
+        self.loop: asyncio.AbstractEventLoop | None = None  # to reach notify from other threads
+        self._file: IO[str] | None = None
+        self._saved: tuple[Any, Any, bool] | None = None
+        self._log_handler: logging.Handler | None = None
+
+    def install(self) -> CrashLog:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Append: the log of an earlier crash is what the user will want to send us.
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole session
+        self._saved = (sys.excepthook, threading.excepthook, faulthandler.is_enabled())
+        faulthandler.enable(self._file, all_threads=True)
+        sys.excepthook = self._excepthook
+        threading.excepthook = self._thread_excepthook
+        # Errors logged by any module (the engine logs its failures) land in the same file.
+        self._log_handler = logging.StreamHandler(self._file)
+        self._log_handler.setLevel(logging.ERROR)
+        self._log_handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        logging.getLogger().addHandler(self._log_handler)
+        return self
+
+    def uninstall(self) -> None:
+        if self._saved is not None:
+            sys.excepthook, threading.excepthook, was_enabled = self._saved
+            faulthandler.disable()
+            if was_enabled:
+                faulthandler.enable()
+            self._saved = None
+        if self._log_handler is not None:
+            logging.getLogger().removeHandler(self._log_handler)
+            self._log_handler = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def write(self, header: str, exc: BaseException | None, tb: TracebackType | None = None) -> None:
+        if self._file is None:
+            return
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        lines = (
+            traceback.format_exception(type(exc), exc, tb or (exc.__traceback__ if exc else None))
+            if exc
+            else []
+        )
+        self._file.write(f"\n=== {stamp} {header}\n{''.join(lines)}")
+        self._file.flush()
+
+    def _tell(self, summary: str) -> None:
+        if self.notify is None:
+            return
+        with contextlib.suppress(Exception):  # reporting must never raise from an excepthook
+            self.notify(summary)
+
+    def _excepthook(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            sys.__excepthook__(kind, exc, tb)
+            return
+        self.write("unhandled exception", exc, tb)
+        sys.__excepthook__(kind, exc, tb)  # and on stderr, for whoever started us from a terminal
+        self._tell(f"{kind.__name__}: {exc}")
+
+    def _thread_excepthook(self, args: threading.ExceptHookArgs) -> None:
+        name = args.thread.name if args.thread else "?"
+        exc = args.exc_value
+        self.write(f"unhandled exception in thread {name}", exc, args.exc_traceback)
+        summary = f"{args.exc_type.__name__} in thread {name}: {exc}"
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._tell, summary)
+
+    def asyncio_handler(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """Exceptions nobody awaited (a task that failed and was dropped)."""
+        exc = context.get("exception")
+        message = str(context.get("message", "asyncio error"))
+        self.write(f"asyncio: {message}", exc if isinstance(exc, BaseException) else None)
+        self._tell(f"{type(exc).__name__}: {exc}" if exc else message)
+
+
+class UnavailableBackend:
+    """Stands in when the engine cannot even start, so the window still opens and says why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return None
+
+    async def load(self, request: LoadRequest) -> LoadResult:
+        return LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, self.reason))
+
+    async def generate(
+        self, request: GenerateRequest, on_delta: Callable[[TextDelta], None] | None = None
+    ) -> GenerateResult:
+        return GenerateResult(request.request_id, error=EngineError(ErrorCode.MODEL_NOT_LOADED, self.reason))
+
+    def cancel(self, request_id: int) -> None:
+        pass
+
+
+def engine_backend_factory(dirs: DataDirs) -> Callable[[], ChatBackend]:
+    def make() -> ChatBackend:
+        # Imported here: the engine's public face is torch-free, but nothing UI-side needs it earlier.
+        from ds4desk.engine.client import EngineClient
+        from ds4desk.engine.engine import Engine
+
+        return EngineClient(Engine(dirs.model_cache))
+
+    return make
+
+
+def open_history(path: Path) -> tuple[History, str | None]:
+    """The history, and a problem to show the user if it could not be opened as it was."""
+    try:
+        return History(path), None
+    except HistoryError as exc:
+        # A newer ds4desk wrote it: leave it alone, keep this session in memory.
+        return History(":memory:"), f"{exc}. Chats of this session will not be saved."
+    except sqlite3.DatabaseError as exc:
+        broken = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                Path(f"{path}{suffix}").replace(f"{broken}{suffix}")
+        return History(path), f"The chat history was damaged ({exc}); it was moved to {broken.name}."
+
+
+def run_app(
+    dirs: DataDirs,
+    model_path: str | None = None,
+    device: str | None = None,
+    *,
+    backend_factory: Callable[[], ChatBackend] | None = None,
+    argv: list[str] | None = None,
+) -> int:
+    """Runs the GUI until the window closes; returns the exit code.
+
+    `model_path`/`device` override the settings for this session (the CLI's flags)."""
+    dirs.create()
+    crash = CrashLog(dirs.crash_log).install()
+    try:
+        return _run(dirs, model_path, device, backend_factory or engine_backend_factory(dirs), argv, crash)
+    finally:
+        crash.uninstall()
+
+
+def _run(
+    dirs: DataDirs,
+    model_path: str | None,
+    device: str | None,
+    backend_factory: Callable[[], ChatBackend],
+    argv: list[str] | None,
+    crash: CrashLog,
+) -> int:
+    existing = QApplication.instance()
+    app = (
+        existing
+        if isinstance(existing, QApplication)
+        else QApplication(argv if argv is not None else sys.argv)
+    )
+    app.setApplicationName(APP_NAME)
+    apply_theme(app)
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    loop.set_exception_handler(crash.asyncio_handler)
+    crash.loop = loop
+
+    settings = Settings.load(dirs.settings_file)
+    history, history_problem = open_history(dirs.history_db)
+    try:
+        backend: ChatBackend = backend_factory()
+    except Exception as exc:
+        crash.write("the engine did not start", exc)
+        backend = UnavailableBackend(f"the engine did not start: {type(exc).__name__}: {exc}")
+
+    window = MainWindow(backend, history, settings, settings_path=dirs.settings_file, device_override=device)
+    window.setWindowTitle(APP_NAME)
+    crash.notify = window.report_exception
+    window.show()
+    if history_problem:
+        window.set_status(history_problem, error=True)
+    # Scheduled, not awaited here: the window paints first, then the load starts.
+    loop.call_soon(window.start_load, model_path)
+
+    restore_sigint = _quit_on_sigint(window.close)
+    try:
+        code = loop.run_forever()  # qasync returns QApplication.exec()'s code
+        _shut_down(loop, backend)
+    finally:
+        restore_sigint()
+        crash.notify = None
+        crash.loop = None
+        history.close()
+        loop.close()
+        asyncio.set_event_loop(None)
+    return int(code or 0)
+
+
+def _shut_down(loop: qasync.QEventLoop, backend: ChatBackend) -> None:
+    """Cancel what still runs (closeEvent already saved a streaming answer), then stop the engine."""
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    close = getattr(backend, "close", None)  # EngineClient has one; the protocol does not need it
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            log.exception("closing the engine failed")
+
+
+def _quit_on_sigint(quit_: Callable[[], object]) -> Callable[[], None]:
+    """Ctrl+C in the terminal closes the window like Ctrl+Q would. Python only runs signal
+    handlers between bytecodes, so a timer gives the interpreter a moment now and then."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGINT, lambda *_: quit_())
+    timer = QTimer()
+    timer.timeout.connect(lambda: None)
+    timer.start(250)
+
+    def restore() -> None:
+        timer.stop()
+        signal.signal(signal.SIGINT, previous)
+
+    return restore

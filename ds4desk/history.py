@@ -1,0 +1,332 @@
+"""Chat history in SQLite: one file, WAL, a schema version in `PRAGMA user_version`.
+
+Every write is its own transaction, so whatever was committed survives a crash. An assistant answer
+gets its row when generation starts and `StreamingWriter` updates its content as text streams in;
+`finished` is set only when the answer completed, so an answer cut off by a crash, a Stop or an
+error is still there after a restart and the UI can say it is incomplete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+TITLE_CHARS = 48
+
+
+class HistoryError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class Chat:
+    id: int
+    title: str  # "" until the first user message names it
+    created: float  # unix seconds
+    updated: float
+    model: str | None
+
+
+@dataclass(slots=True)
+class Message:
+    id: int
+    chat_id: int
+    role: str
+    content: str
+    created: float
+    finished: bool
+    stats: dict[str, Any] | None
+
+
+def _schema_v1(conn: sqlite3.Connection) -> None:
+    conn.execute(
+        """CREATE TABLE chats (
+            id INTEGER PRIMARY KEY,
+            title TEXT NOT NULL DEFAULT '',
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            model TEXT
+        )"""
+    )
+    conn.execute(
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL DEFAULT '',
+            created REAL NOT NULL,
+            finished INTEGER NOT NULL DEFAULT 1,
+            stats TEXT
+        )"""
+    )
+    conn.execute("CREATE INDEX messages_by_chat ON messages(chat_id, id)")
+    conn.execute("CREATE INDEX chats_by_updated ON chats(updated DESC)")
+
+
+# MIGRATIONS[n] takes a database at schema version n to n + 1. Append here; never edit a shipped one.
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_schema_v1]
+
+
+def schema_version() -> int:
+    return len(MIGRATIONS)
+
+
+def derive_title(text: str) -> str:
+    """The first line of the first user message, whitespace collapsed, cut at a word."""
+    line = next((ln for ln in text.splitlines() if ln.strip()), "")
+    line = re.sub(r"\s+", " ", line).strip()
+    if len(line) <= TITLE_CHARS:
+        return line
+    cut = line[:TITLE_CHARS].rsplit(" ", 1)[0] if " " in line[:TITLE_CHARS] else line[:TITLE_CHARS]
+    return cut.rstrip(" ,.;:") + "…"
+
+
+class History:
+    def __init__(self, path: str | Path) -> None:
+        """`path` may be ":memory:". Raises HistoryError for a database from a newer ds4desk and
+        sqlite3.DatabaseError for a file that is not a database."""
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        # Autocommit mode: transactions are explicit (see _tx) so no DDL or DML slips outside one.
+        self._conn = sqlite3.connect(self.path, isolation_level=None)
+        try:
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute("PRAGMA foreign_keys = ON")
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            # In WAL mode NORMAL loses nothing when the app crashes, only (maybe) on power loss.
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._migrate()
+        except BaseException:
+            self._conn.close()
+            raise
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> History:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        version = self.user_version
+        target = schema_version()
+        if version > target:
+            raise HistoryError(
+                f"{self.path} has history schema {version}; this ds4desk understands up to {target}"
+            )
+        for step in range(version, target):
+            with self._tx() as conn:
+                MIGRATIONS[step](conn)
+                conn.execute(f"PRAGMA user_version = {step + 1}")  # pragmas take no parameters
+
+    @property
+    def user_version(self) -> int:
+        return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+
+    # ---- chats ----------------------------------------------------------------------------
+
+    def create_chat(self, title: str = "", model: str | None = None) -> Chat:
+        now = time.time()
+        with self._tx() as conn:
+            cur = conn.execute(
+                "INSERT INTO chats (title, created, updated, model) VALUES (?, ?, ?, ?)",
+                (title, now, now, model),
+            )
+        return Chat(int(cur.lastrowid or 0), title, now, now, model)
+
+    def get_chat(self, chat_id: int) -> Chat | None:
+        row = self._conn.execute("SELECT * FROM chats WHERE id = ?", (chat_id,)).fetchone()
+        return _chat(row) if row else None
+
+    def list_chats(self) -> list[Chat]:
+        """Most recently used first."""
+        rows = self._conn.execute("SELECT * FROM chats ORDER BY updated DESC, id DESC").fetchall()
+        return [_chat(row) for row in rows]
+
+    def rename_chat(self, chat_id: int, title: str) -> None:
+        with self._tx() as conn:
+            conn.execute("UPDATE chats SET title = ? WHERE id = ?", (title.strip(), chat_id))
+
+    def set_chat_model(self, chat_id: int, model: str | None) -> None:
+        with self._tx() as conn:
+            conn.execute("UPDATE chats SET model = ? WHERE id = ?", (model, chat_id))
+
+    def delete_chat(self, chat_id: int) -> None:
+        """Its messages go with it (ON DELETE CASCADE)."""
+        with self._tx() as conn:
+            conn.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+
+    # ---- messages -------------------------------------------------------------------------
+
+    def messages(self, chat_id: int) -> list[Message]:
+        rows = self._conn.execute(
+            "SELECT * FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)
+        ).fetchall()
+        return [_message(row) for row in rows]
+
+    def get_message(self, message_id: int) -> Message | None:
+        row = self._conn.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
+        return _message(row) if row else None
+
+    def add_message(
+        self,
+        chat_id: int,
+        role: str,
+        content: str = "",
+        *,
+        finished: bool = True,
+        stats: dict[str, Any] | None = None,
+    ) -> Message:
+        """The chat's first user message also becomes its title, unless it already has one."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        now = time.time()
+        with self._tx() as conn:
+            cur = conn.execute(
+                "INSERT INTO messages (chat_id, role, content, created, finished, stats)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, now, int(finished), _dump(stats)),
+            )
+            conn.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
+            if role == "user" and content.strip():
+                conn.execute(
+                    "UPDATE chats SET title = ? WHERE id = ? AND title = ''", (derive_title(content), chat_id)
+                )
+        return Message(int(cur.lastrowid or 0), chat_id, role, content, now, finished, stats)
+
+    def update_message(
+        self,
+        message_id: int,
+        *,
+        content: str | None = None,
+        finished: bool | None = None,
+        stats: dict[str, Any] | None = None,
+    ) -> None:
+        """Changes only what is given."""
+        sets: list[str] = []
+        values: list[object] = []
+        if content is not None:
+            sets.append("content = ?")
+            values.append(content)
+        if finished is not None:
+            sets.append("finished = ?")
+            values.append(int(finished))
+        if stats is not None:
+            sets.append("stats = ?")
+            values.append(_dump(stats))
+        if not sets:
+            return
+        with self._tx() as conn:
+            conn.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*values, message_id))
+
+    def streaming_writer(self, message_id: int, **kwargs: Any) -> StreamingWriter:
+        return StreamingWriter(self, message_id, **kwargs)
+
+
+class StreamingWriter:
+    """Keeps a growing answer's row current without a write per token batch.
+
+    Writes when `interval_s` has passed or `chars` characters arrived since the last write; `finish`
+    writes the final state. So a crash loses at most half a second of text.
+    """
+
+    def __init__(
+        self,
+        history: History,
+        message_id: int,
+        *,
+        interval_s: float = 0.5,
+        chars: int = 2000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._history = history
+        self.message_id = message_id
+        self._interval_s = interval_s
+        self._chars = chars
+        self._clock = clock
+        self._parts: list[str] = []
+        self._length = 0
+        self._written_length = 0
+        self._written_at = clock()
+        self.writes = 0
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def append(self, text: str) -> None:
+        if not text:
+            return
+        self._parts.append(text)
+        self._length += len(text)
+        due = self._clock() - self._written_at >= self._interval_s
+        if due or self._length - self._written_length >= self._chars:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._length == self._written_length:
+            return
+        self._write(content=self.text)
+
+    def finish(
+        self, *, finished: bool, stats: dict[str, Any] | None = None, content: str | None = None
+    ) -> None:
+        """`content` replaces what streamed (the engine's final text, say); stats are stored as given."""
+        if content is not None:
+            self._parts, self._length = [content], len(content)
+        self._write(content=self.text, finished=finished, stats=stats)
+
+    def _write(self, **changes: Any) -> None:
+        self._history.update_message(self.message_id, **changes)
+        self._written_length = self._length
+        self._written_at = self._clock()
+        self.writes += 1
+
+
+def _dump(stats: dict[str, Any] | None) -> str | None:
+    return json.dumps(stats) if stats is not None else None
+
+
+def _chat(row: sqlite3.Row) -> Chat:
+    return Chat(row["id"], row["title"], row["created"], row["updated"], row["model"])
+
+
+def _message(row: sqlite3.Row) -> Message:
+    stats: dict[str, Any] | None = None
+    if row["stats"]:
+        try:
+            loaded = json.loads(row["stats"])
+        except ValueError:
+            loaded = None  # a damaged stats blob must not hide the message itself
+        stats = loaded if isinstance(loaded, dict) else None
+    return Message(
+        row["id"], row["chat_id"], row["role"], row["content"], row["created"], bool(row["finished"]), stats
+    )

@@ -1,0 +1,140 @@
+"""Typed user settings, kept as JSON in the user config dir.
+
+A settings file is something people edit by hand and older versions wrote, so loading never fails:
+unknown keys are ignored and a value of the wrong type or range falls back to its default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ds4desk.engine.api import LoadRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+@dataclass(slots=True)
+class Settings:
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"; the engine resolves "auto"
+    dtype: str = "auto"  # "auto": float32 on the CPU, bfloat16 on a GPU
+    context: int = 4096
+    chunk: int = 512
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0  # 0: no top-k cut
+    max_new_tokens: int = 1024
+    last_model: str | None = None  # None: the embedded default model
+    system_prompt: str = ""
+
+    # ---- engine requests ------------------------------------------------------------------
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    def load_request(self, path: str | None = None, device: str | None = None) -> LoadRequest:
+        """`path`/`device` override the stored ones for this load only (the CLI's flags)."""
+        return LoadRequest(
+            path=path if path is not None else self.last_model,
+            device=device or self.device,
+            dtype=None if self.dtype == "auto" else self.dtype,
+            context=self.context,
+            chunk=self.chunk,
+        )
+
+    # ---- JSON -----------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: object) -> Settings:
+        settings = cls()
+        if not isinstance(data, dict):
+            log.warning("settings: expected a JSON object, using defaults")
+            return settings
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            value = _validated(f.name, data[f.name])
+            if value is _INVALID:
+                log.warning("settings: ignoring bad value for %s: %r", f.name, data[f.name])
+                continue
+            setattr(settings, f.name, value)
+        return settings
+
+    @classmethod
+    def load(cls, path: Path) -> Settings:
+        """Defaults when the file is missing, unreadable or garbage; never raises."""
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return cls()
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("settings: cannot read %s (%s), using defaults", path, exc)
+            return cls()
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            log.warning("settings: %s is not valid JSON (%s), using defaults", path, exc)
+            return cls()
+        return cls.from_json(data)
+
+    def save(self, path: Path) -> None:
+        """Atomic: a crash mid-write leaves the previous file, never half of the new one."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=".settings-", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(payload)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+_INVALID = object()
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a number
+
+
+def _validated(name: str, value: Any) -> Any:
+    """The value if it is acceptable for `name`, else _INVALID."""
+    match name:
+        case "device":
+            ok = isinstance(value, str) and bool(_DEVICE.match(value))
+        case "dtype":
+            ok = value in DTYPES
+        case "context" | "chunk" | "max_new_tokens":
+            ok = _is_int(value) and value > 0
+        case "top_k":
+            ok = _is_int(value) and value >= 0
+        case "temperature":
+            ok = (_is_int(value) or isinstance(value, float)) and 0.0 <= value <= 5.0
+            value = float(value) if ok else value
+        case "top_p":
+            ok = (_is_int(value) or isinstance(value, float)) and 0.0 < value <= 1.0
+            value = float(value) if ok else value
+        case "last_model":
+            ok = value is None or (isinstance(value, str) and value != "")
+        case "system_prompt":
+            ok = isinstance(value, str)
+        case _:
+            ok = False
+    return value if ok else _INVALID

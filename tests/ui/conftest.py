@@ -1,0 +1,81 @@
+"""UI tests run on the real Qt event loop through qasync, against FakeBackend and real SQLite."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before anything imports Qt
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import qasync
+from PySide6.QtWidgets import QApplication
+
+from ds4desk.history import History
+from ds4desk.settings import Settings
+from ds4desk.ui.main_window import MainWindow
+from tests.ui.fake_backend import FakeBackend
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+def loop(qapp: QApplication) -> Iterator[qasync.QEventLoop]:
+    """A qasync loop over pytest-qt's QApplication, the current asyncio loop for the test."""
+    event_loop = qasync.QEventLoop(qapp)
+    asyncio.set_event_loop(event_loop)
+    yield event_loop
+    pending = [task for task in asyncio.all_tasks(event_loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        event_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    event_loop.close()
+    asyncio.set_event_loop(None)
+
+
+@pytest.fixture
+def run(loop: qasync.QEventLoop) -> Callable[[Coroutine[Any, Any, T]], T]:
+    """run(coro): drive the Qt + asyncio loop until the coroutine is done."""
+    return loop.run_until_complete
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "history.sqlite3"
+
+
+WindowFactory = Callable[..., MainWindow]
+
+
+@pytest.fixture
+def make_window(qtbot: Any, loop: qasync.QEventLoop, db_path: Path) -> Iterator[WindowFactory]:
+    """make_window(backend=None, load=True): a shown MainWindow on `db_path`, model loaded."""
+    histories: list[History] = []
+    windows: list[MainWindow] = []
+
+    def make(
+        backend: FakeBackend | None = None, *, load: bool = True, settings: Settings | None = None
+    ) -> MainWindow:
+        history = History(db_path)
+        histories.append(history)
+        window = MainWindow(backend or FakeBackend(), history, settings or Settings())
+        window.chat_view.render_interval_ms = 0  # render every batch, so tests can see each step
+        windows.append(window)  # closed here, not by qtbot.addWidget: that runs before fixture teardown
+        window.show()
+        qtbot.waitExposed(window)
+        if load:
+            loop.run_until_complete(window.load_model())
+        return window
+
+    yield make
+    for window in windows:  # close first: closeEvent saves a still-streaming answer
+        window.close()
+        loop.run_until_complete(window.wait_idle())
+        window.deleteLater()
+    for history in histories:
+        history.close()

@@ -1,0 +1,83 @@
+"""Settings load/save: round trip, and garbage never stops the app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds4desk.settings import Settings
+
+
+def test_defaults() -> None:
+    settings = Settings()
+    assert (settings.device, settings.context, settings.chunk) == ("auto", 4096, 512)
+    assert (settings.temperature, settings.top_p, settings.top_k) == (0.7, 0.95, 0)
+    assert settings.max_new_tokens == 1024 and settings.last_model is None
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "config" / "settings.json"
+    saved = Settings(
+        device="cuda:1",
+        dtype="bfloat16",
+        temperature=0.2,
+        top_k=40,
+        last_model="/m/qwen",
+        system_prompt="Be brief.",
+    )
+    saved.save(path)
+    assert Settings.load(path) == saved
+    assert [p.name for p in path.parent.iterdir()] == ["settings.json"]  # no temp file left behind
+
+
+def test_missing_file_gives_defaults(tmp_path: Path) -> None:
+    assert Settings.load(tmp_path / "nope.json") == Settings()
+
+
+@pytest.mark.parametrize("garbage", [b"{not json", b"\xff\xfe\x00", b"[1, 2, 3]", b"null", b""])
+def test_garbage_file_gives_defaults(tmp_path: Path, garbage: bytes) -> None:
+    path = tmp_path / "settings.json"
+    path.write_bytes(garbage)
+    assert Settings.load(path) == Settings()
+
+
+def test_bad_values_fall_back_one_by_one(tmp_path: Path) -> None:
+    path = tmp_path / "settings.json"
+    path.write_text(
+        json.dumps(
+            {
+                "device": "tpu",
+                "dtype": "int3",
+                "context": -5,
+                "chunk": "big",
+                "temperature": 0.3,  # good: kept
+                "top_p": 7,
+                "top_k": True,
+                "max_new_tokens": 256,  # good: kept
+                "last_model": 42,
+                "system_prompt": ["x"],
+                "from_a_future_version": {"a": 1},
+            }
+        )
+    )
+    loaded = Settings.load(path)
+    assert loaded == Settings(temperature=0.3, max_new_tokens=256)
+
+
+def test_requests_from_settings() -> None:
+    settings = Settings(
+        device="cpu", dtype="auto", context=2048, chunk=64, last_model="/m/a", temperature=0.0
+    )
+    request = settings.load_request()
+    assert (request.path, request.device, request.dtype, request.context, request.chunk) == (
+        "/m/a",
+        "cpu",
+        None,
+        2048,
+        64,
+    )
+    override = settings.load_request("/m/b", "cuda:0")
+    assert (override.path, override.device) == ("/m/b", "cuda:0")
+    assert settings.sampling().greedy
