@@ -120,9 +120,9 @@ def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
         print()
         stats = result.stats
         print(
-            f"[{result.finish_reason}] {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated; "
-            f"first token {stats.time_to_first_token_s * 1000:.0f} ms, prefill {stats.prefill_tok_s:.1f} tok/s, "
-            f"decode {stats.decode_tok_s:.1f} tok/s",
+            f"[{result.finish_reason}] {stats.prompt_tokens} prompt tokens, "
+            f"{stats.generated_tokens} generated; first token {stats.time_to_first_token_s * 1000:.0f} ms, "
+            f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s",
             file=sys.stderr,
         )
         if result.error:
