@@ -18,6 +18,7 @@ from ds4desk.engine import (
     LoadRequest,
     TextDelta,
 )
+from ds4desk.engine.client import _DeltaBatcher
 
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
@@ -135,4 +136,31 @@ def test_client_batches_deltas_on_the_loop(engine: Engine) -> None:
     assert loop_threads == {threading.get_ident()}  # delivered on the loop's thread
     assert [t for d in deltas for t in d.tokens] == result.tokens
     assert "".join(d.text for d in deltas) == result.text
-    assert len(deltas) < len(result.tokens)  # batched, not one callback per token
+
+
+def test_batcher_delivers_at_most_its_rate() -> None:
+    """A burst of tokens from another thread reaches the loop in a few batches, in order, complete."""
+    rate = 40.0
+    deltas: list[TextDelta] = []
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        batcher = _DeltaBatcher(loop, 1, deltas.append, 1 / rate)
+        started = loop.time()
+
+        def produce() -> None:
+            for token in range(500):
+                batcher.push(token, f"<{token}>")
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        while producer.is_alive():
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.1)
+        batcher.flush()
+        return loop.time() - started
+
+    elapsed = asyncio.run(run())
+    assert [t for d in deltas for t in d.tokens] == list(range(500))
+    assert "".join(d.text for d in deltas) == "".join(f"<{t}>" for t in range(500))
+    assert len(deltas) <= 2 + elapsed * rate  # never one callback per token
