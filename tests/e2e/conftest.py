@@ -1,0 +1,1 @@
+from tests.ui.conftest import loop, run  # noqa: F401 - the qasync loop fixtures, shared
