@@ -1,0 +1,333 @@
+"""Work out what a path the user dropped is, and check it enough to give a clear error up front.
+
+Accepted: a Hugging Face model folder (config.json + safetensors + tokenizer files), a file inside
+one (config.json, a .safetensors shard), or a single .gguf file, which is imported into a folder in
+the cache first. Tensor shapes are not checked against the architecture here; the model registry
+does that when it builds the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.loading.gguf_header import GGUF_MAGIC
+from ds4desk.engine.loading.gguf_import import import_gguf
+from ds4desk.engine.loading.safetensors_header import read_safetensors_header
+from ds4desk.engine.loading.source import ModelSource, TensorEntry
+
+# Architecture (as config.json names it) -> the family name the engine uses.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Files of a HF folder that a user may drop instead of the folder itself.
+FOLDER_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MAX_TEMPLATE_BYTES = 4 * 1024 * 1024
+
+
+def _fail(message: str) -> EngineFailure:
+    return EngineFailure(ErrorCode.LOAD_FAILED, message)
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def inspect_model(path: Path, cache_dir: Path) -> ModelSource:
+    """What `path` is, as a loadable folder; LOAD_FAILED with a human message for anything else."""
+    path = Path(path).expanduser()
+    try:
+        exists, is_dir, is_file = path.exists(), path.is_dir(), path.is_file()
+    except OSError as exc:
+        raise _fail(f"cannot look at {path}: {exc.strerror or exc}") from exc
+    if not exists:
+        raise _fail(f"{path} does not exist")
+    if is_dir:
+        return inspect_folder(path)
+    if not is_file:
+        raise _fail(f"{path} is not a model: expected a folder with config.json or a .gguf file")
+    if _is_gguf(path):
+        return _inspect_gguf(path, Path(cache_dir))
+    if path.suffix == ".safetensors" or path.name in FOLDER_FILES:
+        return inspect_folder(path.parent)
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise _fail(
+            f"{path.name} is a PyTorch pickle file; ds4desk does not load pickle files because opening "
+            "one can run arbitrary code. Use the model's safetensors or GGUF version instead"
+        )
+    raise _fail(f"{path.name} is not a model: expected a folder with config.json or a .gguf file")
+
+
+def _inspect_gguf(path: Path, cache_dir: Path) -> ModelSource:
+    folder = import_gguf(path, cache_dir)
+    try:
+        source = inspect_folder(folder)
+    except EngineFailure:
+        # A cached import damaged after the fact (disk trouble, a hand edit): convert once more.
+        shutil.rmtree(folder, ignore_errors=True)
+        source = inspect_folder(import_gguf(path, cache_dir))
+    source.origin = path
+    return source
+
+
+def inspect_folder(folder: Path) -> ModelSource:
+    config = read_config(folder)
+    architecture = config["architectures"][0]
+    tensors = read_weight_headers(folder)
+    tokenizer = folder / "tokenizer.json"
+    return ModelSource(
+        folder=folder,
+        origin=folder,
+        config=config,
+        architecture=architecture,
+        tensors=tensors,
+        tokenizer_file=tokenizer if tokenizer.is_file() else None,
+        chat_template=find_chat_template(folder),
+    )
+
+
+def _read_json_object(path: Path, what: str) -> dict[str, Any]:
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise _fail(f"{path} is implausibly large for {what}")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except EngineFailure:
+        raise
+    except OSError as exc:
+        raise _fail(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise _fail(f"{path} is not text, so it is not valid JSON") from None
+    except (ValueError, RecursionError) as exc:
+        raise _fail(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise _fail(f"{path} does not hold a JSON object")
+    return data
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        hint = ""
+        ggufs = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+        if ggufs:
+            hint = f"; it holds {ggufs[0].name}: open that file instead"
+        raise _fail(f"no config.json in {folder}: not a Hugging Face model folder{hint}")
+    config = _read_json_object(path, "a model config")
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise _fail(f"{path} names no architecture (its 'architectures' list is missing or empty)")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise _fail(f"unknown architecture '{archs[0]}'; ds4desk runs: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def read_weight_headers(folder: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the folder's safetensors files, from their (checked) headers."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return _read_sharded(folder, index)
+    single = folder / "model.safetensors"
+    if single.is_file():
+        tensors = read_safetensors_header(single)
+    else:
+        files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+        if not files:
+            pickles = sorted(p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+            if pickles:
+                raise _fail(
+                    f"{folder} has only PyTorch pickle weights ({pickles[0]}); ds4desk refuses .bin/.pt "
+                    "files because loading pickle can run arbitrary code. Use a safetensors version"
+                )
+            raise _fail(f"no .safetensors weights in {folder}")
+        tensors = {}
+        for file in files:
+            for name, entry in read_safetensors_header(file).items():
+                if name in tensors:
+                    raise _fail(f"tensor '{name}' is in both {tensors[name].file.name} and {file.name}")
+                tensors[name] = entry
+    if not tensors:
+        raise _fail(f"the safetensors files in {folder} hold no tensors")
+    return tensors
+
+
+def _read_sharded(folder: Path, index: Path) -> dict[str, TensorEntry]:
+    weight_map = _read_json_object(index, "a shard index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise _fail(f"{index} has no 'weight_map'")
+    headers: dict[str, dict[str, TensorEntry]] = {}
+    tensors: dict[str, TensorEntry] = {}
+    for name, file in weight_map.items():
+        # Shards sit beside the index; a path elsewhere would let a model folder read any file.
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise _fail(f"{index.name} maps '{name}' to {file!r}, which is not a file name in {folder}")
+        if file not in headers:
+            shard = folder / file
+            if not shard.is_file():
+                raise _fail(f"{index.name} lists {file}, which is missing from {folder}")
+            headers[file] = read_safetensors_header(shard)
+        entry = headers[file].get(name)
+        if entry is None:
+            raise _fail(f"{index.name} puts tensor '{name}' in {file}, but {file} does not contain it")
+        tensors[name] = entry
+    return tensors
+
+
+def _read_template_file(path: Path) -> str:
+    try:
+        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise _fail(f"{path} is implausibly large for a chat template")
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise _fail(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise _fail(f"{path} is not UTF-8 text") from None
+
+
+def _template_value(value: object) -> str | None:
+    if isinstance(value, str) and value.strip():
+        return value
+    # Some tokenizer_configs hold several named templates; the plain chat one is "default".
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default", next(iter(named.values()), None))
+        return chosen if isinstance(chosen, str) and chosen.strip() else None
+    return None
+
+
+def find_chat_template(folder: Path) -> str | None:
+    """The chat template, looked up where transformers writes it (newest convention first)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        text = _read_template_file(jinja)
+        return text if text.strip() else None
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = folder / name
+        if path.is_file():
+            template = _template_value(_read_json_object(path, "tokenizer settings").get("chat_template"))
+            if template is not None:
+                return template
+    return None
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = config.get(key)
+        if type(value) is int and value > 0:
+            return value
+    return None
+
+
+@dataclass(slots=True)
+class ModelReport:
+    """What `ds4desk check PATH` prints."""
+
+    path: Path  # what the user pointed at
+    folder: Path  # the HF folder (in the cache for a GGUF)
+    family: str
+    architecture: str
+    parameters: int
+    dtype: str  # the dtype most parameters are stored in
+    weight_bytes: int
+    tensor_count: int
+    tokenizer: str
+    has_chat_template: bool
+    context_length: int | None
+    dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> parameters stored in it
+
+    def describe(self) -> str:
+        source = str(self.path)
+        if self.folder != self.path:
+            source += f" (imported to {self.folder})"
+        dtypes = ", ".join(f"{d} {_count(n)}" for d, n in sorted(self.dtypes.items(), key=lambda kv: -kv[1]))
+        lines = [
+            f"model:         {source}",
+            f"architecture:  {self.architecture} ({self.family} family)",
+            f"parameters:    {_count(self.parameters)} in {self.tensor_count} tensors",
+            f"weights:       {self.dtype}, {_size(self.weight_bytes)}"
+            + (f" ({dtypes})" if len(self.dtypes) > 1 else ""),
+            f"tokenizer:     {self.tokenizer}",
+            f"chat template: {'yes' if self.has_chat_template else 'no'}",
+            f"context:       {self.context_length if self.context_length else 'unknown'} tokens",
+        ]
+        return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def check_model(path: Path, cache_dir: Path) -> ModelReport:
+    """Inspect `path` fully (including its tokenizer and template) without loading any weights."""
+    from ds4desk.engine.tokenizer import ChatTokenizer  # tokenizers is only needed by `check`
+
+    source = inspect_model(path, cache_dir)
+    per_dtype: Counter[str] = Counter()
+    weight_bytes = 0
+    for entry in source.tensors.values():
+        per_dtype[entry.dtype] += math.prod(entry.shape)
+        weight_bytes += entry.end - entry.begin
+    if source.tokenizer_file is None:
+        tokenizer = "none (no tokenizer.json)"
+    else:
+        tokenizer = ChatTokenizer.from_folder(source.folder, source.chat_template).describe()
+    return ModelReport(
+        path=source.origin,
+        folder=source.folder,
+        family=SUPPORTED_ARCHITECTURES[source.architecture],
+        architecture=source.architecture,
+        parameters=sum(per_dtype.values()),
+        dtype=per_dtype.most_common(1)[0][0],
+        weight_bytes=weight_bytes,
+        tensor_count=len(source.tensors),
+        tokenizer=tokenizer,
+        has_chat_template=source.chat_template is not None,
+        context_length=context_length(source.config),
+        dtypes=dict(per_dtype),
+    )
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "ModelReport",
+    "check_model",
+    "inspect_folder",
+    "inspect_model",
+]

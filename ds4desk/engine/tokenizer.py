@@ -1,0 +1,227 @@
+"""Text <-> token ids for a loaded model, its chat template, and streaming detokenization.
+
+The template itself renders in a sandbox (chat_template.py); a model without one gets a plain
+"User: ... / Assistant:" transcript.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.chat_template import ChatTemplate
+
+MAX_TOKENIZER_BYTES = 512 * 1024 * 1024
+MAX_JSON_BYTES = 32 * 1024 * 1024
+# End-of-turn markers of common chat formats; a model stops on whichever of these its vocabulary
+# has as a special token, besides the eos its config names.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "</s>",
+    "<｜end▁of▁sentence｜>",
+)
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A small JSON object file, or {} when absent; LOAD_FAILED when present but unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise EngineFailure(ErrorCode.LOAD_FAILED, f"{path} is implausibly large for a settings file")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except EngineFailure:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise EngineFailure(ErrorCode.LOAD_FAILED, f"{path} is not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise EngineFailure(ErrorCode.LOAD_FAILED, f"{path} does not hold a JSON object")
+    return data
+
+
+def _token_text(value: object) -> str | None:
+    # tokenizer_config writes special tokens either as a string or as {"content": "...", ...}.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _ids(value: object) -> list[int]:
+    if type(value) is int:
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if type(v) is int]
+    return []
+
+
+@dataclass(slots=True)
+class ChatTokenizer:
+    tokenizer: Tokenizer
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... -> text
+    stop_ids: set[int] = field(default_factory=set)
+    add_bos_token: bool = False
+    template: ChatTemplate | None = None
+
+    @classmethod
+    def from_folder(cls, folder: Path, chat_template: str | None) -> ChatTokenizer:
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise EngineFailure(
+                ErrorCode.LOAD_FAILED,
+                f"no tokenizer.json in {folder}: ds4desk needs a fast-tokenizer file next to the weights",
+            )
+        try:
+            if path.stat().st_size > MAX_TOKENIZER_BYTES:
+                raise EngineFailure(ErrorCode.LOAD_FAILED, f"{path} is implausibly large")
+            tok = Tokenizer.from_file(str(path))
+        except EngineFailure:
+            raise
+        except Exception as exc:  # tokenizers raises plain Exception subclasses for bad JSON
+            raise EngineFailure(
+                ErrorCode.LOAD_FAILED, f"{path} cannot be read as a tokenizer ({exc})"
+            ) from exc
+
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        special = {
+            name: text
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (text := _token_text(tok_config.get(name))) is not None
+        }
+        self = cls(
+            tokenizer=tok,
+            chat_template=chat_template,
+            special_tokens=special,
+            add_bos_token=tok_config.get("add_bos_token") is True,
+        )
+        self.stop_ids = self._find_stop_ids(folder)
+        if chat_template is not None:
+            # A template that does not compile is reported per request (BAD_REQUEST), not at load:
+            # raw-text and token prompts still work with it.
+            self.template = ChatTemplate(chat_template)
+        return self
+
+    def _find_stop_ids(self, folder: Path) -> set[int]:
+        stops: set[int] = set()
+        for name in ("config.json", "generation_config.json"):
+            # A broken side file must not make the tokenizer unusable; config is checked elsewhere.
+            with contextlib.suppress(EngineFailure):
+                stops.update(_ids(_read_json(folder / name).get("eos_token_id")))
+        eos = self.special_tokens.get("eos_token")
+        if eos is not None and (eos_id := self.tokenizer.token_to_id(eos)) is not None:
+            stops.add(eos_id)
+        special = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        stops.update(special[t] for t in END_OF_TURN_TOKENS if t in special)
+        vocab = self.vocab_size
+        return {i for i in stops if 0 <= i < vocab}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` as written: special tokens spelled in it are recognised, none are added."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for a conversation; BAD_REQUEST when the template fails or misbehaves."""
+        if self.template is None:
+            return _plain_prompt(messages, add_generation_prompt)
+        context: dict[str, Any] = {"tools": None, "documents": None, **(variables or {})}
+        context.update(self.special_tokens)
+        context["messages"] = messages
+        context["add_generation_prompt"] = add_generation_prompt
+        return self.template.render(context)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        ids = self.encode(self.render_chat(messages, add_generation_prompt))
+        # Real templates spell the BOS token themselves; the plain fallback does not.
+        bos = self.special_tokens.get("bos_token")
+        bos_id = self.token_id(bos) if bos is not None else None
+        if self.template is None and self.add_bos_token and bos_id is not None and ids[:1] != [bos_id]:
+            ids.insert(0, bos_id)
+        return ids
+
+    def describe(self) -> str:
+        model = type(self.tokenizer.model).__name__
+        text = f"{model}, {self.vocab_size} tokens"
+        if self.template is None:
+            text += "; no chat template (plain 'User:/Assistant:' prompt)"
+        elif not self.template.ok:
+            text += "; chat template is broken"
+        return text
+
+
+def _plain_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """For models without a template (base models): a neutral transcript the model can continue."""
+    lines = [f"{str(m.get('role', 'user')).capitalize()}: {m.get('content', '')}" for m in messages]
+    if add_generation_prompt:
+        lines.append("Assistant:")
+    return "\n".join(lines)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces that never split a character.
+
+    Byte-level BPE and SentencePiece byte-fallback both emit one UTF-8 byte per token for rare
+    characters, and SentencePiece drops a word's leading space when it is decoded alone. So we
+    decode a short window (from the last emitted boundary) and emit only what grew past the part
+    already sent, holding back while the window's tail is an incomplete character (U+FFFD).
+    """
+
+    __slots__ = ("_ids", "_prefix", "_read", "_tok")
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are already emitted as text
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        window = self._ids[self._prefix :]
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(window)
+        if text.endswith(REPLACEMENT_CHAR) or len(text) <= len(before) or not text.startswith(before):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character shows as U+FFFD)."""
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(before) :] if text.startswith(before) else text
