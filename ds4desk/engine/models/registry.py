@@ -1,0 +1,151 @@
+"""Which architectures ds4desk runs, and loading one from a ModelSource onto a device.
+
+The module is built on the meta device (no memory), every expected tensor is checked against the
+checkpoint's header before a byte is read, then the parameters get real storage and each tensor
+is copied straight from the mmapped file into its parameter: the model never exists twice.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.loading.source import ModelSource
+from ds4desk.engine.models.llama import DENSE_ARCHITECTURES, DenseConfig, DenseModel, LogitsMode
+
+
+class CausalLM(Protocol):
+    """What the runtime and the loader need from a model (DenseModel is one)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def context(self) -> int: ...
+
+    def materialize(self, device: torch.device) -> None: ...
+
+    def finish_loading(self) -> None: ...
+
+    def allocate_cache(self, context: int) -> None: ...
+
+    def free_cache(self) -> None: ...
+
+    def forward(
+        self, input_ids: torch.Tensor, start_pos: int, logits: LogitsMode = "last"
+    ) -> torch.Tensor | None: ...
+
+    def named_parameters(self) -> Any: ...
+
+    def named_buffers(self) -> Any: ...
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: DenseModel
+    family: str
+    parameters: int
+    weight_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class _Family:
+    name: str
+    build: Callable[[dict[str, Any], torch.dtype], DenseModel]
+
+
+def _dense_builder(family: str) -> Callable[[dict[str, Any], torch.dtype], DenseModel]:
+    def build(config: dict[str, Any], dtype: torch.dtype) -> DenseModel:
+        return DenseModel(DenseConfig.from_hf(config, family), dtype)
+
+    return build
+
+
+ARCHITECTURES: dict[str, _Family] = {
+    arch: _Family(family, _dense_builder(family)) for arch, family in DENSE_ARCHITECTURES.items()
+}
+
+# safetensors dtypes that are plain floating point; anything else needs a dequantising path.
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+def _fail(detail: str) -> EngineFailure:
+    return EngineFailure(ErrorCode.LOAD_FAILED, detail)
+
+
+def family_for(architecture: str) -> str:
+    """Our family name for a config's architectures[0]; LOAD_FAILED when we don't run it."""
+    entry = ARCHITECTURES.get(architecture)
+    if entry is None:
+        raise _fail(f"unknown architecture '{architecture}'; ds4desk runs: {', '.join(ARCHITECTURES)}")
+    return entry.name
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Build the model for `source` and fill it from its safetensors files on `device` in `dtype`."""
+    family = family_for(source.architecture)
+    builder = ARCHITECTURES[source.architecture].build
+    with torch.device("meta"):
+        model = builder(source.config, dtype)
+
+    # Everything that can be checked from headers is checked before any memory is taken.
+    expected = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, meta in expected.items():
+        entry = source.tensors.get(name)
+        if entry is None:
+            raise _fail(f"checkpoint has no tensor '{name}'")
+        if tuple(entry.shape) != tuple(meta.shape):
+            raise _fail(f"tensor {name} has shape {list(entry.shape)}, config says {list(meta.shape)}")
+        if entry.dtype not in _FLOAT_DTYPES:
+            raise _fail(f"tensor {name} has dtype {entry.dtype}; this family loads {sorted(_FLOAT_DTYPES)}")
+        by_file[Path(entry.file)].append(name)
+
+    try:
+        model.materialize(device)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for file, names in by_file.items():
+                _copy_from_file(file, names, params)
+        model.finish_loading()
+    except torch.OutOfMemoryError as exc:
+        raise EngineFailure(ErrorCode.OUT_OF_MEMORY, f"loading the weights onto {device}: {exc}") from exc
+
+    left = [name for name, t in _tensors(model) if t.is_meta]
+    if left:
+        raise _fail(f"internal: tensors left on the meta device after loading: {', '.join(left[:5])}")
+
+    unique = {id(p): p for _, p in model.named_parameters()}.values()
+    return LoadedModel(
+        model=model,
+        family=family,
+        parameters=sum(p.numel() for p in unique),
+        weight_bytes=sum(p.numel() * p.element_size() for p in unique),
+    )
+
+
+def _copy_from_file(file: Path, names: list[str], params: dict[str, nn.Parameter]) -> None:
+    try:
+        # safe_open mmaps the file: get_tensor reads one tensor, which copy_ converts to the
+        # parameter's device and dtype; only one tensor is ever held twice.
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in names:
+                params[name].copy_(handle.get_tensor(name))
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, RuntimeError, ValueError, TypeError) as exc:
+        raise _fail(f"reading {file.name}: {exc}") from exc
+    except Exception as exc:  # safetensors raises its own SafetensorError type
+        raise _fail(f"reading {file.name}: {type(exc).__name__}: {exc}") from exc
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
