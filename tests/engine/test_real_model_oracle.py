@@ -81,10 +81,18 @@ def test_float32_cpu_matches_transformers(
     assert result.logprobs == pytest.approx(logprobs, abs=1e-3)
 
 
+def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The reference's float32 log-probabilities [len(tokens), V] along our own sequence."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_bfloat16_gpu_against_float32_reference(model_cache: Path, reference: torch.nn.Module) -> None:
-    """bf16 rounding may flip a near-tie late in a sequence; the start must agree and the
-    log-probabilities of the agreed prefix stay within bf16 accuracy."""
+    """bf16 rounds differently from float32, so greedy paths may part at a near-tie. Along our own
+    sequence the reference says, at every step: our log-probability is within bf16 accuracy of its
+    float32 one, and where our greedy choice is not its argmax the two were nearly tied."""
     for engine in engine_on(model_cache, "cuda", "bfloat16"):
         for prompt_text in PROMPTS:
             result = engine.generate(
@@ -95,13 +103,15 @@ def test_bfloat16_gpu_against_float32_reference(model_cache: Path, reference: to
                 )
             )
             assert result.ok, result.error
-            greedy, logprobs = reference_run(reference, result.prompt_tokens, result.tokens)
-            agree = next(
-                (i for i, (a, b) in enumerate(zip(result.tokens, greedy, strict=True)) if a != b), NEW_TOKENS
-            )
-            worst = max(abs(a - b) for a, b in zip(result.logprobs[:agree], logprobs[:agree], strict=True))
+            ref = teacher_forced(reference, result.prompt_tokens, result.tokens)
+            ours = torch.tensor(result.tokens)
+            ref_of_ours = ref.gather(1, ours[:, None])[:, 0]
+            gap = (torch.tensor(result.logprobs) - ref_of_ours).abs()
+            margin = ref.max(dim=-1).values - ref_of_ours  # 0 where we chose its argmax
+            parted = int((margin > 0).sum())
             print(
-                f"bf16 cuda: {prompt_text!r}: {agree}/{NEW_TOKENS} tokens agree, max |dlogprob| {worst:.4f}"
+                f"bf16 cuda {prompt_text!r}: max |dlogprob| {float(gap.max()):.4f}, "
+                f"{parted}/{NEW_TOKENS} steps off the f32 argmax (largest margin {float(margin.max()):.4f})"
             )
-            assert agree >= 8
-            assert worst < 0.15
+            assert float(gap.max()) < 0.15
+            assert float(margin.max()) < 0.15
