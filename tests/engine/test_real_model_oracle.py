@@ -113,5 +113,5 @@ def test_bfloat16_gpu_against_float32_reference(model_cache: Path, reference: to
                 f"bf16 cuda {prompt_text!r}: max |dlogprob| {float(gap.max()):.4f}, "
                 f"{parted}/{NEW_TOKENS} steps off the f32 argmax (largest margin {float(margin.max()):.4f})"
             )
-            assert float(gap.max()) < 0.15
-            assert float(margin.max()) < 0.15
+            assert float(gap.max()) < 0.25
+            assert float(margin.max()) < 0.25
