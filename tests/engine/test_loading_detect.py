@@ -14,16 +14,37 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.loading.detect import SUPPORTED_ARCHITECTURES, check_model, inspect_model
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "max_position_embeddings": 256}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8,
+    "intermediate_size": 4,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 16,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 256,
+}
 TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 
 
 def _tensors() -> dict[str, np.ndarray]:
-    return {
-        "model.embed_tokens.weight": np.zeros((16, 8), dtype=np.float32),
-        "model.norm.weight": np.ones(8, dtype=np.float32),
-        "model.layers.0.mlp.up_proj.weight": np.zeros((4, 8), dtype=np.float16),
+    """Every tensor of CONFIG's one-layer llama, up_proj in float16 to have two dtypes."""
+    shapes = {
+        "model.embed_tokens.weight": (16, 8),
+        "model.norm.weight": (8,),
+        "model.layers.0.input_layernorm.weight": (8,),
+        "model.layers.0.post_attention_layernorm.weight": (8,),
+        "model.layers.0.self_attn.q_proj.weight": (8, 8),
+        "model.layers.0.self_attn.k_proj.weight": (4, 8),
+        "model.layers.0.self_attn.v_proj.weight": (4, 8),
+        "model.layers.0.self_attn.o_proj.weight": (8, 8),
+        "model.layers.0.mlp.gate_proj.weight": (4, 8),
+        "model.layers.0.mlp.down_proj.weight": (8, 4),
     }
+    tensors = {name: np.full(shape, 0.5, dtype=np.float32) for name, shape in shapes.items()}
+    tensors["model.layers.0.mlp.up_proj.weight"] = np.full((4, 8), 0.5, dtype=np.float16)
+    return tensors
 
 
 def make_folder(root: Path, *, config: object = CONFIG, weights: bool = True, tokenizer: bool = True) -> Path:
@@ -189,13 +210,21 @@ def test_check_model_report_for_a_folder(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "m")
     report = check_model(folder, tmp_path / "cache")
     assert (report.family, report.architecture) == ("llama", "LlamaForCausalLM")
-    assert report.parameters == 16 * 8 + 8 + 4 * 8 and report.tensor_count == 3
-    assert report.dtype == "F32" and report.dtypes == {"F32": 136, "F16": 32}
-    assert report.weight_bytes == 136 * 4 + 32 * 2
+    assert report.parameters == 440 and report.tensor_count == 11
+    assert report.dtype == "F32" and report.dtypes == {"F32": 408, "F16": 32}
+    assert report.weight_bytes == 408 * 4 + 32 * 2
     assert report.tokenizer == "WordLevel, 3 tokens" and report.has_chat_template
     assert report.context_length == 256
     text = report.describe()
     assert "LlamaForCausalLM (llama family)" in text and "context:       256 tokens" in text
+
+
+def test_check_model_compares_shapes_with_the_config(tmp_path: Path) -> None:
+    folder = make_folder(tmp_path / "m", config={**CONFIG, "hidden_size": 12})
+    with pytest.raises(EngineFailure) as exc:
+        check_model(folder, tmp_path / "cache")
+    assert exc.value.error.code == ErrorCode.LOAD_FAILED
+    assert "model.embed_tokens.weight has shape [16, 8], config says [16, 12]" in exc.value.error.detail
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 Accepted: a Hugging Face model folder (config.json + safetensors + tokenizer files), a file inside
 one (config.json, a .safetensors shard), or a single .gguf file, which is imported into a folder in
-the cache first. Tensor shapes are not checked against the architecture here; the model registry
-does that when it builds the model.
+the cache first. Tensor shapes are checked against the architecture by the model registry
+(`check_model` asks it; loading does too).
 """
 
 from __future__ import annotations
@@ -21,14 +21,9 @@ from ds4desk.engine.loading.gguf_header import GGUF_MAGIC
 from ds4desk.engine.loading.gguf_import import import_gguf
 from ds4desk.engine.loading.safetensors_header import read_safetensors_header
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
+from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
 
-# Architecture (as config.json names it) -> the family name the engine uses.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+SUPPORTED_ARCHITECTURES = ARCHITECTURE_FAMILIES
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files of a HF folder that a user may drop instead of the folder itself.
 FOLDER_FILES = frozenset(
@@ -295,10 +290,13 @@ def _size(n: int) -> str:
 
 
 def check_model(path: Path, cache_dir: Path) -> ModelReport:
-    """Inspect `path` fully (including its tokenizer and template) without loading any weights."""
-    from ds4desk.engine.tokenizer import ChatTokenizer  # tokenizers is only needed by `check`
+    """Inspect `path` fully (tokenizer, template, every tensor's name and shape against the
+    architecture) without loading any weights."""
+    from ds4desk.engine.models.registry import check_tensors  # torch: only `check` needs it here
+    from ds4desk.engine.tokenizer import ChatTokenizer
 
     source = inspect_model(path, cache_dir)
+    check_tensors(source)
     per_dtype: Counter[str] = Counter()
     weight_bytes = 0
     for entry in source.tensors.values():

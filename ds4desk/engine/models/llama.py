@@ -27,16 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
 
 LogitsMode = Literal["none", "last", "all"]
 
 # Hugging Face architecture name -> our family name. The registry builds its table from this.
-DENSE_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+DENSE_ARCHITECTURES = ARCHITECTURE_FAMILIES
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 

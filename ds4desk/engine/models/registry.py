@@ -89,17 +89,17 @@ def family_for(architecture: str) -> str:
     return entry.name
 
 
-def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Build the model for `source` and fill it from its safetensors files on `device` in `dtype`."""
-    family = family_for(source.architecture)
-    builder = ARCHITECTURES[source.architecture].build
+def check_tensors(
+    source: ModelSource, dtype: torch.dtype = torch.float32
+) -> tuple[DenseModel, dict[Path, list[str]]]:
+    """Build `source`'s model on the meta device and check every tensor it needs against the
+    headers (name, shape, dtype) before any memory is taken. Returns the meta model and, per file,
+    the names to read from it."""
+    family_for(source.architecture)  # a clear error for an architecture we don't run
     with torch.device("meta"):
-        model = builder(source.config, dtype)
-
-    # Everything that can be checked from headers is checked before any memory is taken.
-    expected = dict(model.named_parameters())
+        model = ARCHITECTURES[source.architecture].build(source.config, dtype)
     by_file: dict[Path, list[str]] = defaultdict(list)
-    for name, meta in expected.items():
+    for name, meta in model.named_parameters():
         entry = source.tensors.get(name)
         if entry is None:
             raise _fail(f"checkpoint has no tensor '{name}'")
@@ -108,6 +108,13 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) ->
         if entry.dtype not in _FLOAT_DTYPES:
             raise _fail(f"tensor {name} has dtype {entry.dtype}; this family loads {sorted(_FLOAT_DTYPES)}")
         by_file[Path(entry.file)].append(name)
+    return model, by_file
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Build the model for `source` and fill it from its safetensors files on `device` in `dtype`."""
+    family = family_for(source.architecture)
+    model, by_file = check_tensors(source, dtype)
 
     try:
         model.materialize(device)

@@ -1,0 +1,9 @@
+"""Which architectures ds4desk runs: torch-free, so detection and `check` can ask cheaply."""
+
+# Architecture (as config.json names it) -> the family name the engine uses.
+ARCHITECTURE_FAMILIES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
