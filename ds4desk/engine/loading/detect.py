@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.loading import deepseek_v4_names
 from ds4desk.engine.loading.gguf_header import GGUF_MAGIC
 from ds4desk.engine.loading.gguf_import import import_gguf
 from ds4desk.engine.loading.safetensors_header import read_safetensors_header
@@ -97,6 +98,9 @@ def inspect_folder(folder: Path) -> ModelSource:
     config = read_config(folder)
     architecture = config["architectures"][0]
     tensors = read_weight_headers(folder)
+    if architecture == deepseek_v4_names.ARCHITECTURE and deepseek_v4_names.is_official_layout(tensors):
+        # DeepSeek's own layout (short names, FP8/FP4 with scales): entries under our names.
+        tensors = deepseek_v4_names.official_tensors(tensors)
     tokenizer = folder / "tokenizer.json"
     return ModelSource(
         folder=folder,
@@ -136,6 +140,9 @@ def read_config(folder: Path) -> dict[str, Any]:
             hint = f"; it holds {ggufs[0].name}: open that file instead"
         raise _fail(f"no config.json in {folder}: not a Hugging Face model folder{hint}")
     config = _read_json_object(path, "a model config")
+    if "architectures" not in config and config.get("model_type") == "deepseek_v4":
+        # Some DeepSeek config.json files name only the model type.
+        config["architectures"] = [deepseek_v4_names.ARCHITECTURE]
     archs = config.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise _fail(f"{path} names no architecture (its 'architectures' list is missing or empty)")

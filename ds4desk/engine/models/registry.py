@@ -18,7 +18,8 @@ from safetensors import safe_open
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
-from ds4desk.engine.loading.source import ModelSource
+from ds4desk.engine.loading.quantized import ShardReader, read_tensor
+from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.llama import DENSE_ARCHITECTURES, DenseConfig, DenseModel, LogitsMode
 
 
@@ -75,6 +76,7 @@ ARCHITECTURES: dict[str, _Family] = {
 
 # safetensors dtypes that are plain floating point; anything else needs a dequantising path.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_INT_DTYPES = {"I64", "I32", "I16", "U8", "I8"}
 
 
 def _fail(detail: str) -> EngineFailure:
@@ -105,7 +107,11 @@ def check_tensors(
             raise _fail(f"checkpoint has no tensor '{name}'")
         if tuple(entry.shape) != tuple(meta.shape):
             raise _fail(f"tensor {name} has shape {list(entry.shape)}, config says {list(meta.shape)}")
-        if entry.dtype not in _FLOAT_DTYPES:
+        # Quantized (or multi-part) entries are decoded by loading.quantized, which checks them.
+        stored_ok = entry.encoding != "plain" or entry.parts or entry.dtype in _FLOAT_DTYPES
+        if not meta.is_floating_point():  # an integer table (DeepSeek-V4's tid2eid)
+            stored_ok = entry.encoding == "plain" and entry.dtype in _INT_DTYPES
+        if not stored_ok:
             raise _fail(f"tensor {name} has dtype {entry.dtype}; this family loads {sorted(_FLOAT_DTYPES)}")
         by_file[Path(entry.file)].append(name)
     return model, by_file
@@ -121,7 +127,7 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) ->
         params = dict(model.named_parameters())
         with torch.no_grad():
             for file, names in by_file.items():
-                _copy_from_file(file, names, params)
+                _copy_from_file(file, names, params, source.tensors)
         model.finish_loading()
     except torch.OutOfMemoryError as exc:
         raise EngineFailure(ErrorCode.OUT_OF_MEMORY, f"loading the weights onto {device}: {exc}") from exc
@@ -139,13 +145,24 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) ->
     )
 
 
-def _copy_from_file(file: Path, names: list[str], params: dict[str, nn.Parameter]) -> None:
+def _copy_from_file(
+    file: Path,
+    names: list[str],
+    params: dict[str, nn.Parameter],
+    tensors: dict[str, TensorEntry] | None = None,
+) -> None:
+    tensors = tensors or {}
     try:
         # safe_open mmaps the file: get_tensor reads one tensor, which copy_ converts to the
         # parameter's device and dtype; only one tensor is ever held twice.
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
+        with safe_open(str(file), framework="pt", device="cpu") as handle, ShardReader() as reader:
             for name in names:
-                params[name].copy_(handle.get_tensor(name))
+                entry = tensors.get(name)
+                if entry is not None and (entry.key is not None or entry.parts or entry.encoding != "plain"):
+                    # Renamed, quantized or split (official DeepSeek layout): decoded one tensor at a time.
+                    params[name].copy_(read_tensor(reader, name, entry))
+                else:
+                    params[name].copy_(handle.get_tensor(name))
     except torch.OutOfMemoryError:
         raise
     except (OSError, RuntimeError, ValueError, TypeError) as exc:
