@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
 
 from ds4desk.paths import DataDirs, resolve_data_dirs
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A desktop chat for local models. With no verb, opens the window.",
     )
     _common(parser, top_level=True)
+    parser.add_argument("--version", action="version", version=f"ds4desk {version('ds4desk')}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", title="verbs")
 
     gui = verbs.add_parser("gui", help="open the chat window (the default)")
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     # `ds4desk PATH` and `ds4desk --device cuda` mean the window, like `ds4desk gui ...`.
-    if not any(word in VERBS for word in args_list) and not {"-h", "--help"} & set(args_list):
+    if not any(word in VERBS for word in args_list) and not {"-h", "--help", "--version"} & set(args_list):
         args_list.insert(0, "gui")
     args = build_parser().parse_args(args_list)
     dirs = resolve_data_dirs(args.data_dir).create()

@@ -27,6 +27,11 @@ def test_help_lists_the_verbs(ds4_home: Path) -> None:
         assert verb in out.stdout
 
 
+def test_version(ds4_home: Path) -> None:
+    out = ds4desk("--version", home=ds4_home)
+    assert out.returncode == 0 and out.stdout.startswith("ds4desk 0.")
+
+
 def test_generate_json_on_the_embedded_model(ds4_home: Path) -> None:
     out = ds4desk(
         "generate", "--prompt", "What is 2+2?", "--max-tokens", "8", "--json", "--chunk", "16", home=ds4_home
