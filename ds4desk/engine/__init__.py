@@ -13,6 +13,7 @@ from ds4desk.engine.api import (
     ModelInfo,
     SamplingParams,
     TextDelta,
+    ThinkingBudget,
 )
 from ds4desk.engine.client import EngineClient
 from ds4desk.engine.engine import Engine
@@ -32,4 +33,5 @@ __all__ = [
     "ModelInfo",
     "SamplingParams",
     "TextDelta",
+    "ThinkingBudget",
 ]

@@ -63,6 +63,15 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+@dataclass(slots=True)
+class ThinkingBudget:
+    """At most `max_tokens` of thinking, counted from the start of the answer (the prompt opens the
+    thinking part); then `close_tokens` (the tokenizer's spelling of `</think>`) are forced."""
+
+    max_tokens: int
+    close_tokens: list[int]
+
+
 _request_ids = itertools.count(1)
 
 # Called on the engine thread with every newly generated token id, in order.
@@ -79,6 +88,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 512
     stop_tokens: list[int] | None = None  # None: the tokenizer's end-of-turn tokens
+    thinking_budget: ThinkingBudget | None = None
     on_token: TokenCallback | None = None
     request_id: int = field(default_factory=lambda: next(_request_ids))
 

@@ -238,6 +238,7 @@ class Engine:
                 stops,
                 on_token,
                 lambda: self._is_cancelled(request.request_id),
+                request.thinking_budget,
             )
             tail = detokenizer.flush()
             if tail and sink is not None:
@@ -246,6 +247,7 @@ class Engine:
             result.logprobs = outcome.logprobs
             result.finish_reason = outcome.finish_reason
             result.stats = outcome.stats
+            result.budget_forced_close = outcome.budget_forced_close
             result.text = loaded.tokenizer.decode(outcome.tokens)
         except EngineFailure as failure:
             result.error = failure.error

@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds4desk.engine.api import EngineFailure, ErrorCode, FinishReason, GenerateStats, SamplingParams
+from ds4desk.engine.api import (
+    EngineFailure,
+    ErrorCode,
+    FinishReason,
+    GenerateStats,
+    SamplingParams,
+    ThinkingBudget,
+)
+from ds4desk.engine.budget import ThinkingGate
 from ds4desk.engine.models.registry import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
 
@@ -19,6 +27,7 @@ class RunOutcome:
     logprobs: list[float] = field(default_factory=list)  # one per entry of tokens
     finish_reason: FinishReason = FinishReason.LENGTH
     stats: GenerateStats = field(default_factory=GenerateStats)
+    budget_forced_close: bool = False
 
 
 class Runtime:
@@ -66,6 +75,7 @@ class Runtime:
         stop_ids: set[int],
         on_token: Callable[[int], None],
         should_cancel: Callable[[], bool],
+        thinking: ThinkingBudget | None = None,
     ) -> RunOutcome:
         started = time.perf_counter()
         if not prompt_ids:
@@ -87,6 +97,7 @@ class Runtime:
                 ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
             )
         check_sampling(sampling)
+        gate = ThinkingGate(thinking, vocab) if thinking is not None else None
 
         out = RunOutcome()
         stats = out.stats
@@ -106,7 +117,12 @@ class Runtime:
         with torch.inference_mode():
             while True:
                 try:
-                    token_t, logprob_t = sample(logits, sampling, generator)
+                    forced = gate.forced_token() if gate is not None else None
+                    if forced is None:
+                        token_t, logprob_t = sample(logits, sampling, generator)
+                    else:
+                        token_t = torch.tensor(forced, device=logits.device)
+                        logprob_t = logits[forced] - torch.logsumexp(logits, dim=0)
                     token = int(token_t)  # the one host sync per step: stop checks and streaming need it
                     logprob = float(logprob_t)
                 except EngineFailure:
@@ -114,6 +130,8 @@ class Runtime:
                 except Exception as exc:
                     raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
                 stats.generated_tokens += 1
+                if gate is not None:
+                    gate.observe(token)
                 if stats.generated_tokens == 1:
                     decode_start = time.perf_counter()
                     stats.time_to_first_token_s = decode_start - started
@@ -137,6 +155,7 @@ class Runtime:
                     raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
                 pos += 1
         stats.decode_s = time.perf_counter() - decode_start
+        out.budget_forced_close = gate is not None and gate.forced
         return out
 
     def _prefill(self, ids: list[int], should_cancel: Callable[[], bool]) -> torch.Tensor | None:
