@@ -191,6 +191,33 @@ class LoadResult:
         return self.error is None and self.info is not None
 
 
+PARK_SELECTORS = ("", "all", "target", "draft")
+
+
+@dataclass(slots=True)
+class ParkResult:
+    """What a park or unpark did: `bytes` freed by a park, taken by an unpark."""
+
+    selector: str
+    parked: bool  # the state of the target model afterwards
+    bytes: int = 0
+    seconds: float = 0.0
+    error: EngineError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "selector": self.selector,
+            "parked": self.parked,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "error": self.error.to_json() if self.error else None,
+        }
+
+
 # Events the client delivers on the asyncio loop.
 
 

@@ -10,7 +10,15 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from ds4desk.engine.api import GenerateRequest, GenerateResult, LoadRequest, LoadResult, ModelInfo, TextDelta
+from ds4desk.engine.api import (
+    GenerateRequest,
+    GenerateResult,
+    LoadRequest,
+    LoadResult,
+    ModelInfo,
+    ParkResult,
+    TextDelta,
+)
 from ds4desk.engine.engine import Engine
 
 
@@ -94,6 +102,12 @@ class EngineClient:
 
     def cancel(self, request_id: int) -> None:
         self._engine.cancel(request_id)
+
+    async def park(self, selector: str = "", *, cancel_running: bool = False) -> ParkResult:
+        return await asyncio.wrap_future(self._engine.submit_park(selector, cancel_running=cancel_running))
+
+    async def unpark(self, selector: str = "") -> ParkResult:
+        return await asyncio.wrap_future(self._engine.submit_unpark(selector))
 
     def close(self) -> None:
         self._engine.close()

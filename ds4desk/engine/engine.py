@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ds4desk.engine.api import (
+    PARK_SELECTORS,
     EngineError,
     EngineFailure,
     ErrorCode,
@@ -27,6 +28,7 @@ from ds4desk.engine.api import (
     LoadRequest,
     LoadResult,
     ModelInfo,
+    ParkResult,
 )
 
 if TYPE_CHECKING:
@@ -42,7 +44,7 @@ DeltaSink = Callable[[int | None, str], None]
 
 @dataclass(slots=True)
 class _Command:
-    kind: str  # "load" | "generate"
+    kind: str  # "load" | "generate" | "park" | "unpark"
     payload: Any
     future: Future[Any]
     sink: DeltaSink | None = None
@@ -56,13 +58,28 @@ class _Loaded:
     request: LoadRequest
 
 
+@dataclass(slots=True)
+class _Parked:
+    request: LoadRequest
+    info: ModelInfo
+
+
 class Engine:
-    def __init__(self, cache_dir: Path) -> None:
+    """`unpark_on_generate`: a request to a parked model reloads it first (else `model_parked`).
+    `idle_park_after_s`: park the model after that long without a command (None: never)."""
+
+    def __init__(
+        self, cache_dir: Path, *, unpark_on_generate: bool = True, idle_park_after_s: float | None = None
+    ) -> None:
         self._cache_dir = cache_dir
+        self._unpark_on_generate = unpark_on_generate
+        self._idle_park_after_s = idle_park_after_s
         self._commands: queue.Queue[_Command | None] = queue.Queue()
         self._cancelled: set[int] = set()
+        self._running: int | None = None  # the request id being generated
         self._lock = threading.Lock()
         self._loaded: _Loaded | None = None
+        self._parked: _Parked | None = None
         self._thread = threading.Thread(target=self._serve, name="ds4desk-engine", daemon=True)
         self._thread.start()
 
@@ -70,8 +87,13 @@ class Engine:
 
     @property
     def model_info(self) -> ModelInfo | None:
-        loaded = self._loaded
-        return loaded.info if loaded else None
+        """The chosen model, loaded or parked."""
+        loaded, parked = self._loaded, self._parked
+        return loaded.info if loaded else parked.info if parked else None
+
+    @property
+    def parked(self) -> bool:
+        return self._parked is not None
 
     def submit_load(self, request: LoadRequest) -> Future[LoadResult]:
         return self._submit(_Command("load", request, Future()))
@@ -81,8 +103,26 @@ class Engine:
     ) -> Future[GenerateResult]:
         return self._submit(_Command("generate", request, Future(), sink))
 
+    def submit_park(self, selector: str = "", *, cancel_running: bool = False) -> Future[ParkResult]:
+        """Park frees weights and caches on the device. It runs after the commands queued before it,
+        so it waits for a running generation, unless `cancel_running` stops that one first."""
+        if cancel_running:
+            with self._lock:
+                if self._running is not None:
+                    self._cancelled.add(self._running)
+        return self._submit(_Command("park", selector, Future()))
+
+    def submit_unpark(self, selector: str = "") -> Future[ParkResult]:
+        return self._submit(_Command("unpark", selector, Future()))
+
     def load(self, request: LoadRequest) -> LoadResult:
         return self.submit_load(request).result()
+
+    def park(self, selector: str = "", *, cancel_running: bool = False) -> ParkResult:
+        return self.submit_park(selector, cancel_running=cancel_running).result()
+
+    def unpark(self, selector: str = "") -> ParkResult:
+        return self.submit_unpark(selector).result()
 
     def generate(self, request: GenerateRequest, sink: DeltaSink | None = None) -> GenerateResult:
         return self.submit_generate(request, sink).result()
@@ -108,15 +148,27 @@ class Engine:
 
     # ---- engine thread ----------------------------------------------------------------------
 
+    def _next_command(self) -> _Command | None:
+        while True:
+            try:
+                return self._commands.get(timeout=self._idle_park_after_s)
+            except queue.Empty:  # idle for idle_park_after_s
+                if self._loaded is not None:
+                    log.info("parking after %.0f s idle", self._idle_park_after_s)
+                    self._park("all")
+
     def _serve(self) -> None:
-        while (command := self._commands.get()) is not None:
+        handlers: dict[str, Callable[[_Command], Any]] = {
+            "load": lambda c: self._load(c.payload),
+            "generate": lambda c: self._generate(c.payload, c.sink),
+            "park": lambda c: self._park(c.payload),
+            "unpark": lambda c: self._unpark(c.payload),
+        }
+        while (command := self._next_command()) is not None:
             if not command.future.set_running_or_notify_cancel():
                 continue
             try:
-                if command.kind == "load":
-                    outcome: Any = self._load(command.payload)
-                else:
-                    outcome = self._generate(command.payload, command.sink)
+                outcome = handlers[command.kind](command)
             except BaseException as exc:  # a bug of ours: still never leave the caller waiting
                 log.exception("engine command failed")
                 command.future.set_exception(exc)
@@ -190,6 +242,7 @@ class Engine:
             has_chat_template=source.chat_template is not None,
         )
         self._loaded = _Loaded(runtime, tokenizer, info, request)
+        self._parked = None  # a new model replaces a parked one too
         return info
 
     def _restore(self, request: LoadRequest) -> None:
@@ -209,11 +262,52 @@ class Engine:
 
             torch.cuda.empty_cache()
 
+    def _park(self, selector: str) -> ParkResult:
+        if selector not in PARK_SELECTORS:
+            error = EngineError(ErrorCode.BAD_REQUEST, f"park selector must be one of {PARK_SELECTORS}")
+            return ParkResult(selector, self.parked, error=error)
+        loaded = self._loaded
+        if selector == "draft" or loaded is None:  # no draft model yet; nothing loaded to free
+            return ParkResult(selector, self.parked)
+        started = time.perf_counter()
+        freed = loaded.info.weight_bytes + loaded.runtime.model.cache_bytes()
+        device = loaded.runtime.device
+        before = _allocated(device)
+        self._parked = _Parked(loaded.request, loaded.info)
+        del loaded
+        self._drop_model()
+        if device.type == "cuda":  # the allocator's own count, when there is one
+            freed = before - _allocated(device)
+        return ParkResult(selector, True, bytes=freed, seconds=time.perf_counter() - started)
+
+    def _unpark(self, selector: str) -> ParkResult:
+        if selector not in PARK_SELECTORS:
+            error = EngineError(ErrorCode.BAD_REQUEST, f"unpark selector must be one of {PARK_SELECTORS}")
+            return ParkResult(selector, self.parked, error=error)
+        parked = self._parked
+        if selector == "draft" or parked is None:
+            return ParkResult(selector, self.parked)
+        loaded = self._load(parked.request)  # the same files, device, dtype and sizes
+        if not loaded.ok:
+            self._parked = parked  # still parked: a later unpark can try again
+            return ParkResult(selector, True, seconds=loaded.seconds, error=loaded.error)
+        assert self._loaded is not None
+        taken = self._loaded.info.weight_bytes + self._loaded.runtime.model.cache_bytes()
+        return ParkResult(selector, False, bytes=taken, seconds=loaded.seconds)
+
     def _generate(self, request: GenerateRequest, sink: DeltaSink | None) -> GenerateResult:
         from ds4desk.engine.tokenizer import IncrementalDetokenizer
 
         result = GenerateResult(request_id=request.request_id)
+        with self._lock:
+            self._running = request.request_id
         try:
+            if self._loaded is None and self._parked is not None:
+                if not self._unpark_on_generate:
+                    raise EngineFailure(ErrorCode.MODEL_PARKED, "the model is parked; unpark it first")
+                unparked = self._unpark("target")
+                if unparked.error is not None:
+                    raise EngineFailure(unparked.error.code, f"unparking failed: {unparked.error.detail}")
             loaded = self._loaded
             if loaded is None:
                 raise EngineFailure(ErrorCode.MODEL_NOT_LOADED, "no model is loaded")
@@ -261,6 +355,7 @@ class Engine:
         finally:
             with self._lock:
                 self._cancelled.discard(request.request_id)
+                self._running = None
         return result
 
 
@@ -284,6 +379,12 @@ def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]
     if not ids:
         raise EngineFailure(ErrorCode.BAD_REQUEST, "the prompt is empty")
     return ids
+
+
+def _allocated(device: Any) -> int:
+    import torch
+
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
 
 
 def _numel(shape: tuple[int, ...]) -> int:
