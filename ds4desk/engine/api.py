@@ -72,6 +72,14 @@ class ThinkingBudget:
     close_tokens: list[int]
 
 
+@dataclass(slots=True)
+class SaveSnapshot:
+    """Ask for a snapshot: at a position inside the prompt, or (at None) after the answer."""
+
+    at: int | None = None
+    slot: int | None = None  # None: a free slot, else the least recently used one
+
+
 _request_ids = itertools.count(1)
 
 # Called on the engine thread with every newly generated token id, in order.
@@ -89,6 +97,8 @@ class GenerateRequest:
     max_new_tokens: int = 512
     stop_tokens: list[int] | None = None  # None: the tokenizer's end-of-turn tokens
     thinking_budget: ThinkingBudget | None = None
+    use_snapshots: bool = True  # continue from the longest snapshot that prefixes the prompt
+    save_snapshot: SaveSnapshot | None = None
     on_token: TokenCallback | None = None
     request_id: int = field(default_factory=lambda: next(_request_ids))
 
@@ -97,6 +107,7 @@ class GenerateRequest:
 class GenerateStats:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # taken from a snapshot instead of prefilled
+    prefill_tokens: int = 0  # actually computed
     generated_tokens: int = 0
     time_to_first_token_s: float = 0.0
     prefill_s: float = 0.0
@@ -104,8 +115,7 @@ class GenerateStats:
 
     @property
     def prefill_tok_s(self) -> float:
-        computed = self.prompt_tokens - self.reused_tokens
-        return computed / self.prefill_s if self.prefill_s > 0 else 0.0
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -117,6 +127,7 @@ class GenerateStats:
         return {
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
+            "prefill_tokens": self.prefill_tokens,
             "generated_tokens": self.generated_tokens,
             "time_to_first_token_s": self.time_to_first_token_s,
             "prefill_s": self.prefill_s,
@@ -137,6 +148,7 @@ class GenerateResult:
     error: EngineError | None = None
     stats: GenerateStats = field(default_factory=GenerateStats)
     budget_forced_close: bool = False
+    snapshot_slot: int | None = None  # where save_snapshot put its snapshot
 
     @property
     def ok(self) -> bool:
@@ -145,6 +157,7 @@ class GenerateResult:
     def to_json(self) -> dict[str, object]:
         return {
             "request_id": self.request_id,
+            "snapshot_slot": self.snapshot_slot,
             "prompt_tokens": self.prompt_tokens,
             "tokens": self.tokens,
             "logprobs": self.logprobs,
@@ -216,6 +229,19 @@ class ParkResult:
             "seconds": self.seconds,
             "error": self.error.to_json() if self.error else None,
         }
+
+
+@dataclass(slots=True)
+class SlotResult:
+    """The answer to a snapshot-slot command: `slots` lists them all afterwards."""
+
+    slots: list[dict[str, object]] = field(default_factory=list)
+    slot: int | None = None
+    error: EngineError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
 
 # Events the client delivers on the asyncio loop.

@@ -29,10 +29,12 @@ from ds4desk.engine.api import (
     LoadResult,
     ModelInfo,
     ParkResult,
+    SlotResult,
 )
 
 if TYPE_CHECKING:
     from ds4desk.engine.runtime import Runtime
+    from ds4desk.engine.snapshots import SnapshotStore
     from ds4desk.engine.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -56,12 +58,14 @@ class _Loaded:
     tokenizer: ChatTokenizer
     info: ModelInfo
     request: LoadRequest
+    snapshots: SnapshotStore
 
 
 @dataclass(slots=True)
 class _Parked:
     request: LoadRequest
     info: ModelInfo
+    snapshots: SnapshotStore  # host memory: they outlive the park
 
 
 class Engine:
@@ -69,9 +73,17 @@ class Engine:
     `idle_park_after_s`: park the model after that long without a command (None: never)."""
 
     def __init__(
-        self, cache_dir: Path, *, unpark_on_generate: bool = True, idle_park_after_s: float | None = None
+        self,
+        cache_dir: Path,
+        *,
+        unpark_on_generate: bool = True,
+        idle_park_after_s: float | None = None,
+        snapshot_slots: int = 16,
+        snapshot_budget_bytes: int = 4 * 2**30,
     ) -> None:
         self._cache_dir = cache_dir
+        self._snapshot_slots = snapshot_slots
+        self._snapshot_budget_bytes = snapshot_budget_bytes
         self._unpark_on_generate = unpark_on_generate
         self._idle_park_after_s = idle_park_after_s
         self._commands: queue.Queue[_Command | None] = queue.Queue()
@@ -115,8 +127,16 @@ class Engine:
     def submit_unpark(self, selector: str = "") -> Future[ParkResult]:
         return self._submit(_Command("unpark", selector, Future()))
 
+    def submit_slots(self, op: str, slot: int | None = None, path: Path | None = None) -> Future[SlotResult]:
+        """Snapshot slots: op is "list", "free", "pin", "unpin", "save" (slot to path) or "load"
+        (path into slot, or a free one)."""
+        return self._submit(_Command("slots", (op, slot, path), Future()))
+
     def load(self, request: LoadRequest) -> LoadResult:
         return self.submit_load(request).result()
+
+    def slots(self, op: str = "list", slot: int | None = None, path: Path | None = None) -> SlotResult:
+        return self.submit_slots(op, slot, path).result()
 
     def park(self, selector: str = "", *, cancel_running: bool = False) -> ParkResult:
         return self.submit_park(selector, cancel_running=cancel_running).result()
@@ -163,6 +183,7 @@ class Engine:
             "generate": lambda c: self._generate(c.payload, c.sink),
             "park": lambda c: self._park(c.payload),
             "unpark": lambda c: self._unpark(c.payload),
+            "slots": lambda c: self._slots(*c.payload),
         }
         while (command := self._next_command()) is not None:
             if not command.future.set_running_or_notify_cancel():
@@ -199,6 +220,7 @@ class Engine:
         from ds4desk.engine.loading.detect import inspect_model
         from ds4desk.engine.models.registry import load_model
         from ds4desk.engine.runtime import Runtime
+        from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
         from ds4desk.engine.tokenizer import ChatTokenizer
 
         if request.chunk < 1 or request.context < 2:
@@ -241,7 +263,13 @@ class Engine:
             tokenizer=tokenizer.describe(),
             has_chat_template=source.chat_template is not None,
         )
-        self._loaded = _Loaded(runtime, tokenizer, info, request)
+        parked = self._parked
+        if parked is not None and parked.request == request:
+            snapshots = parked.snapshots  # unparking: the same model, its snapshots still apply
+        else:
+            identity = ModelIdentity(_fingerprint(source), info.dtype, context)
+            snapshots = SnapshotStore(identity, self._snapshot_slots, self._snapshot_budget_bytes)
+        self._loaded = _Loaded(runtime, tokenizer, info, request, snapshots)
         self._parked = None  # a new model replaces a parked one too
         return info
 
@@ -273,7 +301,7 @@ class Engine:
         freed = loaded.info.weight_bytes + loaded.runtime.model.cache_bytes()
         device = loaded.runtime.device
         before = _allocated(device)
-        self._parked = _Parked(loaded.request, loaded.info)
+        self._parked = _Parked(loaded.request, loaded.info, loaded.snapshots)
         del loaded
         self._drop_model()
         if device.type == "cuda":  # the allocator's own count, when there is one
@@ -294,6 +322,30 @@ class Engine:
         assert self._loaded is not None
         taken = self._loaded.info.weight_bytes + self._loaded.runtime.model.cache_bytes()
         return ParkResult(selector, False, bytes=taken, seconds=loaded.seconds)
+
+    def _slots(self, op: str, slot: int | None, path: Path | None) -> SlotResult:
+        chosen = self._loaded or self._parked
+        try:
+            if chosen is None:
+                raise EngineFailure(ErrorCode.MODEL_NOT_LOADED, "no model is loaded")
+            store = chosen.snapshots
+            if op in ("free", "pin", "unpin", "save") and slot is None:
+                raise EngineFailure(ErrorCode.BAD_REQUEST, f"'{op}' needs a slot")
+            if op in ("save", "load") and path is None:
+                raise EngineFailure(ErrorCode.BAD_REQUEST, f"'{op}' needs a path")
+            if op == "free":
+                store.free(slot)  # type: ignore[arg-type]
+            elif op in ("pin", "unpin"):
+                store.pin(slot, op == "pin")  # type: ignore[arg-type]
+            elif op == "save":
+                store.save(slot, path)  # type: ignore[arg-type]
+            elif op == "load":
+                slot = store.load(path, slot).slot  # type: ignore[arg-type]
+            elif op != "list":
+                raise EngineFailure(ErrorCode.BAD_REQUEST, f"unknown slot command '{op}'")
+        except EngineFailure as failure:
+            return SlotResult(slot=slot, error=failure.error)
+        return SlotResult([snap.describe() for snap in store.list()], slot)
 
     def _generate(self, request: GenerateRequest, sink: DeltaSink | None) -> GenerateResult:
         from ds4desk.engine.tokenizer import IncrementalDetokenizer
@@ -333,6 +385,9 @@ class Engine:
                 on_token,
                 lambda: self._is_cancelled(request.request_id),
                 request.thinking_budget,
+                loaded.snapshots,
+                request.use_snapshots,
+                request.save_snapshot,
             )
             tail = detokenizer.flush()
             if tail and sink is not None:
@@ -342,6 +397,7 @@ class Engine:
             result.finish_reason = outcome.finish_reason
             result.stats = outcome.stats
             result.budget_forced_close = outcome.budget_forced_close
+            result.snapshot_slot = outcome.snapshot_slot
             result.text = loaded.tokenizer.decode(outcome.tokens)
         except EngineFailure as failure:
             result.error = failure.error
@@ -379,6 +435,16 @@ def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]
     if not ids:
         raise EngineFailure(ErrorCode.BAD_REQUEST, "the prompt is empty")
     return ids
+
+
+def _fingerprint(source: Any) -> str:
+    """Which weights a snapshot belongs to: the architecture, config and every tensor's header."""
+    import hashlib
+    import json
+
+    tensors = sorted((name, e.dtype, e.shape, e.end - e.begin) for name, e in source.tensors.items())
+    payload = json.dumps([source.architecture, source.config, tensors], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
 def _allocated(device: Any) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,11 +15,13 @@ from ds4desk.engine.api import (
     FinishReason,
     GenerateStats,
     SamplingParams,
+    SaveSnapshot,
     ThinkingBudget,
 )
 from ds4desk.engine.budget import ThinkingGate
 from ds4desk.engine.models.registry import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
+from ds4desk.engine.snapshots import SnapshotStore
 
 
 @dataclass(slots=True)
@@ -28,6 +31,7 @@ class RunOutcome:
     finish_reason: FinishReason = FinishReason.LENGTH
     stats: GenerateStats = field(default_factory=GenerateStats)
     budget_forced_close: bool = False
+    snapshot_slot: int | None = None
 
 
 class Runtime:
@@ -63,7 +67,7 @@ class Runtime:
             raise EngineFailure(
                 ErrorCode.CONTEXT_OVERFLOW, f"{len(ids)} prompt tokens do not fit a context of {self.context}"
             )
-        logits = self._prefill(ids, lambda: False)
+        logits = self._prefill(ids, 0, lambda: False)
         assert logits is not None
         return logits
 
@@ -76,6 +80,9 @@ class Runtime:
         on_token: Callable[[int], None],
         should_cancel: Callable[[], bool],
         thinking: ThinkingBudget | None = None,
+        snapshots: SnapshotStore | None = None,
+        use_snapshots: bool = True,
+        save: SaveSnapshot | None = None,
     ) -> RunOutcome:
         started = time.perf_counter()
         if not prompt_ids:
@@ -105,8 +112,23 @@ class Runtime:
         if max_new_tokens == 0:
             return out
 
+        save_at = self._check_save(save, snapshots, len(prompt_ids))
         generator = make_generator(sampling, self.device)
-        logits = self._prefill(prompt_ids, should_cancel)
+        start, restored = self._restore(prompt_ids, snapshots if use_snapshots else None, save_at)
+        stats.reused_tokens = start
+        stats.prefill_tokens = len(prompt_ids) - start
+
+        def keep(at: int, at_logits: torch.Tensor) -> None:
+            assert snapshots is not None and save is not None
+            state = self.model.export_state(at)
+            out.snapshot_slot = snapshots.put(prompt_ids[:at], state, at_logits, save.slot).slot
+
+        if save_at is not None and save_at == start and restored is not None:
+            keep(save_at, restored)  # the snapshot asked for is the one just restored: refresh it
+        if start == len(prompt_ids):
+            logits = restored  # the whole prompt was a snapshot: no prefill at all
+        else:
+            logits = self._prefill(prompt_ids, start, should_cancel, save_at, keep)
         stats.prefill_s = time.perf_counter() - started
         if logits is None:
             out.finish_reason = FinishReason.CANCELLED
@@ -156,21 +178,71 @@ class Runtime:
                 pos += 1
         stats.decode_s = time.perf_counter() - decode_start
         out.budget_forced_close = gate is not None and gate.forced
+        if save is not None and save.at is None and out.finish_reason != FinishReason.CANCELLED:
+            # The cache now holds the prompt and every generated token that was fed back; the
+            # logits are the ones after the last of them. The next turn starts with these tokens.
+            assert snapshots is not None
+            seq = [*prompt_ids, *out.tokens][:pos]
+            out.snapshot_slot = snapshots.put(seq, self.model.export_state(pos), logits, save.slot).slot
         return out
 
-    def _prefill(self, ids: list[int], should_cancel: Callable[[], bool]) -> torch.Tensor | None:
-        """Last-position logits of `ids` prefilled from position 0; None when cancelled."""
+    @staticmethod
+    def _check_save(
+        save: SaveSnapshot | None, snapshots: SnapshotStore | None, prompt_len: int
+    ) -> int | None:
+        """The prompt position to snapshot at, if any (None also for a save after the answer)."""
+        if save is None:
+            return None
+        if snapshots is None:
+            raise EngineFailure(ErrorCode.INVALID_SNAPSHOT_SLOT, "this model keeps no snapshots")
+        if save.at is not None and not 1 <= save.at <= prompt_len:
+            raise EngineFailure(
+                ErrorCode.BAD_REQUEST, f"a snapshot position must be in 1..{prompt_len}, got {save.at}"
+            )
+        return save.at
+
+    def _restore(
+        self, prompt: list[int], snapshots: SnapshotStore | None, save_at: int | None
+    ) -> tuple[int, torch.Tensor | None]:
+        """Continue from the longest snapshot that prefixes the prompt (and does not pass a requested
+        snapshot position). Returns the first position to prefill and the snapshot's logits."""
+        if snapshots is None:
+            return 0, None
+        limit = prompt if save_at is None else prompt[:save_at]
+        snap = snapshots.longest_prefix(limit)
+        if snap is None:
+            return 0, None
+        length = len(snap.tokens)
+        with torch.inference_mode():
+            self.model.import_state({k: v.to(self.device) for k, v in snap.state.items()}, length)
+        return length, snap.logits.to(self.device)
+
+    def _prefill(
+        self,
+        ids: list[int],
+        start: int,
+        should_cancel: Callable[[], bool],
+        split_at: int | None = None,
+        at_split: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
+        """Prefill ids[start:] in chunks; returns the last position's logits, None when cancelled.
+        A chunk also ends at `split_at`, where `at_split` gets the logits of that position."""
         with torch.inference_mode():
             try:
                 all_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+                bounds = sorted(
+                    {*range(start, len(ids), self.chunk), len(ids)} | ({split_at} if split_at else set())
+                )
                 logits = None
-                for start in range(0, len(ids), self.chunk):
+                for begin, stop in itertools.pairwise(bounds):
                     if should_cancel():
                         return None
-                    stop = min(start + self.chunk, len(ids))
-                    # Only the chunk that ends the prompt needs logits; the others just fill the cache.
-                    mode = "last" if stop == len(ids) else "none"
-                    logits = self.model.forward(all_ids[start:stop], start, mode)
+                    # Only the chunk that ends the prompt or a snapshot position computes logits.
+                    wanted = stop in (len(ids), split_at)
+                    logits = self.model.forward(all_ids[begin:stop], begin, "last" if wanted else "none")
+                    if stop == split_at and at_split is not None:
+                        assert logits is not None
+                        at_split(stop, logits)
             except EngineFailure:
                 raise
             except Exception as exc:
