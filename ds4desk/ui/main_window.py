@@ -40,6 +40,7 @@ from ds4desk.engine.api import (
     GenerateResult,
     LoadResult,
     ModelInfo,
+    SaveSnapshot,
     TextDelta,
 )
 from ds4desk.history import Chat, History, Message, StreamingWriter
@@ -453,6 +454,9 @@ class MainWindow(QMainWindow):
             messages=self._conversation(chat_id),
             sampling=self.settings.sampling(),
             max_new_tokens=self.settings.max_new_tokens,
+            # The next turn's prompt starts with this one and its answer: keep the state there, so
+            # a follow-up prefills only the new message.
+            save_snapshot=SaveSnapshot(),
         )
         row = self.history.add_message(chat_id, "assistant", "", finished=False)
         generation = _Generation(chat_id, request.request_id, self.history.streaming_writer(row.id))

@@ -75,6 +75,14 @@ def test_chat_with_the_real_model(qtbot: Any, run: Any, open_window: Any, client
     assert answer.content.split()[0] in window.chat_view.toPlainText()
     assert "tok/s" in window.speed_label.text()
 
+    # A follow-up continues from the snapshot of the first turn: only the new message is prefilled.
+    send(qtbot, window, "And of Germany?")
+    run(window.wait_idle())
+    follow_up = window.history.messages(chat.id)[-1]
+    assert follow_up.finished and follow_up.stats is not None
+    reused, computed = follow_up.stats["reused_tokens"], follow_up.stats["prefill_tokens"]
+    assert reused >= answer.stats["prompt_tokens"] and 0 < computed < 20
+
     # Recreated on the same data: the chat is in the sidebar and opens with its messages.
     window.close()
     again = open_window()

@@ -183,3 +183,27 @@ def test_a_save_position_outside_the_prompt_is_refused(model: torch.nn.Module) -
     with pytest.raises(EngineFailure) as none:
         run(runtime(model), PROMPT, None, SaveSnapshot(at=3))
     assert none.value.error.code == ErrorCode.INVALID_SNAPSHOT_SLOT
+
+
+def test_a_chat_follow_up_prefills_only_the_new_message(model_cache: Path) -> None:
+    """The real model and its chat template, as the window uses them."""
+    from ds4desk.engine import Engine, GenerateRequest, LoadRequest
+
+    engine = Engine(model_cache)
+    try:
+        assert engine.load(LoadRequest(context=1024)).ok
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        first = engine.generate(
+            GenerateRequest(messages=chat, max_new_tokens=24, save_snapshot=SaveSnapshot())
+        )
+        assert first.ok and first.snapshot_slot is not None
+        chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Spain?"}]
+        follow = engine.generate(GenerateRequest(messages=chat, max_new_tokens=16))
+        cold = engine.generate(GenerateRequest(messages=chat, max_new_tokens=16, use_snapshots=False))
+        listed = engine.slots("list")
+    finally:
+        engine.close()
+    assert follow.stats.reused_tokens >= len(first.prompt_tokens) + len(first.tokens)
+    assert follow.stats.prefill_tokens < 16  # "<|im_end|>", the new user turn and the assistant header
+    assert follow.tokens == cold.tokens and cold.stats.reused_tokens == 0
+    assert listed.ok and [s["slot"] for s in listed.slots] == [first.snapshot_slot]
