@@ -13,6 +13,8 @@ from ds4desk.engine.api import (
     ModelInfo,
     ParkResult,
     SamplingParams,
+    SaveSnapshot,
+    SlotResult,
     TextDelta,
     ThinkingBudget,
 )
@@ -34,6 +36,8 @@ __all__ = [
     "ModelInfo",
     "ParkResult",
     "SamplingParams",
+    "SaveSnapshot",
+    "SlotResult",
     "TextDelta",
     "ThinkingBudget",
 ]
