@@ -68,8 +68,9 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(needed_bytes: int, device: torch.device, what: str) -> None:
-    free = free_memory_bytes(device)
+def check_fits(needed_bytes: int, device: torch.device, what: str, reclaimable: int = 0) -> None:
+    """OUT_OF_MEMORY when `needed_bytes` exceed the free memory plus what unloading would give back."""
+    free = free_memory_bytes(device) + reclaimable
     if needed_bytes > free:
         raise EngineFailure(
             ErrorCode.OUT_OF_MEMORY,

@@ -235,9 +235,13 @@ class Engine:
         weight_count = sum(_numel(entry.shape) for entry in source.tensors.values())
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         previous = self._loaded
+        # Refused before the current model is let go: a model that cannot fit costs nothing.
+        reclaimable = 0
+        if previous is not None and previous.runtime.device == device:
+            reclaimable = previous.info.weight_bytes + previous.runtime.model.cache_bytes()
+        check_fits(weight_count * dtype_bytes, device, f"{path.name} in {_dtype_name(dtype)}", reclaimable)
         self._drop_model()
         try:
-            check_fits(weight_count * dtype_bytes, device, f"{path.name} in {_dtype_name(dtype)}")
             loaded = load_model(source, device, dtype)
             context = min(
                 request.context, int(source.config.get("max_position_embeddings") or request.context)

@@ -1,0 +1,71 @@
+"""The error codes not covered elsewhere: a model too large for memory, a request cancelled before it
+started; the engine stays usable after each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ds4desk.engine import Engine, ErrorCode, FinishReason, GenerateRequest, LoadRequest
+
+
+def huge_model(folder: Path) -> Path:
+    """A llama whose embedding alone is 64 GiB of float32: a sparse file, so it costs no disk."""
+    folder.mkdir()
+    vocab, hidden = 2**22, 2**12
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 8,
+        "num_hidden_layers": 0,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": True,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    shapes = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
+    header: dict[str, object] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 4 * shape[0] * (shape[1] if len(shape) > 1 else 1)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with (folder / "model.safetensors").open("wb") as file:
+        file.write(len(raw).to_bytes(8, "little") + raw)
+        file.truncate(8 + len(raw) + offset)
+    tokenizer = {
+        "version": "1.0",
+        "model": {"type": "WordLevel", "vocab": {"a": 0, "<unk>": 1}, "unk_token": "<unk>"},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def test_a_model_too_large_for_memory_is_refused_before_loading(model_cache: Path, tmp_path: Path) -> None:
+    engine = Engine(model_cache)
+    try:
+        assert engine.load(LoadRequest(context=256)).ok
+        refused = engine.load(LoadRequest(path=str(huge_model(tmp_path / "huge")), context=256))
+        assert refused.error is not None and refused.error.code == ErrorCode.OUT_OF_MEMORY
+        assert "GiB" in refused.error.detail and "free" in refused.error.detail
+        assert engine.model_info is not None and engine.model_info.name.startswith("SmolLM2")  # kept
+        assert engine.generate(GenerateRequest(raw_text="Hi", max_new_tokens=2)).ok
+    finally:
+        engine.close()
+
+
+def test_a_request_cancelled_before_it_starts(model_cache: Path) -> None:
+    engine = Engine(model_cache)
+    try:
+        assert engine.load(LoadRequest(context=256)).ok
+        request = GenerateRequest(raw_text="Hi", max_new_tokens=2)
+        engine.cancel(request.request_id)
+        result = engine.generate(request)
+        assert result.error is not None and result.error.code == ErrorCode.CANCELLED
+        assert result.finish_reason == FinishReason.CANCELLED and result.tokens == []
+        assert engine.generate(GenerateRequest(raw_text="Hi", max_new_tokens=2)).ok
+    finally:
+        engine.close()
