@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from ds4desk.engine import Engine, ErrorCode, FinishReason, GenerateRequest, LoadRequest
 
@@ -108,5 +109,23 @@ def test_idle_auto_park(model_cache: Path) -> None:
             threading.Event().wait(0.05)
         assert engine.parked
         assert engine.generate(GenerateRequest(messages=PROMPT, max_new_tokens=3)).ok
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_park_gives_the_cuda_allocator_its_memory_back(model_cache: Path) -> None:
+    engine = Engine(model_cache)
+    try:
+        assert engine.load(LoadRequest(device="cuda", dtype="bfloat16", context=2048)).ok
+        before = engine.generate(GenerateRequest(messages=PROMPT, max_new_tokens=8))
+        allocated = torch.cuda.memory_allocated()
+        parked = engine.park("target")
+        assert parked.ok and parked.bytes >= 269_000_000  # bf16 weights of 134.5M parameters
+        assert torch.cuda.memory_allocated() <= allocated - parked.bytes
+        assert torch.cuda.memory_allocated() < 10_000_000  # nothing of the model is left
+        assert engine.unpark("target").ok
+        after = engine.generate(GenerateRequest(messages=PROMPT, max_new_tokens=8))
+        assert after.tokens == before.tokens
     finally:
         engine.close()
