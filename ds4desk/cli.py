@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ds4desk.paths import DataDirs, resolve_data_dirs
 
-VERBS = ("gui", "generate", "check")
+VERBS = ("gui", "generate", "check", "session", "make-tiny")
 
 
 def _common(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
@@ -64,9 +64,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     gen.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
+    session = verbs.add_parser("session", help="drive the engine with JSON lines on stdin and stdout")
+    _common(session)
+    session.add_argument("model", nargs="?", help="model folder or .gguf (default: the embedded SmolLM2)")
+    session.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    session.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    session.add_argument("--chunk", type=int, default=512, help="prefill chunk size in tokens")
+    session.add_argument("--context", type=int, default=4096, help="context size in tokens")
+
     check = verbs.add_parser("check", help="say what a model path is, or why it cannot be loaded")
     _common(check)
     check.add_argument("path")
+
+    tiny = verbs.add_parser("make-tiny", help="write a tiny random model folder (for tests and demos)")
+    _common(tiny)
+    tiny.add_argument("family", choices=("deepseek_v4",))
+    tiny.add_argument("out", help="folder to write (created if missing)")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--format", dest="layout", choices=("hf", "official"), default="hf",
+        help="hf: transformers' names (default); official: DeepSeek's own names, sharded",
+    )  # fmt: skip
+    tiny.add_argument("--fp8", action="store_true", help="official layout only: FP8 weights, FP4 experts")
     return parser
 
 
@@ -81,6 +100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _generate(args, dirs)
     if args.verb == "check":
         return _check(args, dirs)
+    if args.verb == "session":
+        from ds4desk.engine import LoadRequest
+        from ds4desk.session import run_session
+
+        load = LoadRequest(args.model, args.device, args.dtype, args.context, args.chunk)
+        return run_session(dirs.model_cache, load)
+    if args.verb == "make-tiny":
+        return _make_tiny(args)
     from ds4desk.app import run_app
 
     return run_app(dirs, model_path=args.model, device=args.device)
@@ -151,4 +178,16 @@ def _check(args: argparse.Namespace, dirs: DataDirs) -> int:
         print(f"cannot load {args.path}: {failure.error.detail}", file=sys.stderr)
         return 2
     print(report.describe())
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from ds4desk.engine.make_tiny import make_tiny
+
+    try:
+        make_tiny(args.family, Path(args.out), seed=args.seed, layout=args.layout, fp8=args.fp8)
+    except (ValueError, OSError) as exc:
+        print(f"make-tiny: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote a tiny {args.family} model ({args.layout}{', fp8' if args.fp8 else ''}) to {args.out}")
     return 0

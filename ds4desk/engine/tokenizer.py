@@ -17,6 +17,10 @@ from tokenizers import Tokenizer
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.chat_template import ChatTemplate
+from ds4desk.engine.deepseek_v4_chat import ARCHITECTURE as DEEPSEEK_V4
+from ds4desk.engine.deepseek_v4_chat import EOS as V4_EOS
+from ds4desk.engine.deepseek_v4_chat import encode_deepseek_v4_chat
+from ds4desk.engine.loading.deepseek_v4_names import is_model_args_config
 
 MAX_TOKENIZER_BYTES = 512 * 1024 * 1024
 MAX_JSON_BYTES = 32 * 1024 * 1024
@@ -78,6 +82,9 @@ class ChatTokenizer:
     stop_ids: set[int] = field(default_factory=set)
     add_bos_token: bool = False
     template: ChatTemplate | None = None
+    # Without a template: "plain" (a User:/Assistant: transcript) or a built-in format
+    # ("deepseek_v4": DeepSeek ships its chat format as Python code, not as a template).
+    chat_format: str = "plain"
 
     @classmethod
     def from_folder(cls, folder: Path, chat_template: str | None) -> ChatTokenizer:
@@ -111,6 +118,8 @@ class ChatTokenizer:
             special_tokens=special,
             add_bos_token=tok_config.get("add_bos_token") is True,
         )
+        if chat_template is None and _architecture(folder) == DEEPSEEK_V4:
+            self.chat_format = "deepseek_v4"
         self.stop_ids = self._find_stop_ids(folder)
         if chat_template is not None:
             # A template that does not compile is reported per request (BAD_REQUEST), not at load:
@@ -129,6 +138,8 @@ class ChatTokenizer:
             stops.add(eos_id)
         special = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
         stops.update(special[t] for t in END_OF_TURN_TOKENS if t in special)
+        if self.chat_format == "deepseek_v4" and (end := self.tokenizer.token_to_id(V4_EOS)) is not None:
+            stops.add(end)  # its replies end with <｜end▁of▁sentence｜>, special-flagged or not
         vocab = self.vocab_size
         return {i for i in stops if 0 <= i < vocab}
 
@@ -157,6 +168,10 @@ class ChatTokenizer:
         variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation; BAD_REQUEST when the template fails or misbehaves."""
+        if self.template is None and self.chat_format == "deepseek_v4":
+            options = variables or {}
+            thinking = bool(options.get("thinking") or options.get("enable_thinking"))
+            return encode_deepseek_v4_chat(messages, thinking, add_generation_prompt)
         if self.template is None:
             return _plain_prompt(messages, add_generation_prompt)
         context: dict[str, Any] = {"tools": None, "documents": None, **(variables or {})}
@@ -165,8 +180,13 @@ class ChatTokenizer:
         context["add_generation_prompt"] = add_generation_prompt
         return self.template.render(context)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.encode(self.render_chat(messages, add_generation_prompt))
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        ids = self.encode(self.render_chat(messages, add_generation_prompt, variables))
         # Real templates spell the BOS token themselves; the plain fallback does not.
         bos = self.special_tokens.get("bos_token")
         bos_id = self.token_id(bos) if bos is not None else None
@@ -177,11 +197,25 @@ class ChatTokenizer:
     def describe(self) -> str:
         model = type(self.tokenizer.model).__name__
         text = f"{model}, {self.vocab_size} tokens"
-        if self.template is None:
+        if self.template is None and self.chat_format == "deepseek_v4":
+            text += "; built-in DeepSeek-V4 chat format"
+        elif self.template is None:
             text += "; no chat template (plain 'User:/Assistant:' prompt)"
         elif not self.template.ok:
             text += "; chat template is broken"
         return text
+
+
+def _architecture(folder: Path) -> str | None:
+    with contextlib.suppress(EngineFailure):  # config.json is checked (and reported) elsewhere
+        config = _read_json(folder / "config.json")
+        archs = config.get("architectures")
+        if isinstance(archs, list) and archs and isinstance(archs[0], str):
+            return archs[0]
+        # DeepSeek configs may name only the model type, or use the reference code's spelling.
+        if config.get("model_type") == "deepseek_v4" or is_model_args_config(config):
+            return DEEPSEEK_V4
+    return None
 
 
 def _plain_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:

@@ -239,5 +239,5 @@ def test_check_model_on_the_default_gguf(model_cache: Path) -> None:
     assert "134.5M" in text and "imported to" in text and "BPE, 49152 tokens" in text
 
 
-def test_supported_architectures_are_the_dense_families() -> None:
-    assert set(SUPPORTED_ARCHITECTURES.values()) == {"llama", "mistral", "qwen2", "qwen3"}
+def test_supported_architectures_are_the_dense_families_and_deepseek_v4() -> None:
+    assert set(SUPPORTED_ARCHITECTURES.values()) == {"llama", "mistral", "qwen2", "qwen3", "deepseek_v4"}

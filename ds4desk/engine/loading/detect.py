@@ -20,6 +20,7 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading import deepseek_v4_names
 from ds4desk.engine.loading.gguf_header import GGUF_MAGIC
 from ds4desk.engine.loading.gguf_import import import_gguf
+from ds4desk.engine.loading.quant_checks import stored_bytes
 from ds4desk.engine.loading.safetensors_header import read_safetensors_header
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
@@ -98,9 +99,13 @@ def inspect_folder(folder: Path) -> ModelSource:
     config = read_config(folder)
     architecture = config["architectures"][0]
     tensors = read_weight_headers(folder)
-    if architecture == deepseek_v4_names.ARCHITECTURE and deepseek_v4_names.is_official_layout(tensors):
-        # DeepSeek's own layout (short names, FP8/FP4 with scales): entries under our names.
-        tensors = deepseek_v4_names.official_tensors(tensors)
+    if architecture == deepseek_v4_names.ARCHITECTURE:
+        config = deepseek_v4_names.normalize_config(config)
+        if deepseek_v4_names.is_official_layout(tensors):
+            # DeepSeek's own layout (short names, FP8/FP4 with scales): entries under our names.
+            tensors = deepseek_v4_names.official_tensors(tensors)
+        else:
+            tensors = deepseek_v4_names.pair_hf_scales(tensors)  # FP8 kept in the HF layout
     tokenizer = folder / "tokenizer.json"
     return ModelSource(
         folder=folder,
@@ -140,6 +145,9 @@ def read_config(folder: Path) -> dict[str, Any]:
             hint = f"; it holds {ggufs[0].name}: open that file instead"
         raise _fail(f"no config.json in {folder}: not a Hugging Face model folder{hint}")
     config = _read_json_object(path, "a model config")
+    if deepseek_v4_names.is_model_args_config(config):
+        # DeepSeek's reference-code config (inference/config.json style).
+        config = deepseek_v4_names.model_args_to_hf(config)
     if "architectures" not in config and config.get("model_type") == "deepseek_v4":
         # Some DeepSeek config.json files name only the model type.
         config["architectures"] = [deepseek_v4_names.ARCHITECTURE]
@@ -307,8 +315,8 @@ def check_model(path: Path, cache_dir: Path) -> ModelReport:
     per_dtype: Counter[str] = Counter()
     weight_bytes = 0
     for entry in source.tensors.values():
-        per_dtype[entry.dtype] += math.prod(entry.shape)
-        weight_bytes += entry.end - entry.begin
+        per_dtype["FP4" if entry.encoding == "fp4_block32" else entry.dtype] += math.prod(entry.shape)
+        weight_bytes += stored_bytes(entry)  # quantized: with scales and every part
     if source.tokenizer_file is None:
         tokenizer = "none (no tokenizer.json)"
     else:

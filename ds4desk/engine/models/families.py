@@ -6,4 +6,8 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
+
+# The families models/llama.py implements (the rest of the table has its own module).
+DENSE_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")

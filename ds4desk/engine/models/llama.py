@@ -27,12 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
-from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
+from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
 
 LogitsMode = Literal["none", "last", "all"]
 
-# Hugging Face architecture name -> our family name. The registry builds its table from this.
-DENSE_ARCHITECTURES = ARCHITECTURE_FAMILIES
+# Hugging Face architecture name -> our family name, for the families this module runs. The
+# registry builds its dense entries from this.
+DENSE_ARCHITECTURES = {arch: fam for arch, fam in ARCHITECTURE_FAMILIES.items() if fam in DENSE_FAMILIES}
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -453,6 +454,16 @@ class DenseModel(nn.Module):
 
     def cache_bytes(self) -> int:
         return 0 if self._cache is None else self._cache.numel() * self._cache.element_size()
+
+    def export_state(self, length: int) -> dict[str, torch.Tensor]:
+        """Everything positions 0..length-1 left behind, as host tensors (a snapshot's payload)."""
+        assert self._cache is not None
+        return {"kv": self._cache[:, :, :, :length].to("cpu", copy=True)}
+
+    def import_state(self, state: dict[str, torch.Tensor], length: int) -> None:
+        """The inverse of export_state: attention never reads past `length`, so nothing else to reset."""
+        assert self._cache is not None
+        self._cache[:, :, :, :length].copy_(state["kv"])
 
     # --- forward -----------------------------------------------------------------------------
 

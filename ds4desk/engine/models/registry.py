@@ -18,8 +18,10 @@ from safetensors import safe_open
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
-from ds4desk.engine.loading.quantized import ShardReader, read_tensor
+from ds4desk.engine.loading.quantized import ShardReader, copy_tensor_into
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
+from ds4desk.engine.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
 from ds4desk.engine.models.llama import DENSE_ARCHITECTURES, DenseConfig, DenseModel, LogitsMode
 
 
@@ -39,6 +41,12 @@ class CausalLM(Protocol):
     def allocate_cache(self, context: int) -> None: ...
 
     def free_cache(self) -> None: ...
+
+    def cache_bytes(self) -> int: ...
+
+    def export_state(self, length: int) -> dict[str, torch.Tensor]: ...
+
+    def import_state(self, state: dict[str, torch.Tensor], length: int) -> None: ...
 
     def forward(
         self, input_ids: torch.Tensor, start_pos: int, logits: LogitsMode = "last"
@@ -70,9 +78,20 @@ def _dense_builder(family: str) -> Callable[[dict[str, Any], torch.dtype], Dense
     return build
 
 
+def _build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype) -> DeepseekV4Model:
+    return DeepseekV4Model(DeepseekV4Config.from_hf(config), dtype)
+
+
 ARCHITECTURES: dict[str, _Family] = {
     arch: _Family(family, _dense_builder(family)) for arch, family in DENSE_ARCHITECTURES.items()
 }
+ARCHITECTURES.update(
+    {
+        arch: _Family(family, _build_deepseek_v4)  # type: ignore[arg-type]  # a CausalLM, not dense
+        for arch, family in ARCHITECTURE_FAMILIES.items()
+        if family == "deepseek_v4"
+    }
+)
 
 # safetensors dtypes that are plain floating point; anything else needs a dequantising path.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -160,10 +179,10 @@ def _copy_from_file(
                 entry = tensors.get(name)
                 if entry is not None and (entry.key is not None or entry.parts or entry.encoding != "plain"):
                     # Renamed, quantized or split (official DeepSeek layout): decoded one tensor at a time.
-                    params[name].copy_(read_tensor(reader, name, entry))
+                    copy_tensor_into(reader, name, entry, params[name])
                 else:
                     params[name].copy_(handle.get_tensor(name))
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, EngineFailure):
         raise
     except (OSError, RuntimeError, ValueError, TypeError) as exc:
         raise _fail(f"reading {file.name}: {exc}") from exc
