@@ -96,6 +96,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 512
     stop_tokens: list[int] | None = None  # None: the tokenizer's end-of-turn tokens
+    thinking: bool = False  # thinking mode for templates that have one (a budget implies it)
     thinking_budget: ThinkingBudget | None = None
     use_snapshots: bool = True  # continue from the longest snapshot that prefixes the prompt
     save_snapshot: SaveSnapshot | None = None

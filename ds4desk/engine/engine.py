@@ -433,7 +433,11 @@ def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]
                 ErrorCode.BAD_REQUEST, f"token ids out of range 0..{tokenizer.vocab_size - 1}: {bad[:5]}"
             )
     elif request.messages is not None:
-        ids = tokenizer.encode_chat(request.messages)
+        thinking = request.thinking or request.thinking_budget is not None
+        # Both spellings: our DeepSeek-V4 encoder and Hugging Face templates (enable_thinking).
+        ids = tokenizer.encode_chat(
+            request.messages, variables={"thinking": thinking, "enable_thinking": thinking}
+        )
     else:
         ids = tokenizer.encode(request.raw_text or "")
     if not ids:

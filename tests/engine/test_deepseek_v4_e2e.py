@@ -169,3 +169,29 @@ def test_reference_code_config_loads_alike(folders: dict[str, Path], tmp_path: P
     assert source.config["hidden_size"] == TINY_CONFIG["hidden_size"]
     assert source.config["mlp_layer_types"] == TINY_CONFIG["mlp_layer_types"]
     torch.testing.assert_close(_logits(folder), _logits(folders["official"]), rtol=0, atol=0)
+
+
+def test_thinking_mode_through_the_engine(folders: dict[str, Path], tmp_path: Path) -> None:
+    """A request in thinking mode (or with a budget) opens the thinking part in the prompt; chat mode
+    closes it, as DeepSeek-V4's chat format does."""
+    from ds4desk.engine import Engine, GenerateRequest, LoadRequest, ThinkingBudget
+    from ds4desk.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer.from_folder(folders["hf"], None)
+    think, close = tokenizer.token_id("<think>"), tokenizer.token_id("</think>")
+    engine = Engine(tmp_path / "cache")
+    try:
+        assert engine.load(LoadRequest(path=str(folders["hf"]), context=128)).ok
+        chat = [{"role": "user", "content": "hello"}]
+        plain = engine.generate(GenerateRequest(messages=chat, max_new_tokens=2))
+        thinking = engine.generate(GenerateRequest(messages=chat, max_new_tokens=2, thinking=True))
+        budget = ThinkingBudget(max_tokens=1, close_tokens=[close])
+        budgeted = engine.generate(
+            GenerateRequest(messages=chat, max_new_tokens=4, thinking_budget=budget, stop_tokens=[])
+        )
+    finally:
+        engine.close()
+    assert plain.ok and plain.prompt_tokens[-1] == close
+    assert thinking.ok and thinking.prompt_tokens[-1] == think
+    assert budgeted.ok and budgeted.prompt_tokens[-1] == think
+    assert budgeted.budget_forced_close or close in budgeted.tokens[:2]
