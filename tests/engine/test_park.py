@@ -123,7 +123,9 @@ def test_park_gives_the_cuda_allocator_its_memory_back(model_cache: Path) -> Non
         parked = engine.park("target")
         assert parked.ok and parked.bytes >= 269_000_000  # bf16 weights of 134.5M parameters
         assert torch.cuda.memory_allocated() <= allocated - parked.bytes
-        assert torch.cuda.memory_allocated() < 10_000_000  # nothing of the model is left
+        # Nothing of the model is left: what remains is cuBLAS's workspace (32 MiB on Hopper), which
+        # torch takes from the same allocator.
+        assert torch.cuda.memory_allocated() < 40 * 2**20
         assert engine.unpark("target").ok
         after = engine.generate(GenerateRequest(messages=PROMPT, max_new_tokens=8))
         assert after.tokens == before.tokens
