@@ -112,7 +112,9 @@ def bench_transformers(folder: Path, count: int, new: int, repeats: int) -> tupl
     ids = torch.tensor([prompt(count)], device="cuda")
     runs = []
     for _ in range(repeats + 1):
-        with torch.inference_mode():
+        # Autocast: transformers 5.17 keeps V4's norms in float32 and then feeds their float32 output
+        # to bf16 projections, which fails without it.
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
             torch.cuda.synchronize()
             start = time.perf_counter()
             model(ids)
