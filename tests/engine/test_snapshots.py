@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from ds4desk.engine.api import EngineFailure, ErrorCode, FinishReason, SamplingParams, SaveSnapshot
+from ds4desk.engine.loading.detect import inspect_folder
+from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import RunOutcome, Runtime
 from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
@@ -20,9 +22,16 @@ PROMPT = [(i * 37 + 11) % 250 + 3 for i in range(30)]
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
-    _, source = save_tiny("llama", tmp_path_factory.mktemp("tiny"), seed=2)
+@pytest.fixture(scope="module", params=["llama", "deepseek_v4"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """Both families: DeepSeek-V4's tiny config has an 8-token window and windows of 4 and 8 tokens
+    for its compressed layers, so snapshot positions land mid-window and after the ring wrapped."""
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        _, source = save_tiny("llama", folder, seed=2)
+    else:
+        make_tiny("deepseek_v4", folder, seed=2)
+        source = inspect_folder(folder)
     return load_model(source, CPU, torch.float32).model
 
 
@@ -59,16 +68,18 @@ def same(a: RunOutcome, b: RunOutcome) -> None:
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 512])
-def test_restore_equals_an_uninterrupted_run(model: torch.nn.Module, chunk: int) -> None:
+@pytest.mark.parametrize("at", [13, 16, 5])
+def test_restore_equals_an_uninterrupted_run(model: torch.nn.Module, chunk: int, at: int) -> None:
+    """13: mid-chunk, mid-window, after the 8-row ring wrapped; 16: where windows close; 5: early."""
     rt = runtime(model, chunk)
     store = SnapshotStore(IDENTITY)
-    saved = run(rt, PROMPT[:20], store, SaveSnapshot(at=13))  # 13: inside a chunk of 4
-    assert saved.snapshot_slot is not None and store.get(saved.snapshot_slot).tokens == tuple(PROMPT[:13])
+    saved = run(rt, PROMPT[:20], store, SaveSnapshot(at=at))
+    assert saved.snapshot_slot is not None and store.get(saved.snapshot_slot).tokens == tuple(PROMPT[:at])
     assert saved.stats.prefill_tokens == 20
     same(saved, run(rt, PROMPT[:20]))  # saving on the way changes nothing
 
     restored = run(rt, PROMPT, store)
-    assert (restored.stats.reused_tokens, restored.stats.prefill_tokens) == (13, len(PROMPT) - 13)
+    assert (restored.stats.reused_tokens, restored.stats.prefill_tokens) == (at, len(PROMPT) - at)
     same(restored, run(rt, PROMPT))
 
 

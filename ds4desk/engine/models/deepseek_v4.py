@@ -616,6 +616,56 @@ class DeepseekV4Model(nn.Module):
     def cache_bytes(self) -> int:
         return 0 if self._cache is None else self._cache.nbytes()
 
+    def export_state(self, length: int) -> dict[str, torch.Tensor]:
+        """The state after positions 0..length-1, as host tensors: the raw window in logical order
+        (oldest position first), the closed compressed and indexer rows, the compressors' carry.
+        Only the current position can be exported: older raw rows are already overwritten."""
+        cache = self._cache
+        assert cache is not None
+        if length != cache.length:
+            raise EngineFailure(
+                ErrorCode.INVALID_SNAPSHOT_SLOT,
+                f"DeepSeek-V4 can snapshot its current position {cache.length}, not {length}",
+            )
+        window = self.config.sliding_window
+        logical = [p % window for p in range(max(0, length - window), length)]
+        state: dict[str, torch.Tensor] = {}
+
+        def host(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to("cpu", copy=True)  # a copy also on the CPU: the cache changes on
+
+        for i, (layer, kind) in enumerate(zip(cache.layers, self.config.layer_types, strict=True)):
+            state[f"{i}.ring"] = host(layer.ring[logical])
+            if layer.entries is not None:
+                rows = length // self.config.rate(kind)
+                state[f"{i}.entries"] = host(layer.entries[:rows])
+                if layer.index_entries is not None:
+                    state[f"{i}.index_entries"] = host(layer.index_entries[:rows])
+            for name, carry in (("compressor", layer.compressor), ("indexer", layer.indexer)):
+                if carry is not None:
+                    for j, tensor in enumerate(carry.tensors()):
+                        state[f"{i}.{name}.{j}"] = host(tensor)
+        return state
+
+    def import_state(self, state: dict[str, torch.Tensor], length: int) -> None:
+        """The inverse of export_state; afterwards the model continues at `length`."""
+        cache = self._cache
+        assert cache is not None
+        window = self.config.sliding_window
+        physical = [p % window for p in range(max(0, length - window), length)]
+        for i, layer in enumerate(cache.layers):
+            layer.ring[physical] = state[f"{i}.ring"].to(layer.ring.device, layer.ring.dtype)
+            for name in ("entries", "index_entries"):
+                target = getattr(layer, name)
+                if target is not None:
+                    rows = state[f"{i}.{name}"]
+                    target[: rows.shape[0]].copy_(rows)
+            for name, carry in (("compressor", layer.compressor), ("indexer", layer.indexer)):
+                if carry is not None:
+                    for j, tensor in enumerate(carry.tensors()):
+                        tensor.copy_(state[f"{i}.{name}.{j}"])
+        cache.length = length
+
     # --- forward -----------------------------------------------------------------------------
 
     def forward(
