@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 from PySide6.QtCore import Qt
+from safetensors.torch import load_file, save_file
 
 from ds4desk.cli import main as cli_main
 from ds4desk.engine import Engine, EngineClient
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.loading.detect import inspect_model
+from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.history import History
 from ds4desk.settings import Settings
 from ds4desk.ui.main_window import MainWindow
@@ -73,12 +75,44 @@ def shapes_that_do_not_match(good: Path, tmp: Path) -> tuple[Path, str]:
     return _edit_config(good, tmp, intermediate_size=96), "config says"
 
 
+def _tiny_v4(tmp: Path) -> Path:
+    folder = tmp / "v4"
+    make_tiny("deepseek_v4", folder, seed=1, layout="official", fp8=True)
+    return folder
+
+
+def v4_missing_shard(good: Path, tmp: Path) -> tuple[Path, str]:
+    folder = _tiny_v4(tmp)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    return folder, "model-00002-of-00002.safetensors"
+
+
+def v4_wrong_shape(good: Path, tmp: Path) -> tuple[Path, str]:
+    folder = _tiny_v4(tmp)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
+    return folder, "shape"
+
+
+def v4_tid2eid_names_a_missing_expert(good: Path, tmp: Path) -> tuple[Path, str]:
+    folder = tmp / "v4"
+    make_tiny("deepseek_v4", folder, seed=1)
+    weights = load_file(str(folder / "model.safetensors"))
+    table = next(name for name in weights if name.endswith("tid2eid"))
+    weights[table][3, 0] = 999
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder, "999"
+
+
 BAD_INPUTS: list[Callable[[Path, Path], tuple[Path, str]]] = [
     truncated_safetensors,
     gguf_cut_in_half,
     folder_without_config,
     unknown_architecture,
     shapes_that_do_not_match,
+    v4_missing_shard,
+    v4_wrong_shape,
+    v4_tid2eid_names_a_missing_expert,
 ]
 
 
@@ -128,16 +162,44 @@ def test_the_window_shows_why_and_goes_on(
     qtbot.waitExposed(window)
     try:
         assert run(window.load_model(str(good_model))).ok
+        label = window.model_label.text()
         failed = run(window.load_model(str(path)))
         assert not failed.ok and failed.error is not None and expected in failed.error.detail
         assert expected in window.chat_view.toPlainText()
         assert "Could not load" in window.status_label.text()
-        assert "tiny-llama" in window.model_label.text()  # the model it had is still there
+        assert window.model_label.text() == label  # the model it had is still there
         qtbot.keyClicks(window.composer, "Still there?")
         qtbot.keyClick(window.composer, Qt.Key.Key_Return)
         run(window.wait_idle())
         answer = history.messages(history.list_chats()[0].id)[-1]
         assert answer.role == "assistant" and answer.finished and answer.stats["generated_tokens"] > 0
+    finally:
+        window.close()
+        run(window.wait_idle())
+        history.close()
+
+
+def test_a_deepseek_v4_model_chats_in_the_window(
+    client: EngineClient, qtbot: Any, run: Any, tmp_path: Path
+) -> None:
+    folder = tmp_path / "tiny-v4"
+    make_tiny("deepseek_v4", folder, seed=3, layout="official", fp8=True)
+    history = History(tmp_path / "history.sqlite3")
+    window = MainWindow(
+        client, history, Settings(temperature=0.0, max_new_tokens=6, context=128, device="cpu")
+    )
+    window.show()
+    qtbot.waitExposed(window)
+    try:
+        loaded = run(window.load_model(str(folder)))
+        assert loaded.ok and loaded.info is not None and loaded.info.family == "deepseek_v4"
+        assert "tiny-v4" in window.model_label.text()
+        qtbot.keyClicks(window.composer, "hello")
+        qtbot.keyClick(window.composer, Qt.Key.Key_Return)
+        run(window.wait_idle())
+        answer = history.messages(history.list_chats()[0].id)[-1]
+        assert answer.role == "assistant" and answer.stats["generated_tokens"] > 0
+        assert "error" not in answer.stats
     finally:
         window.close()
         run(window.wait_idle())

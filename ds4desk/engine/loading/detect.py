@@ -304,6 +304,18 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+def _check_hash_tables(source: ModelSource) -> None:
+    """The one check that needs values, not headers: the small hash-routing tables."""
+    from ds4desk.engine.loading.quantized import ShardReader, read_tensor
+    from ds4desk.engine.models.deepseek_v4 import DeepseekV4Config, check_hash_table
+
+    experts = DeepseekV4Config.from_hf(source.config).num_experts
+    with ShardReader() as reader:
+        for name, entry in source.tensors.items():
+            if name.endswith("mlp.gate.tid2eid"):
+                check_hash_table(name, read_tensor(reader, name, entry), experts)
+
+
 def check_model(path: Path, cache_dir: Path) -> ModelReport:
     """Inspect `path` fully (tokenizer, template, every tensor's name and shape against the
     architecture) without loading any weights."""
@@ -312,6 +324,8 @@ def check_model(path: Path, cache_dir: Path) -> ModelReport:
 
     source = inspect_model(path, cache_dir)
     check_tensors(source)
+    if source.architecture == "DeepseekV4ForCausalLM":
+        _check_hash_tables(source)
     per_dtype: Counter[str] = Counter()
     weight_bytes = 0
     for entry in source.tensors.values():

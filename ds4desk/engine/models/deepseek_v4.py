@@ -442,6 +442,15 @@ class _Backbone(nn.Module):
         self.hc_head = _HyperHead(cfg.hc_mult, cfg.hidden_size)
 
 
+def check_hash_table(name: str, table: torch.Tensor, num_experts: int) -> None:
+    """A hash-routing table may only name experts that exist (LOAD_FAILED otherwise)."""
+    bad = (table < 0) | (table >= num_experts)
+    if bool(bad.any()):
+        raise _fail(
+            f"tensor {name} names expert {int(table[bad][0])}; the model has experts 0..{num_experts - 1}"
+        )
+
+
 # --- the cache -----------------------------------------------------------------------------------
 
 
@@ -553,15 +562,8 @@ class DeepseekV4Model(nn.Module):
         cfg = self.config
         for index, layer in enumerate(self.model.layers):
             table = getattr(layer.mlp.gate, "tid2eid", None)
-            if table is None:
-                continue
-            bad = (table < 0) | (table >= cfg.num_experts)
-            if bool(bad.any()):
-                value = int(table[bad][0])
-                raise _fail(
-                    f"tensor model.layers.{index}.mlp.gate.tid2eid names expert {value}; "
-                    f"the model has experts 0..{cfg.num_experts - 1}"
-                )
+            if table is not None:
+                check_hash_table(f"model.layers.{index}.mlp.gate.tid2eid", table, cfg.num_experts)
         device = self.device
         self._inv_freq = {
             "main": cfg.main_rope.inverse_frequencies(device),
