@@ -195,3 +195,21 @@ def test_thinking_mode_through_the_engine(folders: dict[str, Path], tmp_path: Pa
     assert thinking.ok and thinking.prompt_tokens[-1] == think
     assert budgeted.ok and budgeted.prompt_tokens[-1] == think
     assert budgeted.budget_forced_close or close in budgeted.tokens[:2]
+
+
+def test_mtp_tensors_are_skipped_with_a_log_line(
+    folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = Path(shutil.copytree(folders["official"], tmp_path / "with-mtp"))
+    shard = "model-00002-of-00002.safetensors"
+    weights = load_file(str(folder / shard))
+    weights["mtp.0.norm.weight"] = torch.ones(TINY_CONFIG["hidden_size"])
+    save_file(weights, str(folder / shard))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp.0.norm.weight"] = shard
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with caplog.at_level("INFO"):
+        source = inspect_folder(folder)
+    assert "mtp.0.norm.weight" not in source.tensors
+    assert "skipping 1 MTP tensors" in caplog.text
+    check_tensors(source)

@@ -9,6 +9,7 @@ TensorEntry that says where its bytes are and how to decode them; nothing is rea
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 from typing import Any
@@ -65,6 +66,8 @@ LAYER: dict[str, str] = {
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 SCALE_SUFFIX = ".scale"
+
+log = logging.getLogger(__name__)
 
 
 def _fail(detail: str) -> EngineFailure:
@@ -182,6 +185,9 @@ def official_tensors(raw: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
         tensors[name] = _with_scale(name, key, raw, used)
     for layer, per_expert in experts.items():
         tensors.update(_experts(layer, per_expert, raw, used))
+    mtp = sum(key.startswith("mtp.") for key in raw)
+    if mtp:
+        log.info("skipping %d MTP tensors: ds4desk does not run the MTP head yet", mtp)
     stray = sorted(k for k in raw if k.endswith(SCALE_SUFFIX) and k not in used and not k.startswith("mtp."))
     if stray:
         raise _fail(f"official checkpoint: scale tensor '{stray[0]}' has no weight beside it")
