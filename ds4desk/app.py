@@ -159,7 +159,8 @@ def engine_backend_factory(dirs: DataDirs) -> Callable[[], ChatBackend]:
         from ds4desk.engine.client import EngineClient
         from ds4desk.engine.engine import Engine
 
-        return EngineClient(Engine(dirs.model_cache))
+        options = Settings.load(dirs.settings_file).engine_options()
+        return EngineClient(Engine(dirs.model_cache, **options))
 
     return make
 

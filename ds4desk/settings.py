@@ -36,6 +36,11 @@ class Settings:
     max_new_tokens: int = 1024
     last_model: str | None = None  # None: the embedded default model
     system_prompt: str = ""
+    snapshot_slots: int = 16
+    snapshot_memory_mb: int = 4096  # host memory for snapshots
+    unpark_on_generate: bool = True  # else a request to a parked model fails with model_parked
+    park_cancels_running: bool = False  # else a park waits for the answer being written
+    idle_park_minutes: float = 0.0  # 0: never park by itself
 
     # ---- engine requests ------------------------------------------------------------------
 
@@ -51,6 +56,16 @@ class Settings:
             context=self.context,
             chunk=self.chunk,
         )
+
+    def engine_options(self) -> dict[str, Any]:
+        """The Engine's keyword arguments that these settings decide."""
+        return {
+            "unpark_on_generate": self.unpark_on_generate,
+            "park_cancels_running": self.park_cancels_running,
+            "idle_park_after_s": self.idle_park_minutes * 60 if self.idle_park_minutes > 0 else None,
+            "snapshot_slots": self.snapshot_slots,
+            "snapshot_budget_bytes": self.snapshot_memory_mb * 2**20,
+        }
 
     # ---- JSON -----------------------------------------------------------------------------
 
@@ -121,7 +136,12 @@ def _validated(name: str, value: Any) -> Any:
             ok = isinstance(value, str) and bool(_DEVICE.match(value))
         case "dtype":
             ok = value in DTYPES
-        case "context" | "chunk" | "max_new_tokens":
+        case "unpark_on_generate" | "park_cancels_running":
+            ok = isinstance(value, bool)
+        case "idle_park_minutes":
+            ok = (_is_int(value) or isinstance(value, float)) and value >= 0
+            value = float(value) if ok else value
+        case "context" | "chunk" | "max_new_tokens" | "snapshot_slots" | "snapshot_memory_mb":
             ok = _is_int(value) and value > 0
         case "top_k":
             ok = _is_int(value) and value >= 0

@@ -103,7 +103,7 @@ class EngineClient:
     def cancel(self, request_id: int) -> None:
         self._engine.cancel(request_id)
 
-    async def park(self, selector: str = "", *, cancel_running: bool = False) -> ParkResult:
+    async def park(self, selector: str = "", *, cancel_running: bool | None = None) -> ParkResult:
         return await asyncio.wrap_future(self._engine.submit_park(selector, cancel_running=cancel_running))
 
     async def unpark(self, selector: str = "") -> ParkResult:

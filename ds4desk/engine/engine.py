@@ -70,6 +70,7 @@ class _Parked:
 
 class Engine:
     """`unpark_on_generate`: a request to a parked model reloads it first (else `model_parked`).
+    `park_cancels_running`: a park stops the answer being written instead of waiting for it.
     `idle_park_after_s`: park the model after that long without a command (None: never)."""
 
     def __init__(
@@ -77,6 +78,7 @@ class Engine:
         cache_dir: Path,
         *,
         unpark_on_generate: bool = True,
+        park_cancels_running: bool = False,
         idle_park_after_s: float | None = None,
         snapshot_slots: int = 16,
         snapshot_budget_bytes: int = 4 * 2**30,
@@ -85,6 +87,7 @@ class Engine:
         self._snapshot_slots = snapshot_slots
         self._snapshot_budget_bytes = snapshot_budget_bytes
         self._unpark_on_generate = unpark_on_generate
+        self._park_cancels_running = park_cancels_running
         self._idle_park_after_s = idle_park_after_s
         self._commands: queue.Queue[_Command | None] = queue.Queue()
         self._cancelled: set[int] = set()
@@ -115,10 +118,11 @@ class Engine:
     ) -> Future[GenerateResult]:
         return self._submit(_Command("generate", request, Future(), sink))
 
-    def submit_park(self, selector: str = "", *, cancel_running: bool = False) -> Future[ParkResult]:
+    def submit_park(self, selector: str = "", *, cancel_running: bool | None = None) -> Future[ParkResult]:
         """Park frees weights and caches on the device. It runs after the commands queued before it,
-        so it waits for a running generation, unless `cancel_running` stops that one first."""
-        if cancel_running:
+        so it waits for a running generation, unless `cancel_running` (default: the engine's
+        park_cancels_running) stops that one first."""
+        if self._park_cancels_running if cancel_running is None else cancel_running:
             with self._lock:
                 if self._running is not None:
                     self._cancelled.add(self._running)
@@ -138,7 +142,7 @@ class Engine:
     def slots(self, op: str = "list", slot: int | None = None, path: Path | None = None) -> SlotResult:
         return self.submit_slots(op, slot, path).result()
 
-    def park(self, selector: str = "", *, cancel_running: bool = False) -> ParkResult:
+    def park(self, selector: str = "", *, cancel_running: bool | None = None) -> ParkResult:
         return self.submit_park(selector, cancel_running=cancel_running).result()
 
     def unpark(self, selector: str = "") -> ParkResult:

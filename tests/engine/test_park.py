@@ -131,3 +131,19 @@ def test_park_gives_the_cuda_allocator_its_memory_back(model_cache: Path) -> Non
         assert after.tokens == before.tokens
     finally:
         engine.close()
+
+
+def test_an_engine_set_to_cancel_on_park(model_cache: Path) -> None:
+    engine = Engine(model_cache, park_cancels_running=True)
+    try:
+        assert engine.load(LoadRequest(context=512)).ok
+        started = threading.Event()
+        request = GenerateRequest(raw_text="Once upon a time", max_new_tokens=400, stop_tokens=[])
+        request.on_token = lambda _token: started.set()
+        running = engine.submit_generate(request)
+        started.wait(60)
+        park = engine.submit_park("all")
+        assert running.result().finish_reason == FinishReason.CANCELLED
+        assert park.result().parked
+    finally:
+        engine.close()

@@ -81,3 +81,21 @@ def test_requests_from_settings() -> None:
     override = settings.load_request("/m/b", "cuda:0")
     assert (override.path, override.device) == ("/m/b", "cuda:0")
     assert settings.sampling().greedy
+
+
+def test_engine_options_follow_the_settings(tmp_path: Path) -> None:
+    assert Settings().engine_options() == {
+        "unpark_on_generate": True,
+        "park_cancels_running": False,
+        "idle_park_after_s": None,
+        "snapshot_slots": 16,
+        "snapshot_budget_bytes": 4096 * 2**20,
+    }
+    path = tmp_path / "settings.json"
+    path.write_text(
+        '{"idle_park_minutes": 2, "park_cancels_running": true, '
+        '"snapshot_slots": 0, "unpark_on_generate": "no"}'
+    )
+    options = Settings.load(path).engine_options()
+    assert options["idle_park_after_s"] == 120.0 and options["park_cancels_running"] is True
+    assert options["snapshot_slots"] == 16 and options["unpark_on_generate"] is True  # bad values: defaults
