@@ -36,22 +36,44 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", type=Path)
+    parser.add_argument(
+        "--token-prompt",
+        action="store_true",
+        help="a conversation of token ids (models without a real tokenizer)",
+    )
     args = parser.parse_args()
 
     engine = Engine(args.cache or Path(tempfile.mkdtemp(prefix="ds4bench-")))
     try:
         loaded = engine.load(LoadRequest(args.model, args.device, args.dtype, context=args.tokens + 512))
         assert loaded.ok and loaded.info, loaded.error
-        chat = [{"role": "user", "content": TEXT * (args.tokens // 33) + "Summarise the log in one line."}]
-        first = engine.generate(
-            GenerateRequest(messages=chat, max_new_tokens=32, save_snapshot=SaveSnapshot())
-        )
-        assert first.ok, first.error
-        chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Which ships?"}]
+        if args.token_prompt:
+            vocab = 49152 if args.model is None else 120000
+            ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(args.tokens)]
+            first = engine.generate(
+                GenerateRequest(
+                    prompt_tokens=ids, max_new_tokens=32, stop_tokens=[], save_snapshot=SaveSnapshot()
+                )
+            )
+            assert first.ok, first.error
+            follow: dict[str, object] = {"prompt_tokens": [*ids, *first.tokens, *range(500, 514)]}
+        else:
+            chat = [
+                {"role": "user", "content": TEXT * (args.tokens // 33) + "Summarise the log in one line."}
+            ]
+            first = engine.generate(
+                GenerateRequest(messages=chat, max_new_tokens=32, save_snapshot=SaveSnapshot())
+            )
+            assert first.ok, first.error
+            chat += [
+                {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "Which ships?"},
+            ]
+            follow = {"messages": chat}
         warm, cold = [], []
         for _ in range(args.repeats):
             for use, into in ((True, warm), (False, cold)):
-                result = engine.generate(GenerateRequest(messages=chat, max_new_tokens=1, use_snapshots=use))
+                result = engine.generate(GenerateRequest(**follow, max_new_tokens=1, use_snapshots=use))  # type: ignore[arg-type]
                 assert result.ok, result.error
                 into.append(result.stats)
     finally:
