@@ -50,9 +50,12 @@ class Runtime:
         self.chunk = chunk
         try:
             model.allocate_cache(context)
-        except torch.OutOfMemoryError as exc:
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            # The CPU allocator says so with a plain RuntimeError.
+            if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+                raise
             raise EngineFailure(
-                ErrorCode.OUT_OF_MEMORY, f"KV cache for {context} positions on {device}: {exc}"
+                ErrorCode.OUT_OF_MEMORY, f"the cache for {context} positions does not fit on {device}"
             ) from exc
 
     def close(self) -> None:

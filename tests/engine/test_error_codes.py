@@ -4,9 +4,16 @@ started; the engine stays usable after each."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import pytest
+import torch
+
 from ds4desk.engine import Engine, ErrorCode, FinishReason, GenerateRequest, LoadRequest
+from tests.engine.tiny_dense import save_tiny
+
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def huge_model(folder: Path) -> Path:
@@ -67,5 +74,21 @@ def test_a_request_cancelled_before_it_starts(model_cache: Path) -> None:
         assert result.error is not None and result.error.code == ErrorCode.CANCELLED
         assert result.finish_reason == FinishReason.CANCELLED and result.tokens == []
         assert engine.generate(GenerateRequest(raw_text="Hi", max_new_tokens=2)).ok
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_GPU)])
+def test_a_cache_too_large_is_out_of_memory_and_the_engine_goes_on(tmp_path: Path, device: str) -> None:
+    """A context of 2^34 positions: the KV cache cannot be allocated (CPU or CUDA allocator)."""
+    folder = tmp_path / "tiny"
+    save_tiny("llama", folder, max_position_embeddings=2**40)
+    shutil.copy(Path(__file__).with_name("tiny_tokenizer.json"), folder / "tokenizer.json")
+    engine = Engine(tmp_path / "cache")
+    try:
+        assert engine.load(LoadRequest(path=str(folder), device=device, context=64)).ok
+        refused = engine.load(LoadRequest(path=str(folder), device=device, context=2**34))
+        assert refused.error is not None and refused.error.code == ErrorCode.OUT_OF_MEMORY
+        assert engine.generate(GenerateRequest(prompt_tokens=[1, 2, 3], max_new_tokens=2)).ok
     finally:
         engine.close()
