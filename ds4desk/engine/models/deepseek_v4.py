@@ -618,6 +618,21 @@ class DeepseekV4Model(nn.Module):
     def cache_bytes(self) -> int:
         return 0 if self._cache is None else self._cache.nbytes()
 
+    def cache_bytes_for(self, context: int) -> int:
+        """What allocate_cache(context) will take, before taking it (the compressed and indexer rows
+        grow with the context; the ring and the carry states do not)."""
+        cfg = self.config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for layer_type in cfg.layer_types:
+            total += cfg.sliding_window * cfg.head_dim * itemsize
+            if layer_type != SLIDING:
+                rows = context // cfg.rate(layer_type)
+                total += rows * cfg.head_dim * itemsize
+                if layer_type == CSA:
+                    total += rows * cfg.index_head_dim * itemsize
+        return total
+
     def export_state(self, length: int) -> dict[str, torch.Tensor]:
         """The state after positions 0..length-1, as host tensors: the raw window in logical order
         (oldest position first), the closed compressed and indexer rows, the compressors' carry.

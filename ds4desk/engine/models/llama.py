@@ -455,6 +455,12 @@ class DenseModel(nn.Module):
     def cache_bytes(self) -> int:
         return 0 if self._cache is None else self._cache.numel() * self._cache.element_size()
 
+    def cache_bytes_for(self, context: int) -> int:
+        """What allocate_cache(context) will take, before taking it."""
+        cfg = self.config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return cfg.num_layers * 2 * cfg.num_kv_heads * context * cfg.head_dim * itemsize
+
     def export_state(self, length: int) -> dict[str, torch.Tensor]:
         """Everything positions 0..length-1 left behind, as host tensors (a snapshot's payload)."""
         assert self._cache is not None
