@@ -257,6 +257,9 @@ class Engine:
             gc.collect()
             if previous is not None and previous.request != request:
                 log.warning("loading %s failed; reloading %s", path, previous.info.path)
+                # Through the parked state, so the reload keeps its snapshots; if it fails too, the
+                # previous model stays chosen, parked, and the next request tries again.
+                self._parked = _Parked(previous.request, previous.info, previous.snapshots)
                 self._restore(previous.request)
             raise
         info = ModelInfo(
