@@ -33,6 +33,7 @@ from ds4desk.engine.api import (
     LoadRequest,
     LoadResult,
     ModelInfo,
+    ParkResult,
     TextDelta,
 )
 from ds4desk.history import History, HistoryError
@@ -151,6 +152,16 @@ class UnavailableBackend:
 
     def cancel(self, request_id: int) -> None:
         pass
+
+    @property
+    def parked(self) -> bool:
+        return False
+
+    async def park(self, selector: str) -> ParkResult:
+        return ParkResult(selector, False, error=EngineError(ErrorCode.MODEL_NOT_LOADED, self.reason))
+
+    async def unpark(self, selector: str) -> ParkResult:
+        return ParkResult(selector, False, error=EngineError(ErrorCode.MODEL_NOT_LOADED, self.reason))
 
 
 def engine_backend_factory(dirs: DataDirs) -> Callable[[], ChatBackend]:

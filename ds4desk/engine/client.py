@@ -7,8 +7,11 @@ the loop in batches at most `updates_per_second` times a second, never one callb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 from ds4desk.engine.api import (
     GenerateRequest,
@@ -20,6 +23,35 @@ from ds4desk.engine.api import (
     TextDelta,
 )
 from ds4desk.engine.engine import Engine
+
+T = TypeVar("T")
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object) -> None:
+    """From the engine thread onto `loop`, unless the loop has closed meanwhile (a window closed while
+    the engine was still finishing a request): a closed Qt loop must never be called into."""
+    if loop.is_closed():
+        return
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
+
+
+async def _result_of(future: Future[T]) -> T:
+    """Await a concurrent future of the engine thread, resolved through _call_soon."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[T] = loop.create_future()
+
+    def settle(done: Future[T]) -> None:
+        if waiter.done():  # the awaiting task was cancelled
+            return
+        error = done.exception()
+        if error is not None:
+            waiter.set_exception(error)
+        else:
+            waiter.set_result(done.result())
+
+    future.add_done_callback(lambda done: _call_soon(loop, settle, done))
+    return await waiter
 
 
 class _DeltaBatcher:
@@ -49,7 +81,7 @@ class _DeltaBatcher:
             if self._armed:
                 return
             self._armed = True
-        self._loop.call_soon_threadsafe(self._arm)
+        _call_soon(self._loop, self._arm)
 
     def _arm(self) -> None:
         delay = max(0.0, self._last_flush + self._interval_s - self._loop.time())
@@ -79,8 +111,12 @@ class EngineClient:
     def model_info(self) -> ModelInfo | None:
         return self._engine.model_info
 
+    @property
+    def parked(self) -> bool:
+        return self._engine.parked
+
     async def load(self, request: LoadRequest) -> LoadResult:
-        return await asyncio.wrap_future(self._engine.submit_load(request))
+        return await _result_of(self._engine.submit_load(request))
 
     async def generate(
         self, request: GenerateRequest, on_delta: Callable[[TextDelta], None] | None = None
@@ -92,7 +128,7 @@ class EngineClient:
             )
         future = self._engine.submit_generate(request, batcher.push if batcher else None)
         try:
-            return await asyncio.wrap_future(future)
+            return await _result_of(future)
         except asyncio.CancelledError:
             self._engine.cancel(request.request_id)
             raise
@@ -104,10 +140,10 @@ class EngineClient:
         self._engine.cancel(request_id)
 
     async def park(self, selector: str = "", *, cancel_running: bool | None = None) -> ParkResult:
-        return await asyncio.wrap_future(self._engine.submit_park(selector, cancel_running=cancel_running))
+        return await _result_of(self._engine.submit_park(selector, cancel_running=cancel_running))
 
     async def unpark(self, selector: str = "") -> ParkResult:
-        return await asyncio.wrap_future(self._engine.submit_unpark(selector))
+        return await _result_of(self._engine.submit_unpark(selector))
 
     def close(self) -> None:
         self._engine.close()

@@ -211,7 +211,8 @@ class ChatView(QTextBrowser):
 def _note_html(note: str | None, kind: NoteKind) -> str:
     if not note:
         return ""
-    return f'<p style="color: {_NOTE_COLORS[kind]}; margin-top: 6px;"><i>{html.escape(note)}</i></p>'
+    body = html.escape(note).replace("\n", "<br>")  # a note may have several lines (reason, then speed)
+    return f'<p style="color: {_NOTE_COLORS[kind]}; margin-top: 6px;"><i>{body}</i></p>'
 
 
 def _open_link(url: QUrl) -> None:

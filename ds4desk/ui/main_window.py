@@ -17,6 +17,8 @@ from typing import Any
 from PySide6.QtCore import QPoint, Qt
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
+    QComboBox,
+    QDockWidget,
     QFileDialog,
     QHBoxLayout,
     QInputDialog,
@@ -40,6 +42,7 @@ from ds4desk.engine.api import (
     GenerateResult,
     LoadResult,
     ModelInfo,
+    ParkResult,
     SaveSnapshot,
     TextDelta,
 )
@@ -49,12 +52,15 @@ from ds4desk.ui.backend import ChatBackend
 from ds4desk.ui.chat_view import ChatView, NoteKind
 from ds4desk.ui.composer import Composer
 from ds4desk.ui.markdown_render import split_thinking
+from ds4desk.ui.speed_chart import SpeedChart
+from ds4desk.ui.stats_format import format_bytes, stats_footer
 
 log = logging.getLogger(__name__)
 
 WINDOW_TITLE = "ds4desk"
 UNTITLED = "New chat"
 _CHAT_ID = Qt.ItemDataRole.UserRole
+PARK_CHOICES = (("All models", "all"), ("Target model", "target"), ("Draft model", "draft"))
 
 
 @dataclass(slots=True)
@@ -67,15 +73,17 @@ class _Generation:
 
 
 def message_note(message: Message) -> tuple[str | None, NoteKind]:
-    """What to say under an assistant message that did not simply complete."""
+    """What to say under an assistant message: how a finished one went (speed, reuse), or why an
+    unfinished one stopped."""
     if message.role != "assistant":
         return None, NoteKind.INFO
     stats = message.stats or {}
     reason = stats.get("finish_reason")
     if message.finished:
+        lines = [stats_footer(stats)]
         if reason == FinishReason.LENGTH:
-            return "Stopped at the length limit (max new tokens).", NoteKind.INFO
-        return None, NoteKind.INFO
+            lines.insert(0, "Stopped at the length limit (max new tokens).")
+        return "\n".join(line for line in lines if line) or None, NoteKind.INFO
     if reason == FinishReason.CANCELLED:
         return "Stopped.", NoteKind.INFO
     if reason == FinishReason.ERROR:
@@ -108,12 +116,14 @@ class MainWindow(QMainWindow):
         self._generation: _Generation | None = None
         self._send_task: asyncio.Task[GenerateResult | None] | None = None
         self._load_task: asyncio.Task[LoadResult] | None = None
+        self._park_task: asyncio.Task[ParkResult] | None = None
         self._closed = False
 
         self.setWindowTitle(WINDOW_TITLE)
         self.resize(1100, 750)
         self.setMinimumSize(640, 420)
         self._build_widgets()
+        self._build_speed_dock()
         self._build_actions()
         self._build_status_bar()
         self._refresh_sidebar()
@@ -162,11 +172,14 @@ class MainWindow(QMainWindow):
         composer_row.addWidget(self.composer, 1)
         composer_row.addLayout(buttons)
 
+        park_box = self._build_park_row()
+
         main = QWidget(objectName="ChatPane")
         column = QVBoxLayout(main)
         column.setContentsMargins(0, 0, 0, 12)
         column.setSpacing(10)
         column.addWidget(self.chat_view, 1)
+        column.addWidget(park_box)
         composer_box = QWidget(objectName="ComposerBox")
         composer_box.setLayout(composer_row)
         composer_row.setContentsMargins(16, 0, 16, 0)
@@ -179,6 +192,40 @@ class MainWindow(QMainWindow):
         splitter.setSizes([250, 850])
         splitter.setChildrenCollapsible(False)
         self.setCentralWidget(splitter)
+
+    def _build_park_row(self) -> QWidget:
+        """Park / Unpark sit right above the composer: freeing the GPU for something else and
+        getting it back are everyday actions, not settings."""
+        self.park_selector = QComboBox(objectName="ParkSelector")
+        for label, selector in PARK_CHOICES:
+            self.park_selector.addItem(label, selector)
+        self.park_selector.setToolTip("Which model Park and Unpark act on")
+        self.park_button = QPushButton("Park", objectName="ParkButton")
+        self.park_button.setToolTip("Free the model's memory; the next answer loads it back")
+        self.park_button.clicked.connect(self.start_park)
+        self.unpark_button = QPushButton("Unpark", objectName="UnparkButton")
+        self.unpark_button.setToolTip("Load the parked model back now")
+        self.unpark_button.clicked.connect(self.start_unpark)
+        row = QHBoxLayout()
+        row.setContentsMargins(16, 0, 16, 0)
+        row.setSpacing(6)
+        row.addWidget(QLabel("Memory:"))
+        row.addWidget(self.park_selector)
+        for button in (self.park_button, self.unpark_button):
+            button.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # keep the focus in the composer
+            row.addWidget(button)
+        row.addStretch(1)
+        box = QWidget(objectName="ParkRow")
+        box.setLayout(row)
+        return box
+
+    def _build_speed_dock(self) -> None:
+        """Per-answer speed over the session; hidden until asked for (View > Speed)."""
+        self.speed_chart = SpeedChart()
+        self.speed_dock = QDockWidget("Speed", self, objectName="SpeedDock")
+        self.speed_dock.setWidget(self.speed_chart)
+        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.speed_dock)
+        self.speed_dock.hide()
 
     def _build_actions(self) -> None:
         self.open_model_action = QAction("&Open model…", self)
@@ -202,6 +249,11 @@ class MainWindow(QMainWindow):
         file_menu.addAction(self.new_chat_action)
         file_menu.addSeparator()
         file_menu.addAction(self.quit_action)
+        self.speed_dock_action = self.speed_dock.toggleViewAction()  # stays in step with the dock's X
+        self.speed_dock_action.setText("&Speed")
+        self.speed_dock_action.setStatusTip("Show decode speed and time to first token per answer")
+        view_menu = self.menuBar().addMenu("&View")
+        view_menu.addAction(self.speed_dock_action)
 
     def _build_status_bar(self) -> None:
         self.status_label = QLabel("Ready", objectName="StatusLabel")
@@ -230,15 +282,67 @@ class MainWindow(QMainWindow):
             self.set_status(f"Internal error: {summary} (details in the crash log)", error=True)
 
     def _show_model(self, info: ModelInfo | None) -> None:
+        self._update_park_buttons()
         if info is None:
             self.model_label.setText("No model loaded")
             self.model_label.setToolTip("")
             return
-        self.model_label.setText(f"{info.name}  ·  {info.device}  ·  {info.dtype}")
+        parked = "  (parked)" if self.backend.parked else ""
+        self.model_label.setText(f"{info.name}  ·  {info.device}  ·  {info.dtype}{parked}")
         self.model_label.setToolTip(
             f"{info.architecture}, {info.parameters / 1e9:.2f} B parameters\n"
             f"context {info.context}, tokenizer {info.tokenizer}\n{info.path}"
         )
+
+    # ---- parking ----------------------------------------------------------------------------
+
+    @property
+    def parking(self) -> bool:
+        return self._park_task is not None and not self._park_task.done()
+
+    def _update_park_buttons(self) -> None:
+        """Park only what is loaded, unpark only what is parked, and one action at a time."""
+        has_model = self.backend.model_info is not None
+        parked = self.backend.parked
+        self.park_button.setEnabled(has_model and not parked and not self.parking)
+        self.unpark_button.setEnabled(has_model and parked and not self.parking)
+
+    def start_park(self) -> asyncio.Task[ParkResult]:
+        return self._start_park_action(park=True)
+
+    def start_unpark(self) -> asyncio.Task[ParkResult]:
+        return self._start_park_action(park=False)
+
+    def _start_park_action(self, *, park: bool) -> asyncio.Task[ParkResult]:
+        selector = str(self.park_selector.currentData())
+        self._park_task = asyncio.ensure_future(self.set_parked(park, selector))
+        self._update_park_buttons()  # now, not when the task first runs: a second click must see it
+        return self._park_task
+
+    async def set_parked(self, park: bool, selector: str) -> ParkResult:
+        """Park or unpark `selector` and say what it freed or took; never raises."""
+        self.set_status(f"{'Parking' if park else 'Unparking'} ({selector})…")
+        try:
+            result = await (self.backend.park(selector) if park else self.backend.unpark(selector))
+        except Exception as exc:  # the backend promises not to raise; a bug must not kill the window
+            log.exception("park/unpark raised")
+            # LOAD_FAILED is only the nearest code: what the user sees is the detail.
+            error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
+            result = ParkResult(selector, self.backend.parked, error=error)
+        if self._closed:
+            return result
+        self._park_task = None  # done: the buttons below must not count it as running
+        self._show_model(self.backend.model_info)
+        if result.error is not None:
+            action = "park" if park else "unpark"
+            self.set_status(f"Could not {action} the model: {result.error.detail}", error=True)
+        elif result.bytes:
+            moved = f"freed {format_bytes(result.bytes)}" if park else f"loaded {format_bytes(result.bytes)}"
+            done = "Parked" if park else "Unparked"
+            self.set_status(f"{done} ({selector}): {moved} in {result.seconds:.1f} s")
+        else:
+            self.set_status(f"{'Park' if park else 'Unpark'} ({selector}): nothing to do")
+        return result
 
     # ---- model loading --------------------------------------------------------------------
 
@@ -417,9 +521,10 @@ class MainWindow(QMainWindow):
             self.set_status("Stopping…")
 
     async def wait_idle(self) -> None:
-        """Until no load or answer is running (tests, and a clean shutdown)."""
+        """Until no load, park or answer is running (tests, and a clean shutdown)."""
         while True:
-            pending = [t for t in (self._load_task, self._send_task) if t is not None and not t.done()]
+            tasks = (self._load_task, self._send_task, self._park_task)
+            pending = [t for t in tasks if t is not None and not t.done()]
             if not pending:
                 return
             await asyncio.wait(pending)
@@ -506,6 +611,7 @@ class MainWindow(QMainWindow):
         info = self.backend.model_info
         if info is not None:
             self.history.set_chat_model(generation.chat_id, info.name)
+        self._show_model(info)  # an answer to a parked model loads it back
 
         message = self.history.get_message(generation.writer.message_id)
         note, kind = message_note(message) if message else (None, NoteKind.INFO)
@@ -522,6 +628,7 @@ class MainWindow(QMainWindow):
             self.set_status("Ready")
         if result.stats.generated_tokens:
             s = result.stats
+            self.speed_chart.add_answer(s.decode_tok_s, s.time_to_first_token_s)
             self.speed_label.setText(f"{s.generated_tokens} tokens  ·  {s.decode_tok_s:.1f} tok/s")
             self.speed_label.setToolTip(
                 f"prompt {s.prompt_tokens} tokens ({s.reused_tokens} reused), "

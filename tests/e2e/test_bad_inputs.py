@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import shiboken6
 from PySide6.QtCore import Qt
 from safetensors.torch import load_file, save_file
 
@@ -176,6 +177,7 @@ def test_the_window_shows_why_and_goes_on(
     finally:
         window.close()
         run(window.wait_idle())
+        shiboken6.delete(window)  # on this thread, not whichever thread the GC runs on
         history.close()
 
 
@@ -203,4 +205,5 @@ def test_a_deepseek_v4_model_chats_in_the_window(
     finally:
         window.close()
         run(window.wait_idle())
+        shiboken6.delete(window)  # on this thread, not whichever thread the GC runs on
         history.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import shiboken6
 from PySide6.QtCore import Qt
 
 from ds4desk.engine import Engine, EngineClient, GenerateRequest, SamplingParams
@@ -41,6 +42,7 @@ def open_window(qtbot: Any, loop: Any, client: EngineClient, tmp_path: Path) -> 
     for window, history in made:
         window.close()
         loop.run_until_complete(window.wait_idle())
+        shiboken6.delete(window)  # on this thread, not whichever thread the GC runs on
         history.close()
 
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 import qasync
+import shiboken6
 from PySide6.QtWidgets import QApplication
 
 from ds4desk.history import History
@@ -76,6 +77,8 @@ def make_window(qtbot: Any, loop: qasync.QEventLoop, db_path: Path) -> Iterator[
     for window in windows:  # close first: closeEvent saves a still-streaming answer
         window.close()
         loop.run_until_complete(window.wait_idle())
-        window.deleteLater()
+        # Now, on this thread: left to the garbage collector, the C++ window could be destroyed on
+        # whichever thread collects (the engine thread), while Qt is painting here.
+        shiboken6.delete(window)
     for history in histories:
         history.close()

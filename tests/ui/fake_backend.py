@@ -20,6 +20,7 @@ from ds4desk.engine.api import (
     LoadRequest,
     LoadResult,
     ModelInfo,
+    ParkResult,
     TextDelta,
 )
 
@@ -53,19 +54,53 @@ class FakeBackend:
     fail_after_batches: int = 0  # batches streamed before fail_generate strikes
     on_load: Callable[[LoadResult], None] | None = None
     after_batch: Callable[[], None] | None = None  # called after each on_delta (tests look at the view)
+    park_bytes: int = 4_400_000_000  # what a park frees and an unpark takes back
+    fail_park: EngineError | None = None
+    fail_unpark: EngineError | None = None
+    raise_on_park: Exception | None = None  # a broken backend: the window must survive it
+    prompt_tokens: int = 12
+    reused_tokens: int = 0  # reported as taken from a snapshot
 
     # What the window did.
     load_requests: list[LoadRequest] = field(default_factory=list)
     generate_requests: list[GenerateRequest] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
+    park_calls: list[tuple[str, str]] = field(default_factory=list)  # ("park" | "unpark", selector)
     batches_sent: int = 0
 
     _info: ModelInfo | None = None
     _progress: asyncio.Event | None = None
+    _parked: bool = False
 
     @property
     def model_info(self) -> ModelInfo | None:
         return self._info
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    async def park(self, selector: str) -> ParkResult:
+        self.park_calls.append(("park", selector))
+        await asyncio.sleep(self.delay_s)
+        if self.raise_on_park is not None:
+            raise self.raise_on_park
+        if self.fail_park is not None:
+            return ParkResult(selector, self._parked, error=self.fail_park)
+        if self._info is None or self._parked or selector == "draft":  # like the engine: no draft yet
+            return ParkResult(selector, self._parked)
+        self._parked = True
+        return ParkResult(selector, True, bytes=self.park_bytes, seconds=0.02)
+
+    async def unpark(self, selector: str) -> ParkResult:
+        self.park_calls.append(("unpark", selector))
+        await asyncio.sleep(self.delay_s)
+        if self.fail_unpark is not None:
+            return ParkResult(selector, self._parked, error=self.fail_unpark)
+        if not self._parked or selector == "draft":
+            return ParkResult(selector, self._parked)
+        self._parked = False
+        return ParkResult(selector, False, bytes=self.park_bytes, seconds=0.5)
 
     async def load(self, request: LoadRequest) -> LoadResult:
         self.load_requests.append(request)
@@ -74,6 +109,7 @@ class FakeBackend:
             result = LoadResult(error=self.fail_load, seconds=0.01)
         else:
             self._info = fake_info(request.path, request.device)
+            self._parked = False  # a new model replaces a parked one
             result = LoadResult(info=self._info, seconds=0.25)
         if self.on_load is not None:
             self.on_load(result)
@@ -86,6 +122,8 @@ class FakeBackend:
         rid = request.request_id
         if self._info is None:
             return GenerateResult(rid, error=EngineError(ErrorCode.MODEL_NOT_LOADED, "no model is loaded"))
+        if self._parked:  # the engine's default: an answer to a parked model loads it back first
+            await self.unpark("all")
         text = self.replies.pop(0) if self.replies else self.reply
         chunks = [text[i : i + self.batch_chars] for i in range(0, len(text), self.batch_chars)]
         sent: list[str] = []
@@ -117,10 +155,11 @@ class FakeBackend:
         if self._progress is not None:
             self._progress.set()
 
-    @staticmethod
-    def _result(rid: int, text: str, tokens: int, reason: FinishReason) -> GenerateResult:
+    def _result(self, rid: int, text: str, tokens: int, reason: FinishReason) -> GenerateResult:
         stats = GenerateStats(
-            prompt_tokens=12,
+            prompt_tokens=self.prompt_tokens,
+            reused_tokens=self.reused_tokens,
+            prefill_tokens=self.prompt_tokens - self.reused_tokens,
             generated_tokens=tokens,
             time_to_first_token_s=0.05,
             prefill_s=0.05,
