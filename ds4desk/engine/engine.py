@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import queue
 import threading
 import time
@@ -239,7 +240,7 @@ class Engine:
         context = min(request.context, int(source.config.get("max_position_embeddings") or request.context))
         # Names and shapes against the architecture, on the meta device: this also sizes the cache.
         planned, _ = check_tensors(source, dtype)
-        weight_count = sum(_numel(entry.shape) for entry in source.tensors.values())
+        weight_count = sum(math.prod(entry.shape) for entry in source.tensors.values())
         needed = weight_count * torch.empty((), dtype=dtype).element_size() + planned.cache_bytes_for(context)
         previous = self._loaded
         # Refused before the current model is let go: a model that cannot fit costs nothing.
@@ -462,13 +463,6 @@ def _allocated(device: Any) -> int:
     import torch
 
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 def _dtype_name(dtype: Any) -> str:

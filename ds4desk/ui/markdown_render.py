@@ -7,7 +7,6 @@ class selectors from a stylesheet it was not given.
 
 from __future__ import annotations
 
-import html
 import re
 
 import markdown
@@ -124,8 +123,3 @@ def _prepare(text: str, *, streaming: bool) -> str:
     if fence is not None and streaming:
         out.append(fence)
     return "\n".join(out)
-
-
-def escape_plain(text: str) -> str:
-    """User messages are shown as typed, not as Markdown: escape and keep the line breaks."""
-    return html.escape(text).replace("\n", "<br>")

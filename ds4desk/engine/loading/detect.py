@@ -25,7 +25,6 @@ from ds4desk.engine.loading.safetensors_header import read_safetensors_header
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
 
-SUPPORTED_ARCHITECTURES = ARCHITECTURE_FAMILIES
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files of a HF folder that a user may drop instead of the folder itself.
 FOLDER_FILES = frozenset(
@@ -154,8 +153,8 @@ def read_config(folder: Path) -> dict[str, Any]:
     archs = config.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise _fail(f"{path} names no architecture (its 'architectures' list is missing or empty)")
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise _fail(f"unknown architecture '{archs[0]}'; ds4desk runs: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if archs[0] not in ARCHITECTURE_FAMILIES:
+        raise _fail(f"unknown architecture '{archs[0]}'; ds4desk runs: {', '.join(ARCHITECTURE_FAMILIES)}")
     return config
 
 
@@ -338,7 +337,7 @@ def check_model(path: Path, cache_dir: Path) -> ModelReport:
     return ModelReport(
         path=source.origin,
         folder=source.folder,
-        family=SUPPORTED_ARCHITECTURES[source.architecture],
+        family=ARCHITECTURE_FAMILIES[source.architecture],
         architecture=source.architecture,
         parameters=sum(per_dtype.values()),
         dtype=per_dtype.most_common(1)[0][0],
@@ -352,7 +351,6 @@ def check_model(path: Path, cache_dir: Path) -> ModelReport:
 
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "ModelReport",
     "check_model",
     "inspect_folder",
