@@ -30,6 +30,7 @@ class Settings:
     dtype: str = "auto"  # "auto": float32 on the CPU, bfloat16 on a GPU
     context: int = 4096
     chunk: int = 512
+    cuda_graphs: str = "auto"  # "auto" (on for CUDA, off for HIP) | "on" | "off"
     temperature: float = 0.7
     top_p: float = 0.95
     top_k: int = 0  # 0: no top-k cut
@@ -55,6 +56,7 @@ class Settings:
             dtype=None if self.dtype == "auto" else self.dtype,
             context=self.context,
             chunk=self.chunk,
+            cuda_graphs=None if self.cuda_graphs == "auto" else self.cuda_graphs == "on",
         )
 
     def engine_options(self) -> dict[str, Any]:
@@ -136,6 +138,8 @@ def _validated(name: str, value: Any) -> Any:
             ok = isinstance(value, str) and bool(_DEVICE.match(value))
         case "dtype":
             ok = value in DTYPES
+        case "cuda_graphs":
+            ok = value in ("auto", "on", "off")
         case "unpark_on_generate" | "park_cancels_running":
             ok = isinstance(value, bool)
         case "idle_park_minutes":

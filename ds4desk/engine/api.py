@@ -177,6 +177,8 @@ class LoadRequest:
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on a GPU
     context: int = 4096
     chunk: int = 512
+    # Decode steps replayed from a captured CUDA graph. None: on for CUDA, off for HIP and CPU.
+    cuda_graphs: bool | None = None
 
 
 @dataclass(slots=True, frozen=True)
