@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +20,12 @@ from ds4desk.engine.api import (
     ThinkingBudget,
 )
 from ds4desk.engine.budget import ThinkingGate
+from ds4desk.engine.graphs import GraphedDecode
 from ds4desk.engine.models.registry import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
 from ds4desk.engine.snapshots import SnapshotStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -39,7 +43,9 @@ class Runtime:
     cache is overwritten in place and attention never reads past what this request wrote, so no
     state carries over from one request to the next."""
 
-    def __init__(self, model: CausalLM, device: torch.device, context: int, chunk: int = 512) -> None:
+    def __init__(
+        self, model: CausalLM, device: torch.device, context: int, chunk: int = 512, graphs: bool = False
+    ) -> None:
         if context <= 0 or chunk <= 0:
             raise EngineFailure(
                 ErrorCode.BAD_REQUEST, f"context ({context}) and chunk ({chunk}) must be positive"
@@ -57,10 +63,27 @@ class Runtime:
             raise EngineFailure(
                 ErrorCode.OUT_OF_MEMORY, f"the cache for {context} positions does not fit on {device}"
             ) from exc
+        self.graphs: GraphedDecode | None = None
+        if graphs:
+            try:
+                self.graphs = GraphedDecode(model, device)
+            except torch.OutOfMemoryError:
+                log.warning("no memory left to capture decode graphs; decoding eagerly")
 
     def close(self) -> None:
-        """Free the cache (the weights belong to whoever loaded the model)."""
+        """Free the cache and graphs (the weights belong to whoever loaded the model)."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
         self.model.free_cache()
+
+    def _decode(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits after `token` at `pos`, and from a graph also its greedy pick (see GraphedDecode)."""
+        if self.graphs is not None:
+            return self.graphs.step(token, pos)
+        logits = self.model.forward(token.view(1), pos, "last")
+        assert logits is not None
+        return logits, None
 
     def prefill_logits(self, ids: list[int]) -> torch.Tensor:
         """Prefill `ids` from position 0 in chunks and return the last position's float32 logits [V]."""
@@ -139,17 +162,26 @@ class Runtime:
 
         pos = len(prompt_ids)
         decode_start = 0.0
+        greedy = sampling.greedy or sampling.top_k == 1
+        greedy_pick: torch.Tensor | None = None
         with torch.inference_mode():
             while True:
                 try:
                     forced = gate.forced_token() if gate is not None else None
-                    if forced is None:
-                        token_t, logprob_t = sample(logits, sampling, generator)
+                    if forced is None and greedy_pick is not None and greedy:
+                        pick = greedy_pick  # already chosen inside the captured graph
+                        token_t = pick[0].long()
                     else:
-                        token_t = torch.tensor(forced, device=logits.device)
-                        logprob_t = logits[forced] - torch.logsumexp(logits, dim=0)
-                    token = int(token_t)  # the one host sync per step: stop checks and streaming need it
-                    logprob = float(logprob_t)
+                        if forced is None:
+                            token_t, logprob_t = sample(logits, sampling, generator)
+                        else:
+                            token_t = torch.tensor(forced, device=logits.device)
+                            logprob_t = logits[forced] - torch.logsumexp(logits, dim=0)
+                        pick = torch.stack((token_t.double(), logprob_t.double()))
+                    # The one host sync per step (stop checks and streaming need the token), as
+                    # one copy: float64 holds every token id exactly.
+                    token_f, logprob = pick.tolist()
+                    token = int(token_f)
                 except EngineFailure:
                     raise
                 except Exception as exc:
@@ -173,7 +205,7 @@ class Runtime:
                     out.finish_reason = FinishReason.CANCELLED
                     break
                 try:
-                    logits = self.model.forward(token_t.view(1), pos, "last")
+                    logits, greedy_pick = self._decode(token_t, pos)
                 except EngineFailure:
                     raise
                 except Exception as exc:

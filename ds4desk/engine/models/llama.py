@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
@@ -318,6 +319,15 @@ class DenseModel(nn.Module):
     `materialize(device)`, copy the checkpoint into its parameters, `finish_loading()`, and
     `allocate_cache(context)` before the first `forward`."""
 
+    supports_graphs = True  # decode_graphable can be captured in a CUDA graph
+    # Prefill attention through flash-style kernels (heads laid out for them) instead of the
+    # kv-head-major layout that is fastest on the CPU. Set per device by finish_loading.
+    fused_attention = False
+    # RMSNorm as one F.rms_norm call, weight included: exact in float32; in bf16 on a GPU it is one
+    # fused kernel instead of four (and rounds once instead of twice, a hair more precise than the
+    # reference's cast-then-scale). Set by finish_loading.
+    one_pass_norm = True
+
     def __init__(self, config: DenseConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
@@ -332,6 +342,7 @@ class DenseModel(nn.Module):
         self._inv_freq: torch.Tensor | None = None
         self._decode: _DecodeBuffers | None = None
         self._half_swap: torch.Tensor | None = None  # [D]: index d -> (d + D/2) mod D
+        self._key_positions: torch.Tensor | None = None  # [context]: 0..context-1, for graph masks
         self._context = 0
 
     @property
@@ -364,6 +375,8 @@ class DenseModel(nn.Module):
         cfg = self.config
         device = self.device
         self._inv_freq = cfg.rope.inverse_frequencies(cfg.head_dim, device)
+        self.fused_attention = device.type == "cuda"
+        self.one_pass_norm = self.dtype == torch.float32 or device.type == "cuda"
         self._plans = []
         for index, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -429,6 +442,7 @@ class DenseModel(nn.Module):
         # rotate_half's slice+neg+cat into one gather (index_select, the cheapest of the options).
         self._sin = torch.cat([-sin, sin], dim=-1).to(self.dtype)
         self._half_swap = torch.arange(cfg.head_dim, device=device).roll(half)
+        self._key_positions = torch.arange(context, device=device)
         assert self._cos.shape[-1] == 2 * half
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = torch.empty((1, (heads + 2 * kv_heads) * dim), device=device, dtype=self.dtype)
@@ -447,6 +461,7 @@ class DenseModel(nn.Module):
     def free_cache(self) -> None:
         self._cache = None
         self._cos = self._sin = None
+        self._key_positions = None
         self._decode = None
         for plan in self._plans:
             plan.kv_cache = plan.keys = plan.values = None
@@ -493,10 +508,69 @@ class DenseModel(nn.Module):
             return None
         if logits == "last":
             x = x[-1:]
-        x = _rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.dtype == torch.float32)
+        x = _rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.one_pass_norm)
         head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
         out = torch.mm(x, head.t()).float()
         return out[0] if logits == "last" else out
+
+    def decode_graphable(self, token: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """One decode step whose shapes depend on `span` only, so a CUDA graph can replay it.
+
+        `token` and `pos` are int64 [1] device tensors (the graph's inputs); attention reads the
+        first `span` cache rows (pos < span <= context) under a mask, because the number of valid
+        rows must not be a shape. Returns float32 logits [V], like forward(token, pos, "last").
+        """
+        cfg, cos_table, sin_table, keys_at = self.config, self._cos, self._sin, self._key_positions
+        assert cos_table is not None and sin_table is not None and keys_at is not None
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        eps = cfg.rms_norm_eps
+        exact = self.one_pass_norm
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_width = heads * dim
+        qk_width = (heads + kv_heads) * dim
+        cos, sin = cos_table.index_select(0, pos), sin_table.index_select(0, pos)  # [1, D]
+        keys_at = keys_at[:span]
+        scale = dim**-0.5
+        biases: dict[int | None, torch.Tensor] = {}  # 0 where a key may be read, -inf elsewhere
+        for window in {plan.window for plan in self._plans}:
+            allowed = keys_at <= pos
+            if window is not None:
+                allowed = allowed & (keys_at > pos - window)
+            bias = torch.zeros(span, dtype=self.dtype, device=keys_at.device).masked_fill_(
+                ~allowed, -torch.inf
+            )
+            biases[window] = bias.expand(kv_heads, heads // kv_heads, span)
+
+        x = F.embedding(token, self.model.embed_tokens.weight)  # [1, hidden]
+        for plan in self._plans:
+            assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
+            h = _rms_norm(x, plan.ln1, eps, exact)
+            qkv = _project(h, plan.qkv_w_t, plan.qkv_b)
+            qk = qkv[0, :qk_width].view(heads + kv_heads, dim)
+            src = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
+            torch.addcmul(src * cos, torch.index_select(src, 1, self._half_swap), sin, out=qk)
+            plan.kv_cache.index_copy_(2, pos, qkv[0, q_width:].view(2, kv_heads, 1, dim))
+            # Two batched matmuls over the span instead of SDPA: a fused attention kernel gives
+            # each kv head one thread block, which leaves most of the GPU idle on a long cache.
+            q = qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
+            scores = torch.baddbmm(
+                biases[plan.window], q, plan.keys[0, :, :span].transpose(1, 2), alpha=scale
+            )  # [KV, G, span]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            attn = torch.bmm(probs, plan.values[0, :, :span])  # [KV, G, D]
+            x = torch.addmm(x, attn.reshape(1, q_width), plan.o_w_t)
+            if plan.o_b is not None:
+                x = x + plan.o_b
+            h = _rms_norm(x, plan.ln2, eps, exact)
+            gate_up = _project(h, plan.gu_w_t, plan.gu_b)
+            width = gate_up.shape[1] // 2
+            x = torch.addmm(x, F.silu(gate_up[:, :width]) * gate_up[:, width:], plan.down_w_t)
+            if plan.down_b is not None:
+                x = x + plan.down_b
+        x = _rms_norm(x, self.model.norm.weight, eps, exact)
+        head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        return torch.mm(x, head.t()).float()[0]
 
     def _decode_step(self, input_ids: torch.Tensor, pos: int) -> torch.Tensor:
         """One token through every layer; returns the final hidden state [1, hidden] (unnormed).
@@ -507,7 +581,7 @@ class DenseModel(nn.Module):
         cfg, buffers, cos, sin = self.config, self._decode, self._cos, self._sin
         assert buffers is not None and cos is not None and sin is not None
         eps = cfg.rms_norm_eps
-        exact = self.dtype == torch.float32
+        exact = self.one_pass_norm
         q_width = cfg.num_heads * cfg.head_dim
         qkv, qk, kv, q = buffers.qkv, buffers.qk, buffers.kv, buffers.q
         gate_up, gate, up = buffers.gate_up, buffers.gate, buffers.up
@@ -557,7 +631,7 @@ class DenseModel(nn.Module):
         q_width = heads * dim
         qk_width = (heads + kv_heads) * dim
         eps = cfg.rms_norm_eps
-        exact = self.dtype == torch.float32
+        exact = self.one_pass_norm
 
         x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, hidden]
         cos = self._cos[start_pos:end].unsqueeze(1)  # [T, 1, D]
@@ -581,17 +655,20 @@ class DenseModel(nn.Module):
                 qkv[:, q_width:].view(count, 2, kv_heads, dim).permute(1, 2, 0, 3)
             )
 
-            # GQA without copying keys: the `group` query heads that share one kv head become
-            # group * T query rows of that kv head, so SDPA's batch dimension is the kv head.
-            q = qkv[:, :q_width].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
-            q = q.reshape(1, kv_heads, group * count, dim)
-            mask = masks.get(plan.window)
-            if mask is None:
-                mask = masks[plan.window] = _causal_mask(start_pos, count, group, plan.window, x.device)
-            attn = F.scaled_dot_product_attention(
-                q, all_keys[:, :, :end], all_values[:, :, :end], attn_mask=mask
-            )  # [1, KV, G * T, D]
-            attn = attn.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, q_width)
+            if self.fused_attention and plan.window is None:
+                attn = _causal_attention(qkv[:, :q_width], all_keys, all_values, start_pos, group)
+            else:
+                # GQA without copying keys: the `group` query heads that share one kv head become
+                # group * T query rows of that kv head, so SDPA's batch dimension is the kv head.
+                q = qkv[:, :q_width].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
+                q = q.reshape(1, kv_heads, group * count, dim)
+                mask = masks.get(plan.window)
+                if mask is None:
+                    mask = masks[plan.window] = _causal_mask(start_pos, count, group, plan.window, x.device)
+                attn = F.scaled_dot_product_attention(
+                    q, all_keys[:, :, :end], all_values[:, :, :end], attn_mask=mask
+                )  # [1, KV, G * T, D]
+                attn = attn.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, q_width)
             x = torch.addmm(x, attn, plan.o_w_t)  # the residual add rides along
             if plan.o_b is not None:
                 x.add_(plan.o_b)
@@ -609,12 +686,36 @@ class DenseModel(nn.Module):
         return x
 
 
+def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bool) -> torch.Tensor:
     """RMSNorm computed in float32; the weight multiplies after the cast back (as the reference)."""
     if exact:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     return normed if weight is None else normed * weight
+
+
+def _causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, group: int
+) -> torch.Tensor:
+    """Causal attention of T queries [T, H * D] at positions start.. over cache rows 0..start+T-1,
+    shaped so SDPA can pick a flash kernel: heads as the head dimension (kv heads repeated, a small
+    copy next to the matmuls) and the causal mask as a flag (aligned to the last key when a chunk
+    follows earlier ones), never as a materialised [T, L] tensor. Returns [T, H * D]."""
+    count = q.shape[0]
+    end = start + count
+    heads = keys.shape[1] * group
+    q = q.view(count, heads, -1).transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+    keys = keys[:, :, :end].repeat_interleave(group, dim=1)
+    values = values[:, :, :end].repeat_interleave(group, dim=1)
+    if start == 0:
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(count, end))
+    return out[0].transpose(0, 1).reshape(count, -1)
 
 
 def _causal_mask(

@@ -1,0 +1,106 @@
+"""Decode steps replayed from captured CUDA graphs.
+
+A decode step at batch 1 is a few hundred small kernels; launched one by one from Python, the GPU
+idles between them. Captured once, a step is one `replay()`. The graph's inputs are two static
+device tensors (the token and its position) and its output is one static logits buffer; the
+model's cache tensors are captured by address, so the model must keep them in place
+(import_state copies into them, and a new cache means a new Runtime and new graphs).
+
+Attention spans are bucketed (256, 512, 1024, ... up to the context): a step at position p
+replays the graph of the smallest span above p, so a short chat does not pay for reading the
+whole cache. All buckets are captured up front, because capturing executes a warm-up step that
+writes the cache; before any request that is harmless (every request prefills from position 0 or
+imports a snapshot, and attention never reads rows the request did not write).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SMALLEST_SPAN = 256
+
+
+class GraphableModel(Protocol):
+    supports_graphs: bool
+
+    @property
+    def context(self) -> int: ...
+
+    def decode_graphable(self, token: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor: ...
+
+
+def graphs_wanted(setting: bool | None, device: torch.device, model: object) -> bool:
+    """None (the default) means on for CUDA and off for HIP, whose graphs are less proven."""
+    if device.type != "cuda" or not getattr(model, "supports_graphs", False):
+        return False
+    if setting is None:
+        return torch.version.hip is None
+    return setting
+
+
+def span_buckets(context: int) -> list[int]:
+    spans = []
+    span = SMALLEST_SPAN
+    while span < context:
+        spans.append(span)
+        span *= 2
+    spans.append(context)
+    return spans
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # the graph's output buffer, overwritten by every replay
+    greedy: torch.Tensor  # float64 [2]: the argmax token and its logprob, picked inside the graph
+
+
+class GraphedDecode:
+    """Owns the graphs of one model's cache; `step` is a drop-in for forward(token, pos, "last")."""
+
+    def __init__(self, model: GraphableModel, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.token = torch.zeros(1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.spans = span_buckets(model.context)
+        self._pool = torch.cuda.graph_pool_handle()
+        self._captured: list[_Captured] = []
+        with torch.inference_mode():
+            for span in self.spans:
+                self._captured.append(self._capture(span))
+
+    def step(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `token` (a device tensor of one element) at position `pos`. Returns float32 logits
+        [V] and the greedy pick (float64 [2]: token, logprob), in buffers the next step overwrites."""
+        self.token.copy_(token.view(1))
+        self.pos.fill_(pos)
+        captured = self._captured[bisect.bisect_right(self.spans, pos)]
+        captured.graph.replay()
+        return captured.logits, captured.greedy
+
+    def close(self) -> None:
+        self._captured.clear()
+
+    def _capture(self, span: int) -> _Captured:
+        self.pos.fill_(span - 1)
+        # cuBLAS and friends allocate workspaces on first use; that must happen outside capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.model.decode_graphable(self.token, self.pos, span)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model.decode_graphable(self.token, self.pos, span)
+            # Greedy decoding then needs no launches of its own between steps: one small copy.
+            best = torch.argmax(logits)
+            greedy = torch.stack((best.double(), (logits[best] - torch.logsumexp(logits, 0)).double()))
+        return _Captured(graph, logits, greedy)
