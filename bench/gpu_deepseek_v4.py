@@ -83,10 +83,15 @@ def prompt(count: int) -> list[int]:
     return [(i * 7919 + 13) % 120000 + 100 for i in range(count)]
 
 
-def bench_ds4desk(folder: Path, cache: Path, count: int, new: int, repeats: int) -> tuple[float, float]:
+def bench_ds4desk(
+    folder: Path, cache: Path, count: int, new: int, repeats: int, graphs: bool = True
+) -> tuple[float, float]:
     engine = Engine(cache)
     try:
-        loaded = engine.load(LoadRequest(str(folder), "cuda", "bfloat16", context=count + new + 8, chunk=512))
+        request = LoadRequest(
+            str(folder), "cuda", "bfloat16", context=count + new + 8, chunk=512, cuda_graphs=graphs
+        )
+        loaded = engine.load(request)
         assert loaded.ok, loaded.error
         runs = []
         for _ in range(repeats + 1):

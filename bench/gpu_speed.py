@@ -225,15 +225,21 @@ def prompt_ids(count: int, vocab: int) -> list[int]:
     return [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(count)]
 
 
-def bench_ds4desk_dense(folder: Path, graphs: bool, chunk: int = 4096) -> dict[str, object]:
+def bench_ds4desk_dense(
+    folder: Path, graphs: bool, chunk: int = 4096, decode_attention: str = "matmul"
+) -> dict[str, object]:
     from ds4desk.engine.loading.detect import inspect_model
 
     device = torch.device("cuda")
     source = inspect_model(folder, folder.parent / "cache")
     model = load_model(source, device, torch.bfloat16).model
+    model.decode_attention = decode_attention
     runtime = Runtime(model, device, context=max(PROMPTS) + NEW_TOKENS + 8, chunk=chunk, graphs=graphs)
     vocab = DENSE["vocab_size"]
-    row: dict[str, object] = {"engine": "ds4desk" if graphs else "ds4desk-eager", "graphs": graphs}
+    name = "ds4desk" if graphs else "ds4desk-eager"
+    if decode_attention != "matmul":
+        name += f"-{decode_attention}"
+    row: dict[str, object] = {"engine": name, "graphs": graphs, "decode_attention": decode_attention}
     greedy = SamplingParams(temperature=0.0)
     with torch.inference_mode():
         for count in PROMPTS:
@@ -304,7 +310,8 @@ def bench_llama_cpp(binary: Path, gguf_path: Path) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> None:
-    work = Path(tempfile.mkdtemp(prefix="ds4speed-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="ds4speed-"))
+    work.mkdir(parents=True, exist_ok=True)
     result: dict[str, object] = {
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "gpu": torch.cuda.get_device_name(),
@@ -331,6 +338,7 @@ def run(args: argparse.Namespace) -> None:
     rows = []
     engines: list[tuple[str, Callable[[], dict[str, object]]]] = [
         ("ds4desk", lambda: bench_ds4desk_dense(work / "dense", graphs=True)),
+        ("ds4desk-sdpa", lambda: bench_ds4desk_dense(work / "dense", True, decode_attention="sdpa")),
         ("ds4desk-eager", lambda: bench_ds4desk_dense(work / "dense", graphs=False)),
         ("transformers", lambda: bench_transformers_dense(work / "dense")),
     ]
@@ -355,6 +363,12 @@ def run(args: argparse.Namespace) -> None:
         for count in (1024, 4096):
             for name, fn in (
                 ("ds4desk", lambda c=count: v4.bench_ds4desk(folder, work / "v4cache", c, NEW_TOKENS, 2)),
+                (
+                    "ds4desk-eager",
+                    lambda c=count: v4.bench_ds4desk(
+                        folder, work / "v4cache", c, NEW_TOKENS, 1, graphs=False
+                    ),
+                ),
                 ("transformers", lambda c=count: v4.bench_transformers(folder, c, NEW_TOKENS, 1)),
             ):
                 try:
@@ -401,6 +415,7 @@ def main() -> None:
     go.add_argument("--vocab", type=Path, required=True)
     go.add_argument("--llama-bench", type=Path)
     go.add_argument("--v4", action="store_true")
+    go.add_argument("--work", type=Path, help="where to write the models (default: a temporary folder)")
     go.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if args.command == "prepare":

@@ -32,6 +32,37 @@ def _parse_token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
+def _parse_devices(text: str) -> tuple[str, ...]:
+    from ds4desk.engine.api import EngineFailure
+    from ds4desk.engine.split import parse_devices
+
+    try:
+        return parse_devices(text)
+    except EngineFailure as failure:
+        raise argparse.ArgumentTypeError(failure.error.detail) from None
+
+
+def _parse_layer_split(text: str) -> tuple[int, ...]:
+    from ds4desk.engine.api import EngineFailure
+    from ds4desk.engine.split import parse_layer_split
+
+    try:
+        return parse_layer_split(text)
+    except EngineFailure as failure:
+        raise argparse.ArgumentTypeError(failure.error.detail) from None
+
+
+def _split_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--devices", type=_parse_devices, metavar="cuda:0,cuda:1",
+        help="split the layers over these devices (one shard each, in order); overrides --device",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layer-split", type=_parse_layer_split, metavar="22,21",
+        help="layers per device for --devices (default: planned from each device's free memory)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ds4desk",
@@ -58,10 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
-    gen.add_argument("--chunk", type=int, default=512, help="prefill chunk size in tokens")
+    gen.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
     gen.add_argument("--context", type=int, default=4096, help="context size in tokens")
     gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    _split_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
     session = verbs.add_parser("session", help="drive the engine with JSON lines on stdin and stdout")
@@ -69,12 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("model", nargs="?", help="model folder or .gguf (default: the embedded SmolLM2)")
     session.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     session.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    session.add_argument("--chunk", type=int, default=512, help="prefill chunk size in tokens")
+    session.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
     session.add_argument("--context", type=int, default=4096, help="context size in tokens")
 
     check = verbs.add_parser("check", help="say what a model path is, or why it cannot be loaded")
     _common(check)
     check.add_argument("path")
+    _split_arguments(check)
+    check.add_argument("--context", type=int, default=4096, help="context the split plan sizes caches for")
+    check.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
 
     tiny = verbs.add_parser("make-tiny", help="write a tiny random model folder (for tests and demos)")
     _common(tiny)
@@ -120,7 +155,13 @@ def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
     try:
         loaded = engine.load(
             LoadRequest(
-                path=args.model, device=args.device, dtype=args.dtype, context=args.context, chunk=args.chunk
+                path=args.model,
+                device=args.device,
+                dtype=args.dtype,
+                context=args.context,
+                chunk=args.chunk,
+                devices=args.devices,
+                layer_split=args.layer_split,
             )
         )
         if not loaded.ok:
@@ -174,11 +215,39 @@ def _check(args: argparse.Namespace, dirs: DataDirs) -> int:
 
     try:
         report = check_model(Path(args.path), dirs.model_cache)
+        split = _check_split(args, dirs) if args.devices is not None or args.layer_split is not None else None
     except EngineFailure as failure:
         print(f"cannot load {args.path}: {failure.error.detail}", file=sys.stderr)
         return 2
     print(report.describe())
+    if split is not None:
+        print(split)
     return 0
+
+
+def _check_split(args: argparse.Namespace, dirs: DataDirs) -> str:
+    """The layer split `--devices` / `--layer-split` would load, with what each device takes."""
+    import torch
+
+    from ds4desk.engine.api import EngineFailure, ErrorCode
+    from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
+    from ds4desk.engine.loading.detect import inspect_model
+    from ds4desk.engine.models.registry import check_tensors
+    from ds4desk.engine.preflight import clamp_context
+    from ds4desk.engine.split import plan_for
+
+    if args.devices is None:
+        raise EngineFailure(ErrorCode.BAD_REQUEST, "--layer-split needs --devices")
+    source = inspect_model(Path(args.path), dirs.model_cache)
+    dtype = resolve_dtype(args.dtype, torch.device(args.devices[0]))
+    meta, _ = check_tensors(source, dtype)
+    context = clamp_context(source.config, args.context)
+    # An explicit split is checked anywhere; an automatic one reads the devices' free memory.
+    plan, needs = plan_for(
+        args.devices, args.layer_split, meta, context, lambda d: free_memory_bytes(resolve_device(d))
+    )
+    sizes = ", ".join(f"{device} {size / 2**30:.2f} GiB" for device, size in needs.items())
+    return f"layer split ({context}-token cache): {plan.describe()}; needs {sizes}"
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

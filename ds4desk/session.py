@@ -211,7 +211,8 @@ class Session:
 
         def done(finished: Future[Any]) -> None:
             result = finished.result()
-            line: Json = {"op": name, "ok": result.ok, "slot": result.slot, "slots": result.slots}
+            slots = [info.to_json() for info in result.slots]
+            line: Json = {"op": name, "ok": result.ok, "slot": result.slot, "slots": slots}
             if result.error:
                 line["error"] = result.error.to_json()
             self.write(line)

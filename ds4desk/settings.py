@@ -12,14 +12,15 @@ import logging
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ds4desk.engine.api import LoadRequest, SamplingParams
+from ds4desk.engine.api import LoadRequest, SamplingParams, ThinkingBudget
 
 log = logging.getLogger(__name__)
 
+MAX_RECENT_MODELS = 8
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -29,24 +30,38 @@ class Settings:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"; the engine resolves "auto"
     dtype: str = "auto"  # "auto": float32 on the CPU, bfloat16 on a GPU
     context: int = 4096
-    chunk: int = 512
+    chunk: int = 0  # 0: automatic (4096 on a GPU, 512 on the CPU)
     cuda_graphs: str = "auto"  # "auto" (on for CUDA, off for HIP) | "on" | "off"
+    # A layer split: the devices the shards run on, in order (empty: every layer on `device`), and
+    # the layers per device (empty: planned from each device's free memory).
+    devices: list[str] = field(default_factory=list)
+    layer_split: list[int] = field(default_factory=list)
     temperature: float = 0.7
     top_p: float = 0.95
     top_k: int = 0  # 0: no top-k cut
     max_new_tokens: int = 1024
     last_model: str | None = None  # None: the embedded default model
+    recent_models: list[str] = field(default_factory=list)  # most recent first, MAX_RECENT_MODELS
     system_prompt: str = ""
     snapshot_slots: int = 16
     snapshot_memory_mb: int = 4096  # host memory for snapshots
     unpark_on_generate: bool = True  # else a request to a parked model fails with model_parked
     park_cancels_running: bool = False  # else a park waits for the answer being written
     idle_park_minutes: float = 0.0  # 0: never park by itself
+    thinking: bool = False  # ask for the model's reasoning first (templates that have a thinking mode)
+    thinking_budget_tokens: int = 0  # 0: no budget; else the thinking is closed after this many tokens
 
     # ---- engine requests ------------------------------------------------------------------
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    def thinking_budget(self) -> ThinkingBudget | None:
+        """The budget to send when thinking is on. `close_tokens` stays empty: only the engine knows
+        the loaded tokenizer's spelling of `</think>`, so it fills them in."""
+        if not self.thinking or self.thinking_budget_tokens <= 0:
+            return None
+        return ThinkingBudget(max_tokens=self.thinking_budget_tokens, close_tokens=[])
 
     def load_request(self, path: str | None = None, device: str | None = None) -> LoadRequest:
         """`path`/`device` override the stored ones for this load only (the CLI's flags)."""
@@ -57,6 +72,9 @@ class Settings:
             context=self.context,
             chunk=self.chunk,
             cuda_graphs=None if self.cuda_graphs == "auto" else self.cuda_graphs == "on",
+            # A device given for this load alone means that device, not the stored split.
+            devices=tuple(self.devices) if self.devices and not device else None,
+            layer_split=tuple(self.layer_split) if self.devices and self.layer_split and not device else None,
         )
 
     def engine_options(self) -> dict[str, Any]:
@@ -140,14 +158,22 @@ def _validated(name: str, value: Any) -> Any:
             ok = value in DTYPES
         case "cuda_graphs":
             ok = value in ("auto", "on", "off")
-        case "unpark_on_generate" | "park_cancels_running":
+        case "devices":
+            ok = isinstance(value, list) and all(
+                isinstance(v, str) and v != "auto" and bool(_DEVICE.match(v)) for v in value
+            )
+        case "layer_split":
+            ok = isinstance(value, list) and all(_is_int(v) and v > 0 for v in value)
+        case "unpark_on_generate" | "park_cancels_running" | "thinking":
             ok = isinstance(value, bool)
         case "idle_park_minutes":
             ok = (_is_int(value) or isinstance(value, float)) and value >= 0
             value = float(value) if ok else value
-        case "context" | "chunk" | "max_new_tokens" | "snapshot_slots" | "snapshot_memory_mb":
+        case "chunk":
+            ok = _is_int(value) and value >= 0
+        case "context" | "max_new_tokens" | "snapshot_slots" | "snapshot_memory_mb":
             ok = _is_int(value) and value > 0
-        case "top_k":
+        case "top_k" | "thinking_budget_tokens":
             ok = _is_int(value) and value >= 0
         case "temperature":
             ok = (_is_int(value) or isinstance(value, float)) and 0.0 <= value <= 5.0
@@ -157,6 +183,9 @@ def _validated(name: str, value: Any) -> Any:
             value = float(value) if ok else value
         case "last_model":
             ok = value is None or (isinstance(value, str) and value != "")
+        case "recent_models":
+            ok = isinstance(value, list) and all(isinstance(v, str) and v != "" for v in value)
+            value = list(dict.fromkeys(value))[:MAX_RECENT_MODELS] if ok else value
         case "system_prompt":
             ok = isinstance(value, str)
         case _:

@@ -66,7 +66,8 @@ class SamplingParams:
 @dataclass(slots=True)
 class ThinkingBudget:
     """At most `max_tokens` of thinking, counted from the start of the answer (the prompt opens the
-    thinking part); then `close_tokens` (the tokenizer's spelling of `</think>`) are forced."""
+    thinking part); then `close_tokens` (the tokenizer's spelling of `</think>`) are forced. Left
+    empty, the engine fills in the loaded tokenizer's spelling (the UI does not know the ids)."""
 
     max_tokens: int
     close_tokens: list[int]
@@ -78,6 +79,7 @@ class SaveSnapshot:
 
     at: int | None = None
     slot: int | None = None  # None: a free slot, else the least recently used one
+    tag: str | None = None  # who the slot belongs to (the window passes its chat id)
 
 
 _request_ids = itertools.count(1)
@@ -176,9 +178,13 @@ class LoadRequest:
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on a GPU
     context: int = 4096
-    chunk: int = 512
+    chunk: int = 0  # prompt tokens per prefill step; 0: automatic (see engine._auto_chunk)
     # Decode steps replayed from a captured CUDA graph. None: on for CUDA, off for HIP and CPU.
     cuda_graphs: bool | None = None
+    # A layer split across devices (ds4desk.engine.split): None runs every layer on `device`.
+    # `devices` alone splits automatically by free memory; `layer_split` gives the layers per device.
+    devices: tuple[str, ...] | None = None
+    layer_split: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -201,10 +207,105 @@ class LoadResult:
     info: ModelInfo | None = None
     error: EngineError | None = None
     seconds: float = 0.0
+    # The previous model was let go before this load (memory held only one): it could not keep
+    # answering meanwhile, and after a failure it is reloaded (or left parked).
+    dropped_previous: bool = False
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.info is not None
+
+
+# Called on the engine thread while a model loads: (done, total, unit), unit "tensors"; total 0 while
+# the amount of work is not known yet (a GGUF being converted).
+ProgressCallback = Callable[[int, int, str], None]
+
+
+@dataclass(slots=True)
+class ModelPreview:
+    """What loading `path` would take, worked out from headers alone (nothing allocated)."""
+
+    path: str
+    family: str = ""
+    architecture: str = ""
+    parameters: int = 0
+    weight_bytes: int = 0  # in the dtype it would be loaded in
+    cache_bytes: int = 0  # the KV cache for `context` positions
+    free_bytes: int | None = None  # free memory on `device` (None: unknown), before any unload
+    fits: bool = False
+    message: str = ""  # one line for the user: the sizes, or why it does not fit, or the error
+    error: EngineError | None = None
+    device: str = ""
+    dtype: str = ""
+    context: int = 0  # after clamping to the model's own maximum
+    # Fits only once the current model is let go: that one cannot keep answering during the load.
+    needs_unload: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.weight_bytes + self.cache_bytes
+
+
+# ---- memory readout and snapshot-slot listing ---------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryStats:
+    """The device memory as the engine thread read it. On CUDA: the caching allocator's allocated and
+    reserved bytes and the driver's free/total; on the CPU: the process RSS (as allocated and reserved)
+    and the system's MemAvailable/MemTotal. 0 where the platform cannot say."""
+
+    device: str  # "cuda:0", "cpu", ...
+    name: str  # e.g. "NVIDIA H200" or the CPU model
+    allocated: int = 0
+    reserved: int = 0
+    free: int = 0
+    total: int = 0
+    # Seconds until the idle auto-park, None when it is off or nothing is loaded to park.
+    idle_park_in_s: float | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "device": self.device,
+            "name": self.name,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "free": self.free,
+            "total": self.total,
+            "idle_park_in_s": self.idle_park_in_s,
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class SlotInfo:
+    """One snapshot slot as listed: `age_s` since it was made, `idle_s` since it was last restored."""
+
+    slot: int
+    tokens: int
+    bytes: int
+    pinned: bool = False
+    hits: int = 0  # how many requests continued from it
+    age_s: float = 0.0
+    idle_s: float = 0.0
+    tag: str | None = None  # the owner the request named (the window's chat id)
+    path: str | None = None  # the file it was last saved to or loaded from
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "slot": self.slot,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "pinned": self.pinned,
+            "hits": self.hits,
+            "age_s": self.age_s,
+            "idle_s": self.idle_s,
+            "tag": self.tag,
+            "path": self.path,
+        }
 
 
 PARK_SELECTORS = ("", "all", "target", "draft")
@@ -219,6 +320,7 @@ class ParkResult:
     bytes: int = 0
     seconds: float = 0.0
     error: EngineError | None = None
+    memory: MemoryStats | None = None  # read right after the action
 
     @property
     def ok(self) -> bool:
@@ -231,6 +333,7 @@ class ParkResult:
             "bytes": self.bytes,
             "seconds": self.seconds,
             "error": self.error.to_json() if self.error else None,
+            "memory": self.memory.to_json() if self.memory else None,
         }
 
 
@@ -238,13 +341,20 @@ class ParkResult:
 class SlotResult:
     """The answer to a snapshot-slot command: `slots` lists them all afterwards."""
 
-    slots: list[dict[str, object]] = field(default_factory=list)
+    slots: list[SlotInfo] = field(default_factory=list)
     slot: int | None = None
     error: EngineError | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "slot": self.slot,
+            "slots": [info.to_json() for info in self.slots],
+            "error": self.error.to_json() if self.error else None,
+        }
 
 
 # Events the client delivers on the asyncio loop.

@@ -11,15 +11,20 @@ import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import TypeVar
 
 from ds4desk.engine.api import (
+    EngineFailure,
     GenerateRequest,
     GenerateResult,
     LoadRequest,
     LoadResult,
+    MemoryStats,
     ModelInfo,
+    ModelPreview,
     ParkResult,
+    SlotResult,
     TextDelta,
 )
 from ds4desk.engine.engine import Engine
@@ -98,10 +103,86 @@ class _DeltaBatcher:
             self._deliver(TextDelta(self._request_id, tuple(tokens), text))
 
 
+class _ProgressBatcher:
+    """Load progress from the engine thread, on the loop at most once per interval: only the latest
+    (done, total, unit) matters, so the ones in between are dropped."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[int, int, str], None],
+        interval_s: float,
+    ) -> None:
+        self._loop = loop
+        self._deliver = deliver
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._latest: tuple[int, int, str] | None = None
+        self._armed = False
+        self._last_flush = 0.0
+
+    def push(self, done: int, total: int, unit: str) -> None:
+        """Engine thread."""
+        with self._lock:
+            self._latest = (done, total, unit)
+            if self._armed:
+                return
+            self._armed = True
+        _call_soon(self._loop, self._arm)
+
+    def _arm(self) -> None:
+        delay = max(0.0, self._last_flush + self._interval_s - self._loop.time())
+        self._loop.call_later(delay, self.flush)
+
+    def flush(self) -> None:
+        """Loop thread."""
+        with self._lock:
+            latest, self._latest = self._latest, None
+            self._armed = False
+        self._last_flush = self._loop.time()
+        if latest is not None:
+            self._deliver(*latest)
+
+
+def _inspect_now(engine: Engine, request: LoadRequest) -> ModelPreview:
+    from ds4desk.engine.loading.default_model import default_model_path
+    from ds4desk.engine.preflight import inspect_model
+
+    try:
+        path = request.path or default_model_path()
+    except EngineFailure as failure:
+        return ModelPreview(str(request.path), error=failure.error, message=failure.error.detail)
+    return inspect_model(
+        path,
+        request.device,
+        request.dtype,
+        request.context,
+        cache_dir=engine.cache_dir,
+        resident=engine.resident_bytes(),
+    )
+
+
+def _in_thread(work: Callable[[], T]) -> Future[T]:
+    """Run `work` on a short-lived thread: header reads must not wait behind a load on the engine."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(work())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="ds4desk-preflight", daemon=True).start()
+    return future
+
+
 class EngineClient:
     def __init__(self, engine: Engine, updates_per_second: float = 40.0) -> None:
         self._engine = engine
         self._interval_s = 1.0 / updates_per_second
+        self._progress_interval_s = max(self._interval_s, 0.05)  # a progress bar needs no more than 20/s
 
     @property
     def engine(self) -> Engine:
@@ -115,8 +196,27 @@ class EngineClient:
     def parked(self) -> bool:
         return self._engine.parked
 
-    async def load(self, request: LoadRequest) -> LoadResult:
-        return await _result_of(self._engine.submit_load(request))
+    async def load(
+        self, request: LoadRequest, on_progress: Callable[[int, int, str], None] | None = None
+    ) -> LoadResult:
+        """`on_progress(done, total, unit)` runs on the loop, batched like the text of an answer."""
+        batcher = None
+        if on_progress is not None:
+            batcher = _ProgressBatcher(asyncio.get_running_loop(), on_progress, self._progress_interval_s)
+        try:
+            return await _result_of(self._engine.submit_load(request, batcher.push if batcher else None))
+        finally:
+            if batcher is not None:
+                batcher.flush()
+
+    def cancel_load(self) -> None:
+        """The running (and any queued) load stops at its next tensor with `cancelled`."""
+        self._engine.cancel_load()
+
+    async def inspect(self, request: LoadRequest) -> ModelPreview:
+        """What loading request.path would take, from headers only, on a worker thread (never the
+        loop, never behind the engine's queue). Never raises: problems come back in `error`."""
+        return await _result_of(_in_thread(lambda: _inspect_now(self._engine, request)))
 
     async def generate(
         self, request: GenerateRequest, on_delta: Callable[[TextDelta], None] | None = None
@@ -144,6 +244,24 @@ class EngineClient:
 
     async def unpark(self, selector: str = "") -> ParkResult:
         return await _result_of(self._engine.submit_unpark(selector))
+
+    # ---- snapshot slots and memory ------------------------------------------------------------
+
+    async def slots(self, op: str = "list", slot: int | None = None, path: Path | None = None) -> SlotResult:
+        """op: "list", "free", "pin", "unpin", "save" (slot to path) or "load" (path into slot)."""
+        return await _result_of(self._engine.submit_slots(op, slot, path))
+
+    async def memory(self) -> MemoryStats:
+        """A fresh reading when the engine is free; while it works (a long answer, a load), the latest
+        one it took, so a 1 Hz chart never waits behind an answer."""
+        latest = self._engine.memory_stats
+        if latest is not None and self._engine.busy:
+            return latest
+        return await _result_of(self._engine.submit_memory())
+
+    def idle_park_deadline(self) -> float | None:
+        """time.monotonic() at which the engine parks itself for being idle; None when it won't."""
+        return self._engine.idle_park_deadline()
 
     def close(self) -> None:
         self._engine.close()

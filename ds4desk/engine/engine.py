@@ -6,12 +6,14 @@ thread boundary: every failure becomes an EngineError inside the result.
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
-import math
 import queue
+import re
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,9 +30,12 @@ from ds4desk.engine.api import (
     GenerateResult,
     LoadRequest,
     LoadResult,
+    MemoryStats,
     ModelInfo,
     ParkResult,
+    ProgressCallback,
     SlotResult,
+    ThinkingBudget,
 )
 
 if TYPE_CHECKING:
@@ -47,7 +52,7 @@ DeltaSink = Callable[[int | None, str], None]
 
 @dataclass(slots=True)
 class _Command:
-    kind: str  # "load" | "generate" | "park" | "unpark"
+    kind: str  # "load" | "generate" | "park" | "unpark" | "slots" | "memory"
     payload: Any
     future: Future[Any]
     sink: DeltaSink | None = None
@@ -96,6 +101,17 @@ class Engine:
         self._lock = threading.Lock()
         self._loaded: _Loaded | None = None
         self._parked: _Parked | None = None
+        # Loads are numbered when submitted; cancel_load() cancels every one submitted so far.
+        self._load_seq = 0
+        self._load_cancel_upto = 0
+        # Commands taken off the queue while a load was running, served after it in their order.
+        self._deferred: collections.deque[_Command | None] = collections.deque()
+        # The idle auto-park counts from the end of the last command (a memory reading is no use).
+        self._idle_since = time.monotonic()
+        self._serving: str | None = None  # the kind of command being served
+        self._memory: MemoryStats | None = None  # the latest reading, refreshed by the engine thread
+        self._memory_read_at = 0.0
+        self._memory_device: Any = None  # the device of the last loaded model
         self._thread = threading.Thread(target=self._serve, name="ds4desk-engine", daemon=True)
         self._thread.start()
 
@@ -111,8 +127,35 @@ class Engine:
     def parked(self) -> bool:
         return self._parked is not None
 
-    def submit_load(self, request: LoadRequest) -> Future[LoadResult]:
-        return self._submit(_Command("load", request, Future()))
+    def submit_load(
+        self, request: LoadRequest, on_progress: ProgressCallback | None = None
+    ) -> Future[LoadResult]:
+        """`on_progress` is called on the engine thread after each tensor is in place."""
+        with self._lock:
+            self._load_seq += 1
+            seq = self._load_seq
+        return self._submit(_Command("load", (request, seq, on_progress), Future()))
+
+    def cancel_load(self) -> None:
+        """Every load submitted so far stops at its next tensor (or before it starts) with
+        `cancelled`; the model that was loaded before stays (or is reloaded)."""
+        with self._lock:
+            self._load_cancel_upto = self._load_seq
+
+    def _load_cancelled(self, seq: int | None) -> bool:
+        with self._lock:
+            return seq is not None and seq <= self._load_cancel_upto
+
+    def resident_bytes(self) -> tuple[str, int]:
+        """(device, bytes) that unloading the current model would give back; ("", 0) if none."""
+        loaded = self._loaded
+        if loaded is None:
+            return "", 0
+        return str(loaded.runtime.device), loaded.info.weight_bytes + loaded.runtime.model.cache_bytes()
+
+    @property
+    def cache_dir(self) -> Path:
+        return self._cache_dir
 
     def submit_generate(
         self, request: GenerateRequest, sink: DeltaSink | None = None
@@ -137,8 +180,30 @@ class Engine:
         (path into slot, or a free one)."""
         return self._submit(_Command("slots", (op, slot, path), Future()))
 
-    def load(self, request: LoadRequest) -> LoadResult:
-        return self.submit_load(request).result()
+    def submit_memory(self) -> Future[MemoryStats]:
+        """A fresh reading, taken on the engine thread after the commands queued before it."""
+        return self._submit(_Command("memory", None, Future()))
+
+    @property
+    def memory_stats(self) -> MemoryStats | None:
+        """The latest reading without waiting: taken after every command and about twice a second
+        while an answer streams (None until the engine thread first read it)."""
+        return self._memory
+
+    @property
+    def busy(self) -> bool:
+        """A command is running or waiting: a memory command would wait for it."""
+        return self._serving not in (None, "memory") or not self._commands.empty()
+
+    def idle_park_deadline(self) -> float | None:
+        """time.monotonic() at which the idle auto-park strikes; None when it is off, nothing is
+        loaded, or a command is running."""
+        if self._idle_park_after_s is None or self._loaded is None or self._serving not in (None, "memory"):
+            return None
+        return self._idle_since + self._idle_park_after_s
+
+    def load(self, request: LoadRequest, on_progress: ProgressCallback | None = None) -> LoadResult:
+        return self.submit_load(request, on_progress).result()
 
     def slots(self, op: str = "list", slot: int | None = None, path: Path | None = None) -> SlotResult:
         return self.submit_slots(op, slot, path).result()
@@ -158,6 +223,7 @@ class Engine:
             self._cancelled.add(request_id)
 
     def close(self, timeout: float = 10.0) -> None:
+        self.cancel_load()  # a load still running would hold the thread for its whole length
         self._commands.put(None)
         self._thread.join(timeout)
 
@@ -174,101 +240,198 @@ class Engine:
     # ---- engine thread ----------------------------------------------------------------------
 
     def _next_command(self) -> _Command | None:
+        if self._deferred:
+            return self._deferred.popleft()
         while True:
+            deadline = self.idle_park_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return self._commands.get(timeout=self._idle_park_after_s)
+                return self._commands.get(timeout=timeout)
             except queue.Empty:  # idle for idle_park_after_s
                 if self._loaded is not None:
                     log.info("parking after %.0f s idle", self._idle_park_after_s)
                     self._park("all")
+                    self._after_command("park")
 
     def _serve(self) -> None:
         handlers: dict[str, Callable[[_Command], Any]] = {
-            "load": lambda c: self._load(c.payload),
+            "load": lambda c: self._load(*c.payload),
             "generate": lambda c: self._generate(c.payload, c.sink),
             "park": lambda c: self._park(c.payload),
             "unpark": lambda c: self._unpark(c.payload),
             "slots": lambda c: self._slots(*c.payload),
+            "memory": lambda c: self._read_memory(),
         }
         while (command := self._next_command()) is not None:
             if not command.future.set_running_or_notify_cancel():
                 continue
+            self._serving = command.kind
             try:
                 outcome = handlers[command.kind](command)
             except BaseException as exc:  # a bug of ours: still never leave the caller waiting
                 log.exception("engine command failed")
+                self._after_command(command.kind)
                 command.future.set_exception(exc)
-            else:
-                command.future.set_result(outcome)
+                continue
+            self._after_command(command.kind)  # before the caller hears back: it may ask memory_stats
+            if isinstance(outcome, ParkResult):
+                outcome.memory = self._memory  # read after the action, with the auto-park deadline
+            command.future.set_result(outcome)
         self._drop_model()
 
-    def _load(self, request: LoadRequest) -> LoadResult:
-        started = time.perf_counter()
+    def _after_command(self, kind: str) -> None:
+        self._serving = None
+        if kind != "memory":
+            self._idle_since = time.monotonic()
+            self._read_memory_quietly()
+
+    def _read_memory_quietly(self) -> MemoryStats | None:
+        """A reading is a nicety: its failure must never fail the command around it."""
         try:
-            info = self._load_model(request)
+            return self._read_memory()
+        except Exception:
+            log.exception("reading the device memory failed")
+            return None
+
+    def _read_memory(self) -> MemoryStats:
+        from ds4desk.engine.memory import read_memory
+
+        if self._loaded is not None:
+            self._memory_device = self._loaded.runtime.device
+        deadline = self.idle_park_deadline()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._memory = read_memory(self._memory_device, left)
+        self._memory_read_at = time.monotonic()
+        return self._memory
+
+    def _load(
+        self, request: LoadRequest, seq: int | None = None, on_progress: ProgressCallback | None = None
+    ) -> LoadResult:
+        started = time.perf_counter()
+        result = LoadResult()
+        try:
+            result.info = self._load_model(request, seq, on_progress, result)
         except EngineFailure as failure:
-            return LoadResult(error=failure.error, seconds=time.perf_counter() - started)
+            result.error = failure.error
         except MemoryError as exc:
-            error = EngineError(ErrorCode.OUT_OF_MEMORY, f"not enough memory to load the model ({exc})")
-            return LoadResult(error=error, seconds=time.perf_counter() - started)
+            detail = f"not enough memory to load the model ({exc})"
+            result.error = EngineError(ErrorCode.OUT_OF_MEMORY, detail)
         except Exception as exc:
             log.exception("load failed")
-            error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
-            return LoadResult(error=error, seconds=time.perf_counter() - started)
-        return LoadResult(info=info, seconds=time.perf_counter() - started)
+            result.error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
+        result.seconds = time.perf_counter() - started
+        return result
 
-    def _load_model(self, request: LoadRequest) -> ModelInfo:
+    def _load_model(
+        self,
+        request: LoadRequest,
+        seq: int | None = None,
+        on_progress: ProgressCallback | None = None,
+        result: LoadResult | None = None,
+    ) -> ModelInfo:
         import torch
 
-        from ds4desk.engine.devices import check_fits, resolve_device, resolve_dtype
+        from ds4desk.engine.devices import check_fits, free_memory_bytes, resolve_device, resolve_dtype
+        from ds4desk.engine.graphs import graphs_wanted
         from ds4desk.engine.loading.default_model import default_model_path
         from ds4desk.engine.loading.detect import inspect_model
         from ds4desk.engine.models.registry import check_tensors, load_model
+        from ds4desk.engine.preflight import memory_needed
         from ds4desk.engine.runtime import Runtime
         from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
+        from ds4desk.engine.split import plan_for
         from ds4desk.engine.tokenizer import ChatTokenizer
 
-        if request.chunk < 1 or request.context < 2:
-            raise EngineFailure(ErrorCode.BAD_REQUEST, "chunk must be >= 1 and context >= 2")
+        if self._load_cancelled(seq):
+            raise EngineFailure(ErrorCode.CANCELLED, "the load was cancelled before it started")
+        if request.chunk < 0 or request.context < 2:
+            raise EngineFailure(ErrorCode.BAD_REQUEST, "chunk must be >= 0 (0: automatic) and context >= 2")
+        if on_progress is not None:
+            on_progress(0, 0, "tensors")  # a GGUF is converted first: the amount is not known yet
         path = Path(request.path).expanduser() if request.path else default_model_path()
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            # Converted once into the cache (minutes for a big file): with progress, and cancellable.
+            _import_gguf(
+                path, self._cache_dir, _conversion_ticks(path, lambda: self._load_cancelled(seq), on_progress)
+            )
         # Everything that can be checked without touching the loaded model is checked first, so a
         # bad file dropped on the window leaves the current model in place.
         source = inspect_model(path, self._cache_dir)
         tokenizer = ChatTokenizer.from_folder(source.folder, source.chat_template)
-        device = resolve_device(request.device)
+        split_devices = _split_devices(request)
+        device = resolve_device(request.device) if split_devices is None else torch.device(split_devices[0])
         dtype = resolve_dtype(request.dtype, device)
-        context = min(request.context, int(source.config.get("max_position_embeddings") or request.context))
         # Names and shapes against the architecture, on the meta device: this also sizes the cache.
-        planned, _ = check_tensors(source, dtype)
-        weight_count = sum(math.prod(entry.shape) for entry in source.tensors.values())
-        needed = weight_count * torch.empty((), dtype=dtype).element_size() + planned.cache_bytes_for(context)
+        plan = memory_needed(source, dtype, request.context)
+        context = plan.context
+        split = None
+        needs = {str(device): plan.needed}  # bytes per device
+        if split_devices is not None:
+            meta, _ = check_tensors(source, dtype)
+            split, needs = plan_for(split_devices, request.layer_split, meta, context, _free_bytes)
+            del meta
         previous = self._loaded
-        # Refused before the current model is let go: a model that cannot fit costs nothing.
-        reclaimable = 0
-        if previous is not None and previous.runtime.device == device:
-            reclaimable = previous.info.weight_bytes + previous.runtime.model.cache_bytes()
+        # Refused before the current model is let go: a model that cannot fit costs nothing. Every
+        # device of a split is checked on its own.
         what = f"{path.name} in {_dtype_name(dtype)} with a {context}-token cache"
-        check_fits(needed, device, what, reclaimable)
-        self._drop_model()
+        for name, needed in needs.items():
+            reclaimable = 0
+            if previous is not None and str(previous.runtime.device) == name:
+                reclaimable = previous.info.weight_bytes + previous.runtime.model.cache_bytes()
+            check_fits(needed, torch.device(name), what, reclaimable)
+        # Both at once when memory allows: the current model keeps answering between the new one's
+        # tensors, and a failed or cancelled load leaves it exactly as it was. Otherwise it goes first.
+        keep = previous is not None and all(
+            needed <= free_memory_bytes(torch.device(name)) for name, needed in needs.items()
+        )
+        fallback = None
+        if previous is not None and not keep:
+            fallback = _Parked(previous.request, previous.info, previous.snapshots)
+            if result is not None:
+                result.dropped_previous = True
+        del previous  # no reference of ours may keep a dropped model's memory alive
+        if not keep:
+            self._drop_model()
+
+        def tick(done: int, total: int) -> None:
+            if self._load_cancelled(seq):
+                raise EngineFailure(ErrorCode.CANCELLED, f"loading {path.name} was cancelled")
+            if on_progress is not None:
+                on_progress(done, total, "tensors")
+            if keep:
+                self._serve_during_load()
+
+        failure: BaseException | None = None
         try:
-            loaded = load_model(source, device, dtype)
-            runtime = Runtime(loaded.model, device, context=context, chunk=request.chunk)
-        except BaseException:
-            self._loaded = None
+            loaded = load_model(source, device, dtype, tick, split=split)
+            if self._load_cancelled(seq):  # after the last tensor: still before the swap
+                raise EngineFailure(ErrorCode.CANCELLED, f"loading {path.name} was cancelled")
+            graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)
+            chunk = request.chunk or _auto_chunk(device.type, loaded.family)
+            runtime = Runtime(loaded.model, device, context=context, chunk=chunk, graphs=graphs)
+        except BaseException as exc:
+            failure = exc
+        if failure is not None:
+            # The traceback's frames hold the half-built model: free it before anything is reloaded.
+            _release_frames(failure)
             gc.collect()
-            if previous is not None and previous.request != request:
-                log.warning("loading %s failed; reloading %s", path, previous.info.path)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if fallback is not None:
+                self._loaded = None
                 # Through the parked state, so the reload keeps its snapshots; if it fails too, the
                 # previous model stays chosen, parked, and the next request tries again.
-                self._parked = _Parked(previous.request, previous.info, previous.snapshots)
-                self._restore(previous.request)
-            raise
+                self._parked = fallback
+                if fallback.request != request:
+                    log.warning("loading %s failed; reloading %s", path, fallback.info.path)
+                    self._restore(fallback.request)
+            raise failure
         info = ModelInfo(
             name=_model_name(source.origin),
             family=loaded.family,
             architecture=source.architecture,
             path=str(source.origin),
-            device=str(device),
+            device=str(device) if split is None else ",".join(split.devices),
             dtype=_dtype_name(dtype),
             parameters=loaded.parameters,
             weight_bytes=loaded.weight_bytes,
@@ -282,9 +445,32 @@ class Engine:
         else:
             identity = ModelIdentity(_fingerprint(source), info.dtype, context)
             snapshots = SnapshotStore(identity, self._snapshot_slots, self._snapshot_budget_bytes)
+        if keep:
+            self._drop_model()  # the old model goes only now that the new one is ready
         self._loaded = _Loaded(runtime, tokenizer, info, request, snapshots)
         self._parked = None  # a new model replaces a parked one too
         return info
+
+    def _serve_during_load(self) -> None:
+        """Between tensors of a load that keeps the current model: answer the requests waiting for
+        it. Anything else (and whatever comes after it) waits for the load, in its order."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is None or command.kind != "generate" or self._deferred or self._loaded is None:
+                self._deferred.append(command)
+                continue
+            if not command.future.set_running_or_notify_cancel():
+                continue
+            try:
+                outcome = self._generate(command.payload, command.sink)
+            except BaseException as exc:
+                log.exception("engine command failed")
+                command.future.set_exception(exc)
+            else:
+                command.future.set_result(outcome)
 
     def _restore(self, request: LoadRequest) -> None:
         try:
@@ -302,6 +488,13 @@ class Engine:
             import torch
 
             torch.cuda.empty_cache()
+            # cuBLAS keeps a workspace per stream it ran on (graph capture adds streams); they come
+            # from the same allocator and would outlive the model.
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                torch.cuda.synchronize(device)
+                clear_workspaces()
+                torch.cuda.empty_cache()
 
     def _park(self, selector: str) -> ParkResult:
         if selector not in PARK_SELECTORS:
@@ -313,12 +506,14 @@ class Engine:
         started = time.perf_counter()
         freed = loaded.info.weight_bytes + loaded.runtime.model.cache_bytes()
         device = loaded.runtime.device
-        before = _allocated(device)
+        split = getattr(loaded.runtime.model, "split", None)  # a layer split frees every device's part
+        devices = [device] if split is None else sorted({type(device)(d) for d in split.devices}, key=str)
+        before = sum(_allocated(d) for d in devices)
         self._parked = _Parked(loaded.request, loaded.info, loaded.snapshots)
         del loaded
         self._drop_model()
-        if device.type == "cuda":  # the allocator's own count, when there is one
-            freed = before - _allocated(device)
+        if all(d.type == "cuda" for d in devices):  # the allocator's own count, when there is one
+            freed = before - sum(_allocated(d) for d in devices)
         return ParkResult(selector, True, bytes=freed, seconds=time.perf_counter() - started)
 
     def _unpark(self, selector: str) -> ParkResult:
@@ -385,11 +580,16 @@ class Engine:
 
             def on_token(token: int) -> None:
                 piece = detokenizer.push(token)
+                if time.monotonic() - self._memory_read_at > 0.5:  # the memory chart moves while it streams
+                    self._read_memory_quietly()
                 if request.on_token is not None:
                     request.on_token(token)
                 if sink is not None:
                     sink(token, piece)
 
+            budget = request.thinking_budget
+            if budget is not None and not budget.close_tokens:
+                budget = ThinkingBudget(budget.max_tokens, loaded.tokenizer.encode("</think>"))
             outcome = loaded.runtime.generate(
                 prompt,
                 request.sampling,
@@ -397,7 +597,7 @@ class Engine:
                 stops,
                 on_token,
                 lambda: self._is_cancelled(request.request_id),
-                request.thinking_budget,
+                budget,
                 loaded.snapshots,
                 request.use_snapshots,
                 request.save_snapshot,
@@ -411,6 +611,9 @@ class Engine:
             result.stats = outcome.stats
             result.budget_forced_close = outcome.budget_forced_close
             result.snapshot_slot = outcome.snapshot_slot
+            save = request.save_snapshot
+            if outcome.snapshot_slot is not None and save is not None and save.tag is not None:
+                loaded.snapshots.tag(outcome.snapshot_slot, save.tag)
             result.text = loaded.tokenizer.decode(outcome.tokens)
         except EngineFailure as failure:
             result.error = failure.error
@@ -426,6 +629,75 @@ class Engine:
                 self._cancelled.discard(request.request_id)
                 self._running = None
         return result
+
+
+_CONVERTING = re.compile(r"\((\d+)/(\d+)\)$")  # gguf_import's "converting NAME (i/n)", before tensor i
+
+
+def _import_gguf(path: Path, cache_dir: Path, progress: Callable[[str], None]) -> None:
+    from ds4desk.engine.loading.gguf_import import import_gguf
+
+    import_gguf(path, cache_dir, progress)
+
+
+def _conversion_ticks(
+    path: Path, cancelled: Callable[[], bool], on_progress: ProgressCallback | None
+) -> Callable[[str], None]:
+    """A GGUF import's progress messages as (converted, total) counts; a cancel stops the import
+    before its next tensor (it then removes what it had written)."""
+
+    def tick(message: str) -> None:
+        if cancelled():
+            raise EngineFailure(ErrorCode.CANCELLED, f"converting {path.name} was cancelled")
+        found = _CONVERTING.search(message)
+        if found is not None and on_progress is not None:
+            on_progress(int(found[1]) - 1, int(found[2]), "tensors converted")
+
+    return tick
+
+
+def _free_bytes(device: str) -> int:
+    import torch
+
+    from ds4desk.engine.devices import free_memory_bytes
+
+    return free_memory_bytes(torch.device(device))
+
+
+def _split_devices(request: LoadRequest) -> tuple[str, ...] | None:
+    """The devices of a layer split, resolved (BAD_REQUEST for one that does not exist); None
+    when the request runs on one device."""
+    from ds4desk.engine.devices import resolve_device
+    from ds4desk.engine.split import check_devices
+
+    if request.devices is None:
+        if request.layer_split is not None:
+            raise EngineFailure(ErrorCode.BAD_REQUEST, "a layer split needs the devices it splits over")
+        return None
+    words = tuple(word.strip().lower() for word in request.devices)
+    check_devices(words)
+    resolved = []
+    for word in words:
+        try:
+            resolved.append(str(resolve_device(word)))
+        except EngineFailure as failure:
+            raise EngineFailure(ErrorCode.BAD_REQUEST, failure.error.detail) from None
+    return tuple(resolved)
+
+
+def _release_frames(error: BaseException | None) -> None:
+    """Clear the locals of every frame an exception (and its causes) keeps alive."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _auto_chunk(device_type: str, family: str) -> int:
+    """Measured (docs/BENCHMARKS.md): on an H200 the dense family prefills fastest in one chunk of
+    4096; DeepSeek-V4 was only measured at 512, and the CPU is tuned at 512."""
+    return 4096 if device_type == "cuda" and family != "deepseek_v4" else 512
 
 
 def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]:

@@ -40,6 +40,12 @@ def graphs_wanted(setting: bool | None, device: torch.device, model: object) -> 
     """None (the default) means on for CUDA and off for HIP, whose graphs are less proven."""
     if device.type != "cuda" or not getattr(model, "supports_graphs", False):
         return False
+    split = getattr(model, "split", None)
+    if split is not None and split.multi_device:
+        # A graph is captured on one device's stream; a step that crosses devices would need one
+        # graph per shard replayed in turn (with the hand-offs between them). Until then a split
+        # over several GPUs decodes eagerly.
+        return False
     if setting is None:
         return torch.version.hip is None
     return setting
@@ -71,7 +77,10 @@ class GraphedDecode:
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.spans = span_buckets(model.context)
+        self._set_length = getattr(model, "set_length", None)
         self._pool = torch.cuda.graph_pool_handle()
+        # One side stream for every capture: cuBLAS keeps a workspace per stream.
+        self._stream = torch.cuda.Stream(device)
         self._captured: list[_Captured] = []
         with torch.inference_mode():
             for span in self.spans:
@@ -84,6 +93,8 @@ class GraphedDecode:
         self.pos.fill_(pos)
         captured = self._captured[bisect.bisect_right(self.spans, pos)]
         captured.graph.replay()
+        if self._set_length is not None:
+            self._set_length(pos + 1)  # a model that tracks its length on the host learns it here
         return captured.logits, captured.greedy
 
     def close(self) -> None:
@@ -92,15 +103,16 @@ class GraphedDecode:
     def _capture(self, span: int) -> _Captured:
         self.pos.fill_(span - 1)
         # cuBLAS and friends allocate workspaces on first use; that must happen outside capture.
-        side = torch.cuda.Stream(self.device)
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self.model.decode_graphable(self.token, self.pos, span)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             logits = self.model.decode_graphable(self.token, self.pos, span)
             # Greedy decoding then needs no launches of its own between steps: one small copy.
-            best = torch.argmax(logits)
-            greedy = torch.stack((best.double(), (logits[best] - torch.logsumexp(logits, 0)).double()))
+            # (max, not logits[best]: indexing with a tensor reads it on the host, which capture forbids)
+            top, best = logits.max(0)
+            greedy = torch.stack((best.double(), (top - torch.logsumexp(logits, 0)).double()))
         return _Captured(graph, logits, greedy)

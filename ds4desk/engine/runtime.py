@@ -67,8 +67,9 @@ class Runtime:
         if graphs:
             try:
                 self.graphs = GraphedDecode(model, device)
-            except torch.OutOfMemoryError:
-                log.warning("no memory left to capture decode graphs; decoding eagerly")
+            except Exception:
+                # Out of memory, or an op the capture refuses: either way eager decode still works.
+                log.exception("could not capture decode graphs; decoding eagerly")
 
     def close(self) -> None:
         """Free the cache and graphs (the weights belong to whoever loaded the model)."""

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.api import EngineFailure, ErrorCode, SlotInfo
 
 FORMAT = "ds4desk-snapshot"
 FORMAT_VERSION = "1"
@@ -30,23 +30,29 @@ class Snapshot:
     logits: torch.Tensor  # float32 [V] after the last token
     pinned: bool = False
     hits: int = 0
-    created: float = field(default_factory=time.time)
+    created: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
+    tag: str | None = None  # the owner a request named (the window's chat id)
+    path: str | None = None  # the file it was last saved to or loaded from
 
     @property
     def nbytes(self) -> int:
         tensors = [*self.state.values(), self.logits]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def describe(self) -> dict[str, object]:
-        return {
-            "slot": self.slot,
-            "tokens": len(self.tokens),
-            "bytes": self.nbytes,
-            "pinned": self.pinned,
-            "hits": self.hits,
-            "age_s": round(time.time() - self.created, 3),
-        }
+    def describe(self) -> SlotInfo:
+        now = time.monotonic()
+        return SlotInfo(
+            slot=self.slot,
+            tokens=len(self.tokens),
+            bytes=self.nbytes,
+            pinned=self.pinned,
+            hits=self.hits,
+            age_s=round(now - self.created, 3),
+            idle_s=round(now - self.last_used, 3),
+            tag=self.tag,
+            path=self.path,
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,6 +121,9 @@ class SnapshotStore:
         if slot is not None:
             old = self._by_slot.pop(slot, None)
             snap.pinned = bool(old and old.pinned)
+            if old is not None and old.tokens == snap.tokens:
+                # The same prefix refreshed: it is still the snapshot that was made and restored.
+                snap.hits, snap.created, snap.tag, snap.path = old.hits, old.created, old.tag, old.path
         self._make_room(snap.nbytes, need_slot=slot is None)
         if slot is None:
             slot = min(set(range(self.slots)) - self._by_slot.keys())
@@ -131,6 +140,9 @@ class SnapshotStore:
 
     def pin(self, slot: int, pinned: bool = True) -> None:
         self.get(slot).pinned = pinned
+
+    def tag(self, slot: int, tag: str | None) -> None:
+        self.get(slot).tag = tag
 
     def _make_room(self, incoming: int, need_slot: bool) -> None:
         """Least recently used first, never a pinned slot, leaves before prefixes that others extend."""
@@ -168,8 +180,11 @@ class SnapshotStore:
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")
+        if snap.tag is not None:
+            metadata["tag"] = snap.tag
         save_file(tensors, str(partial), metadata=metadata)
         partial.replace(path)
+        snap.path = str(path)
 
     def load(self, path: Path, slot: int | None = None) -> Snapshot:
         """Checked whole before anything changes: a file of another model, dtype or context size, or
@@ -190,7 +205,9 @@ class SnapshotStore:
             ) from exc
         if len(tokens) > self.identity.context or logits.ndim != 1:
             raise EngineFailure(ErrorCode.INVALID_SNAPSHOT_SLOT, f"{path.name} does not fit this model")
-        return self.put(tokens, state, logits, slot)
+        snap = self.put(tokens, state, logits, slot)
+        snap.tag, snap.path = meta.get("tag"), str(path)
+        return snap
 
     def _check(self, meta: dict[str, str], path: Path) -> None:
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:

@@ -17,9 +17,9 @@ NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GP
 
 
 def huge_model(folder: Path) -> Path:
-    """A llama whose embedding alone is 64 GiB of float32: a sparse file, so it costs no disk."""
+    """A llama whose embedding alone is 256 GiB of float32: a sparse file, so it costs no disk."""
     folder.mkdir()
-    vocab, hidden = 2**22, 2**12
+    vocab, hidden = 2**24, 2**12
     config = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": vocab,

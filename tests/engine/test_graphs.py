@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds4desk.engine.api import SamplingParams
+from ds4desk.engine.api import SamplingParams, SaveSnapshot
 from ds4desk.engine.graphs import GraphedDecode, graphs_wanted, span_buckets
 from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import Runtime
-from tests.engine.tiny_dense import TINY_CONFIGS, save_tiny
+from tests.engine.tiny_dense import TINY_CONFIGS, save_tiny, source_from_folder
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,15 @@ def test_graphs_are_off_on_the_cpu(sources) -> None:
     assert not graphs_wanted(None, torch.device("cpu"), model)
 
 
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
-def test_graphable_step_equals_eager_step(sources, family: str) -> None:
+def test_graphable_step_equals_eager_step(sources, family: str, attention: str) -> None:
     """Prefill, then decode past the sliding window with both steps on two copies of the model:
     the logits agree at every span that covers the position, and so does the cache."""
     device = torch.device("cpu")
     eager = load_model(sources[family], device, torch.float32).model
     graphable = load_model(sources[family], device, torch.float32).model
+    graphable.decode_attention = attention
     for model in (eager, graphable):
         model.allocate_cache(64)
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
@@ -106,3 +108,41 @@ def test_fused_prefill_attention_equals_the_cpu_layout(sources, family: str) -> 
             model.forward(prompt[:11], 0, "none")
             outputs.append(model.forward(prompt[11:], 11, "all"))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_replayed_deepseek_v4_graphs_give_the_eager_tokens(tmp_path: Path) -> None:
+    """DeepSeek-V4 on a GPU: ring, compressors, indexer and both routings inside captured graphs
+    give the eager tokens, past the ring's wrap and across span buckets; a snapshot saved after
+    graph steps restores and continues like the eager run."""
+    from ds4desk.engine.make_tiny import make_tiny
+    from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
+
+    make_tiny("deepseek_v4", tmp_path / "v4")
+    source = source_from_folder(tmp_path / "v4")
+    device = torch.device("cuda")
+    vocab = source.config["vocab_size"]
+    prompt = [int(t) for t in torch.randint(0, vocab, (150,), generator=torch.Generator().manual_seed(7))]
+    results = []
+    for graphs in (False, True):
+        model = load_model(source, device, torch.float32).model
+        runtime = Runtime(model, device, context=600, chunk=64, graphs=graphs)
+        assert (runtime.graphs is not None) == graphs
+        store = SnapshotStore(ModelIdentity("tiny-v4", "float32", 600))
+        greedy = SamplingParams(temperature=0.0)
+        first = runtime.generate(
+            prompt,
+            greedy,
+            300,
+            set(),
+            lambda _t: None,
+            lambda: False,
+            snapshots=store,
+            save=SaveSnapshot(),
+        )
+        follow = [*prompt, *first.tokens[:-1], 5, 6, 7]
+        second = runtime.generate(follow, greedy, 40, set(), lambda _t: None, lambda: False, snapshots=store)
+        assert second.stats.reused_tokens == len(prompt) + len(first.tokens) - 1
+        results.append((first.tokens, second.tokens))
+        runtime.close()
+    assert results[1] == results[0]

@@ -217,4 +217,4 @@ def test_a_chat_follow_up_prefills_only_the_new_message(model_cache: Path) -> No
     assert follow.stats.reused_tokens >= len(first.prompt_tokens) + len(first.tokens)
     assert follow.stats.prefill_tokens < 16  # "<|im_end|>", the new user turn and the assistant header
     assert follow.tokens == cold.tokens and cold.stats.reused_tokens == 0
-    assert listed.ok and [s["slot"] for s in listed.slots] == [first.snapshot_slot]
+    assert listed.ok and [s.slot for s in listed.slots] == [first.snapshot_slot]

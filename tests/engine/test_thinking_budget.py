@@ -99,3 +99,31 @@ def test_through_the_engine_on_the_real_model(model_cache: Path) -> None:
     assert result.ok and result.budget_forced_close
     assert result.tokens[3:5] == close and len(result.tokens) == 8
     assert result.to_json()["budget_forced_close"] is True
+
+
+def test_the_engine_spells_the_close_itself_when_none_is_given(model_cache: Path) -> None:
+    """The window cannot know token ids: an empty close sequence means the tokenizer's `</think>`."""
+    from ds4desk.engine import Engine, GenerateRequest, LoadRequest
+    from ds4desk.engine.loading.default_model import default_model_path
+    from ds4desk.engine.loading.detect import inspect_model
+    from ds4desk.engine.tokenizer import ChatTokenizer
+
+    source = inspect_model(default_model_path(), model_cache)
+    spelled = ChatTokenizer.from_folder(source.folder, source.chat_template).encode("</think>")
+    assert len(spelled) >= 1
+    engine = Engine(model_cache)
+    try:
+        assert engine.load(LoadRequest(context=256)).ok
+        result = engine.generate(
+            GenerateRequest(
+                raw_text="Let me think step by step.",
+                max_new_tokens=3 + len(spelled) + 2,
+                stop_tokens=[],
+                thinking_budget=ThinkingBudget(max_tokens=3, close_tokens=[]),
+                sampling=SamplingParams(temperature=0.0),
+            )
+        )
+    finally:
+        engine.close()
+    assert result.ok and result.budget_forced_close
+    assert result.tokens[3 : 3 + len(spelled)] == spelled

@@ -12,7 +12,7 @@ from ds4desk.settings import Settings
 
 def test_defaults() -> None:
     settings = Settings()
-    assert (settings.device, settings.context, settings.chunk) == ("auto", 4096, 512)
+    assert (settings.device, settings.context, settings.chunk) == ("auto", 4096, 0)  # 0: automatic
     assert (settings.temperature, settings.top_p, settings.top_k) == (0.7, 0.95, 0)
     assert settings.max_new_tokens == 1024 and settings.last_model is None
 

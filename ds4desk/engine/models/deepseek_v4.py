@@ -35,6 +35,8 @@ from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models.llama import LogitsMode
+from ds4desk.engine.models.v4_hc_kernel import hc_weights
+from ds4desk.engine.split import ShardPlan
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -518,6 +520,11 @@ def _compressor_state(
 
 
 class DeepseekV4Model(nn.Module):
+    # decode_graphable is CUDA-graph capturable (no host syncs, shapes fixed by the span).
+    supports_graphs = True
+    # Graphable MoE: None picks by cost (see _decode_moe); True / False force all experts / a gather.
+    graph_dense_moe: bool | None = None
+
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
@@ -530,6 +537,16 @@ class DeepseekV4Model(nn.Module):
         self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rope kind -> (cos, sin)
         self._cache: V4Cache | None = None
         self._context = 0
+        # 0, 1, 2, ...: the index constants the graphable decode slices (never built inside a capture).
+        self._steps: torch.Tensor | None = None
+        # A layer split (ds4desk.engine.split): the first layer of every later shard -> its device,
+        # and per device the rope tables and steps its layers read (copies of the first device's).
+        self._split: ShardPlan | None = None
+        self._boundaries: dict[int, torch.device] = {}
+        self._per_device: dict[
+            torch.device, tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+        ] = {}
+        self._tied_head: torch.Tensor | None = None  # a tied head's copy on the last shard's device
 
     @property
     def vocab_size(self) -> int:
@@ -544,17 +561,38 @@ class DeepseekV4Model(nn.Module):
         return self.model.embed_tokens.weight.device
 
     @property
+    def split(self) -> ShardPlan | None:
+        """The layer split set by place(); None: every layer on `device`."""
+        return self._split
+
+    @property
     def cache(self) -> V4Cache | None:
         return self._cache
 
     # --- loading -----------------------------------------------------------------------------
 
+    def place(self, plan: ShardPlan) -> None:
+        """Split the layers over the plan's devices; before materialize (which then ignores its
+        device): layer i's weights and cache go to its shard's device, the embedding to the first,
+        the final norm, hyper-connection head and head to the last."""
+        if plan.num_layers != self.config.num_layers:
+            raise EngineFailure(
+                ErrorCode.BAD_REQUEST,
+                f"the layer split covers {plan.num_layers} layers; the model has {self.config.num_layers}",
+            )
+        if any(not p.is_meta for p in self.parameters()):
+            raise RuntimeError("place() must come before materialize()")
+        self._split = plan
+
     def materialize(self, device: torch.device) -> None:
-        """Give every parameter real (uninitialised) storage on `device`, keeping its dtype."""
-        for module in self.modules():
+        """Give every parameter real (uninitialised) storage on `device` (or where the split puts
+        it), keeping its dtype."""
+        split = self._split
+        for prefix, module in self.named_modules():
             for name, param in list(module._parameters.items()):
                 if param is not None and param.is_meta:
-                    real = torch.empty(param.shape, device=device, dtype=param.dtype)
+                    where = device if split is None else torch.device(split.device_of(f"{prefix}.{name}"))
+                    real = torch.empty(param.shape, device=where, dtype=param.dtype)
                     module._parameters[name] = nn.Parameter(real, requires_grad=False)
 
     def finish_loading(self) -> None:
@@ -569,6 +607,14 @@ class DeepseekV4Model(nn.Module):
             "main": cfg.main_rope.inverse_frequencies(device),
             "compress": cfg.compress_rope.inverse_frequencies(device),
         }
+        self._boundaries = {}
+        if self._split is not None:
+            for start, _stop in self._split.bounds()[1:]:
+                self._boundaries[start] = self.model.layers[start].input_layernorm.weight.device
+        last = self.model.norm.weight.device
+        self._tied_head = None
+        if self.lm_head is None and last != device:
+            self._tied_head = self.model.embed_tokens.weight.to(last, copy=True)
         if self._context:
             self.allocate_cache(self._context)
 
@@ -588,7 +634,8 @@ class DeepseekV4Model(nn.Module):
             angles = torch.outer(positions, self._inv_freq[kind])
             self._tables[kind] = (angles.cos() * rope.attention_factor, angles.sin() * rope.attention_factor)
         layers = []
-        for layer_type in cfg.layer_types:
+        for layer_type, layer in zip(cfg.layer_types, self.model.layers, strict=True):
+            device = layer.input_layernorm.weight.device  # its shard's (the only one, unsplit)
             # Zeroed, so no stale NaN can ever meet a zero softmax weight.
             ring = torch.zeros((cfg.sliding_window, cfg.head_dim), device=device, dtype=self.dtype)
             state = LayerState(ring, None, None, None, None)
@@ -609,11 +656,34 @@ class DeepseekV4Model(nn.Module):
             layers.append(state)
         self._cache = V4Cache(layers)
         self._context = context
+        longest = max(context, cfg.sliding_window, cfg.csa_rate, cfg.hca_rate)
+        self._steps = torch.arange(longest, device=self.device)
+        # Other devices read copies of the first device's tables: bit-identical angles everywhere.
+        self._per_device = {self.device: (self._tables, self._steps)}
+        for shard_device in self._boundaries.values():
+            if shard_device not in self._per_device:
+                tables = {
+                    k: (c.to(shard_device, copy=True), s.to(shard_device, copy=True))
+                    for k, (c, s) in self._tables.items()
+                }
+                self._per_device[shard_device] = (tables, self._steps.to(shard_device, copy=True))
 
     def free_cache(self) -> None:
         self._cache = None
         self._tables = {}
+        self._per_device = {}
         self._context = 0
+        self._steps = None
+
+    def _use_device(self, device: torch.device) -> None:
+        """Point the rope tables and steps the layer code reads at `device`'s copies (a split's
+        shard boundary; the layer code itself stays device-agnostic)."""
+        self._tables, self._steps = self._per_device[device]
+
+    def _head_weight(self) -> torch.Tensor:
+        if self._tied_head is not None:
+            return self._tied_head
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def cache_bytes(self) -> int:
         return 0 if self._cache is None else self._cache.nbytes()
@@ -621,17 +691,22 @@ class DeepseekV4Model(nn.Module):
     def cache_bytes_for(self, context: int) -> int:
         """What allocate_cache(context) will take, before taking it (the compressed and indexer rows
         grow with the context; the ring and the carry states do not)."""
+        return sum(self.layer_cache_bytes_for(context))
+
+    def layer_cache_bytes_for(self, context: int) -> list[int]:
+        """cache_bytes_for per layer (a split plan places each with its layer)."""
         cfg = self.config
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        total = 0
+        out = []
         for layer_type in cfg.layer_types:
-            total += cfg.sliding_window * cfg.head_dim * itemsize
+            total = cfg.sliding_window * cfg.head_dim * itemsize
             if layer_type != SLIDING:
                 rows = context // cfg.rate(layer_type)
                 total += rows * cfg.head_dim * itemsize
                 if layer_type == CSA:
                     total += rows * cfg.index_head_dim * itemsize
-        return total
+            out.append(total)
+        return out
 
     def export_state(self, length: int) -> dict[str, torch.Tensor]:
         """The state after positions 0..length-1, as host tensors: the raw window in logical order
@@ -710,49 +785,56 @@ class DeepseekV4Model(nn.Module):
         cache.length = 0  # until this call completes, the state is not a valid continuation
         x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(count, cfg.hc_mult, cfg.hidden_size).contiguous()
+        ids = input_ids
+        if self._boundaries:
+            self._use_device(self.device)
         for index, layer in enumerate(self.model.layers):
-            streams = self._block(index, layer, streams, input_ids, start_pos)
+            if index in self._boundaries:
+                # A shard boundary: the next layers need the streams and the token ids (hash
+                # routing); positions are host ints here. Copies, never aliases.
+                device = self._boundaries[index]
+                streams, ids = _hand_over(streams, device), _hand_over(ids, device)
+                self._use_device(device)
+            streams = self._block(index, layer, streams, ids, start_pos)
+        if self._boundaries:
+            self._use_device(self.device)
         cache.length = end
         if logits == "none":
             return None
         if logits == "last":
             streams = streams[-1:]
-        head = self.model.hc_head
-        pre = _hc_mix(streams, head.hc_fn, cfg.rms_norm_eps) * head.hc_scale + head.hc_base
-        h = _collapse(streams, torch.sigmoid(pre) + cfg.hc_eps)
-        h = _rms_norm(h, self.model.norm.weight, cfg.rms_norm_eps)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        out = torch.mm(h, weight.t()).float()
+        h = self._hc_head(streams)
+        out = torch.mm(h, self._head_weight().t()).float()
+        if out.device != input_ids.device:  # split: the logits come back to where the ids came from
+            out = out.to(input_ids.device)
         return out[0] if logits == "last" else out
 
     def _block(
         self, index: int, layer: _Layer, streams: torch.Tensor, ids: torch.Tensor, start: int
     ) -> torch.Tensor:
-        cfg = self.config
-        pre, post, comb = self._hc_site(streams, layer.attn_hc)
-        h = _rms_norm(_collapse(streams, pre), layer.input_layernorm.weight, cfg.rms_norm_eps)
+        h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
         streams = _expand(streams, self._attention(index, layer.self_attn, h, start), post, comb)
-        pre, post, comb = self._hc_site(streams, layer.ffn_hc)
-        h = _rms_norm(_collapse(streams, pre), layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+        h, post, comb = self._hc_site(streams, layer.ffn_hc, layer.post_attention_layernorm.weight)
         return _expand(streams, self._moe(layer.mlp, h, ids), post, comb)
 
     def _hc_site(
-        self, streams: torch.Tensor, site: _HyperConnection
+        self, streams: torch.Tensor, site: _HyperConnection, norm: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """float32 (pre [T, m], post [T, m], comb [T, m, m]) of one hyper-connection site."""
+        """One hyper-connection site: the block input Σ_j pre_j X_j RMS-normed with `norm`'s weight
+        [T, D] in the streams' dtype, and the float32 post [T, m] and comb [T, m, m] for _expand."""
         cfg = self.config
-        m, eps = cfg.hc_mult, cfg.hc_eps
-        z = _hc_mix(streams, site.fn, cfg.rms_norm_eps)
-        pre = torch.sigmoid(z[:, :m] * site.scale[0] + site.base[:m]) + eps
-        post = 2 * torch.sigmoid(z[:, m : 2 * m] * site.scale[1] + site.base[m : 2 * m])
-        logits = (z[:, 2 * m :] * site.scale[2] + site.base[2 * m :]).view(-1, m, m)
-        comb = torch.softmax(logits, dim=-1) + eps
-        # Sinkhorn towards a doubly stochastic matrix: columns first, then rows and columns.
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(cfg.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return pre, post, comb
+        m = cfg.hc_mult
+        z, streams32 = _hc_mix(streams, site.fn, cfg.rms_norm_eps)
+        gates, comb = hc_weights(z, site.scale, site.base, m, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        h = _rms_norm(_collapse(streams32, gates[:, :m]), norm, cfg.rms_norm_eps, streams.dtype)
+        return h, gates[:, m:], comb
+
+    def _hc_head(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final collapse of the streams and the norm: the head's input [T, D]."""
+        cfg, head = self.config, self.model.hc_head
+        z, streams32 = _hc_mix(streams, head.hc_fn, cfg.rms_norm_eps)
+        pre = torch.sigmoid(torch.addcmul(head.hc_base, z, head.hc_scale)) + cfg.hc_eps
+        return _rms_norm(_collapse(streams32, pre), self.model.norm.weight, cfg.rms_norm_eps, streams.dtype)
 
     # --- attention ---------------------------------------------------------------------------
 
@@ -765,12 +847,12 @@ class DeepseekV4Model(nn.Module):
         heads, dim, window = cfg.num_heads, cfg.head_dim, cfg.sliding_window
         eps = cfg.rms_norm_eps
         cos, sin = self._tables["main" if layer_type == SLIDING else "compress"]
-        cos, sin = cos[start : start + count], sin[start : start + count]
+        turn = _turn(cos[start : start + count], sin[start : start + count])  # [T, r / 2]
 
         q_res = _rms_norm(x @ attn.q_a_proj.weight.t(), attn.q_a_norm.weight, eps)
         q = (q_res @ attn.q_b_proj.weight.t()).view(count, heads, dim)
-        q = _rope(_rms_norm(q, None, eps), cos.unsqueeze(1), sin.unsqueeze(1))
-        kv = _rope(_rms_norm(x @ attn.kv_proj.weight.t(), attn.kv_norm.weight, eps), cos, sin)
+        q = _norm_rope(q, None, eps, turn.unsqueeze(1))
+        kv = _norm_rope(x @ attn.kv_proj.weight.t(), attn.kv_norm.weight, eps, turn)
 
         # Raw keys: the ring's rows before this chunk (logical order) then the chunk's own, each
         # query masked to its window [t - W + 1, t]. The chunk goes into the ring only after the
@@ -789,7 +871,7 @@ class DeepseekV4Model(nn.Module):
 
         scale = dim**-0.5
         q_heads = q.transpose(0, 1)  # [H, T, d]
-        scores = [torch.matmul(q_heads, keys.t()).float() * scale + bias]  # [H, T, raw]
+        scores = [torch.add(bias, torch.matmul(q_heads, keys.t()), alpha=scale)]  # [H, T, raw] float32
         extra: torch.Tensor | None = None
         if attn.compressor is not None:
             extra, extra_bias = self._compressed_keys(layer_type, attn.compressor, state, x, q_res, start)
@@ -797,7 +879,7 @@ class DeepseekV4Model(nn.Module):
                 extra_scores = torch.matmul(q_heads, extra.t())
             else:  # [T, k, d]: each query its own indexer picks (CSA)
                 extra_scores = torch.einsum("htd,tkd->htk", q_heads, extra)
-            scores.append(extra_scores.float() * scale + extra_bias)
+            scores.append(torch.add(extra_bias, extra_scores, alpha=scale))
 
         # One softmax over raw keys, compressed keys and the per-head sink logit (no value).
         sink = attn.sinks.view(heads, 1, 1).expand(heads, count, 1)
@@ -812,7 +894,7 @@ class DeepseekV4Model(nn.Module):
                 out = out + torch.einsum("htk,tkd->htd", weights, extra)
         out = out.transpose(0, 1)  # [T, H, d]
         # V = K carries the key's rotation; rotating back by the query's angle leaves relative ones.
-        out = _rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        out = _rope_(out, torch.conj_physical(turn).unsqueeze(1))
 
         groups = cfg.o_groups
         grouped = out.reshape(count, groups, -1).transpose(0, 1)  # [G, T, H d / G]
@@ -896,10 +978,12 @@ class DeepseekV4Model(nn.Module):
                 win_kv = torch.cat([prev_kv, win_kv[:, :, dim:]], dim=1)
                 win_gate = torch.cat([prev_gate, win_gate[:, :, dim:]], dim=1)
             pooled = (win_kv * torch.softmax(win_gate, dim=1)).sum(dim=1)  # per-channel softmax
-            pooled = _rms_norm(pooled.to(rows.dtype), comp.kv_norm.weight, self.config.rms_norm_eps)
             cos, sin = self._tables["compress"]
             at = torch.arange(first, first + closed, device=x.device) * rate
-            rows[first : first + closed] = _rope(pooled, cos[at], sin[at])
+            turn = _turn(cos[at], sin[at])
+            rows[first : first + closed] = _norm_rope(
+                pooled, comp.kv_norm.weight, self.config.rms_norm_eps, turn
+            )
         left = kv.shape[0] - used
         state.kv[:left] = kv[used:]
         state.gate[:left] = gate[used:]
@@ -919,15 +1003,15 @@ class DeepseekV4Model(nn.Module):
         count, heads, dim = x.shape[0], cfg.index_heads, cfg.index_head_dim
         cos, sin = self._tables["compress"]
         q = (q_res @ indexer.q_b_proj.weight.t()).view(count, heads, dim)
-        q = _rope(q, cos[start : start + count].unsqueeze(1), sin[start : start + count].unsqueeze(1)).float()
-        weights = (x @ indexer.scorer.weights_proj.weight.t()).float() * heads**-0.5  # [T, Hi]
+        q = _rope_(q.float(), _turn(cos[start : start + count], sin[start : start + count]).unsqueeze(1))
+        weights = _index_weights(x, indexer, heads, dim).unsqueeze(1)  # [T, 1, Hi]
         keys32 = keys.float().t()
         total = keys.shape[0]
         scores = torch.zeros((count, total), device=x.device, dtype=torch.float32)
         step = max(1, _INDEXER_BLOCK // max(1, count * total))  # heads per block, to bound memory
         for h in range(0, heads, step):
-            part = torch.relu(torch.matmul(q[:, h : h + step], keys32)) * dim**-0.5  # [T, h, E]
-            scores += (part * weights[:, h : h + step].unsqueeze(-1)).sum(dim=1)
+            part = torch.relu_(torch.matmul(q[:, h : h + step], keys32))  # [T, h, E]
+            scores.unsqueeze(1).baddbmm_(weights[:, :, h : h + step], part)  # += Σ_h w_h part_h
         scores.masked_fill_(~visible, -math.inf)
         picks = scores.topk(min(cfg.index_topk, total), dim=-1).indices
         return picks, visible.gather(1, picks)
@@ -946,58 +1030,370 @@ class DeepseekV4Model(nn.Module):
         weights = scores.gather(1, chosen)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
 
-        out = torch.zeros_like(x)
-        experts = moe.experts
-        for expert in torch.unique(chosen).tolist():
-            rows, slot = torch.where(chosen == expert)
-            y = _swiglu(x[rows] @ experts.gate_up_proj[expert].t(), cfg.swiglu_limit)
-            y = y @ experts.down_proj[expert].t()
-            out.index_add_(0, rows, (y * weights[rows, slot].unsqueeze(1)).to(out.dtype))
+        # Grouped by expert: the (token, slot) pairs sorted by expert and one host read of the group
+        # sizes; no per-token work.
+        count, k = chosen.shape
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # pair indices, by expert
+        sizes = torch.bincount(flat, minlength=cfg.num_experts)
+        host_sizes = sizes.tolist()
+        inputs = x.index_select(0, order // k)  # [T k, D]
+        experts, limit = moe.experts, cfg.swiglu_limit
+        largest, width = max(host_sizes), inputs.shape[1]
+        if cfg.num_experts * largest <= 2 * count * k:
+            # Balanced enough (so most experts have tokens: their weights are read anyway): two
+            # batched GEMMs over all experts, each group padded with zero rows to the largest, at
+            # most twice the rows (and memory) of the pairs themselves.
+            ranked = flat.index_select(0, order)  # the expert of each sorted pair
+            starts = (torch.cumsum(sizes, 0) - sizes).index_select(0, ranked)
+            offset = torch.arange(count * k, device=x.device) - starts  # rank within its group
+            slots = ranked * largest + offset  # each sorted pair's row in the padded [E, largest] layout
+            padded = inputs.new_zeros((cfg.num_experts * largest, width)).index_copy_(0, slots, inputs)
+            padded = padded.view(cfg.num_experts, largest, width)
+            hidden = _swiglu(*torch.bmm(padded, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1), limit)
+            ys = torch.bmm(hidden, experts.down_proj.transpose(1, 2)).view(-1, width)
+            grouped = ys.index_select(0, slots)
+        else:  # one GEMM pair per expert that has tokens
+            parts, first = [], 0
+            for expert, size in enumerate(host_sizes):
+                if size:
+                    gate_up = inputs[first : first + size] @ experts.gate_up_proj[expert].t()
+                    parts.append(_swiglu(*gate_up.chunk(2, dim=-1), limit) @ experts.down_proj[expert].t())
+                    first += size
+            grouped = torch.cat(parts)
+        by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)  # back to (token, slot) order
+        routed = torch.bmm(weights.unsqueeze(1), by_pair.view(count, k, -1).float()).squeeze(1).to(x.dtype)
         shared = moe.shared_experts
-        gate_up = torch.cat([x @ shared.gate_proj.weight.t(), x @ shared.up_proj.weight.t()], dim=-1)
-        return out + _swiglu(gate_up, cfg.swiglu_limit) @ shared.down_proj.weight.t()
+        act = _swiglu(x @ shared.gate_proj.weight.t(), x @ shared.up_proj.weight.t(), limit)
+        return routed + act @ shared.down_proj.weight.t()
+
+    # --- graphable decode (one token, CUDA-graph capturable) -------------------------------------
+    #
+    # The same math as forward(token, pos, "last") with every position-dependent choice made by
+    # tensor ops on `pos`, so one captured graph serves every position below its span: the ring row
+    # is pos mod W, a compressor writes every step but only changes an entry when its window closes,
+    # and the compressed rows a query may see are a mask over the static span // rate rows. Nothing
+    # here reads a device value on the host or sizes a tensor by one.
+
+    def decode_graphable(self, token: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """One decode step for the token in `token` (int64 [1]) at the position in `pos` (int64 [1]),
+        both on the model's device. `span` (static, pos < span <= context) bounds the positions the
+        step may attend to. Writes the position's state as forward(token, pos, "last") does and
+        returns float32 logits [V].
+
+        The cache's host-side length cannot follow `pos` without a sync: it is left invalid, and the
+        caller reports the new length with set_length(pos + 1) after the step (or replay)."""
+        cache = self._cache
+        if cache is None or self._steps is None:
+            raise RuntimeError("decode_graphable before allocate_cache")
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        cfg = self.config
+        cache.length = 0  # until set_length: forward and export_state refuse to continue from here
+        x = F.embedding(token, self.model.embed_tokens.weight)  # [1, D]
+        streams = x.unsqueeze(1).expand(1, cfg.hc_mult, cfg.hidden_size).contiguous()
+        first_token = token
+        if self._boundaries:
+            self._use_device(self.device)
+        for index, layer in enumerate(self.model.layers):
+            if index in self._boundaries:
+                # A shard boundary: the streams, the token id (hash routing) and the position.
+                device = self._boundaries[index]
+                streams = _hand_over(streams, device)
+                token, pos = _hand_over(token, device), _hand_over(pos, device)
+                self._use_device(device)
+            h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
+            y = self._decode_attention(index, layer.self_attn, h, pos, span)
+            streams = _expand(streams, y, post, comb)
+            h, post, comb = self._hc_site(streams, layer.ffn_hc, layer.post_attention_layernorm.weight)
+            streams = _expand(streams, self._decode_moe(layer.mlp, h, token), post, comb)
+        if self._boundaries:
+            self._use_device(self.device)
+        h = self._hc_head(streams)
+        out = torch.mm(h, self._head_weight().t()).float()[0]
+        return out if out.device == first_token.device else out.to(first_token.device)
+
+    def set_length(self, length: int) -> None:
+        """After decode_graphable steps: the cache now holds positions 0..length-1."""
+        cache = self._cache
+        if cache is None:
+            raise RuntimeError("set_length before allocate_cache")
+        if not 0 < length <= self._context:
+            raise ValueError(f"length must be in 1..{self._context}, got {length}")
+        cache.length = length
+
+    def _decode_attention(
+        self, index: int, attn: _Attention, x: torch.Tensor, pos: torch.Tensor, span: int
+    ) -> torch.Tensor:
+        cfg, cache, steps = self.config, self._cache, self._steps
+        assert cache is not None and steps is not None
+        state = cache.layers[index]
+        layer_type = cfg.layer_types[index]
+        heads, dim, window, eps = cfg.num_heads, cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
+        cos, sin = self._tables["main" if layer_type == SLIDING else "compress"]
+        turn = _turn(cos.index_select(0, pos), sin.index_select(0, pos))  # [1, r / 2]
+
+        q_res = _rms_norm(x @ attn.q_a_proj.weight.t(), attn.q_a_norm.weight, eps)
+        q = (q_res @ attn.q_b_proj.weight.t()).view(heads, dim)
+        q = _norm_rope(q, None, eps, turn)  # [H, d]
+        kv = _norm_rope(x @ attn.kv_proj.weight.t(), attn.kv_norm.weight, eps, turn)
+
+        # Write first, then attend over the whole ring in physical order: slot s holds the latest
+        # position ≡ s (mod W), which is in this query's window, or was never written by this
+        # request while pos < W - 1 (slots above pos: masked).
+        ring = state.ring
+        ring.index_copy_(0, pos % window, kv)
+        keys, ready = ring, steps[:window]  # every key with the position from which it is visible
+        if attn.compressor is not None:
+            extra, extra_ready = self._decode_compressed(
+                layer_type, attn.compressor, state, x, q_res, pos, span, turn
+            )
+            if extra is not None and extra_ready is not None:
+                keys, ready = torch.cat([ring, extra]), torch.cat([ready, extra_ready])
+        bias = torch.where(ready <= pos, 0.0, -math.inf)  # [keys]
+
+        # One softmax over raw and compressed keys and the per-head sink logit (no value).
+        logits = torch.add(bias, torch.mm(q, keys.t()), alpha=dim**-0.5)  # [H, keys] float32
+        probs = torch.softmax(torch.cat([logits, attn.sinks.unsqueeze(1)], dim=1), dim=-1)
+        out = torch.mm(probs[:, :-1].to(keys.dtype), keys)  # [H, d]
+        out = _rope_(out, torch.conj_physical(turn))
+
+        groups = cfg.o_groups
+        o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
+        low = torch.bmm(out.view(groups, 1, -1), o_a.transpose(1, 2)).view(1, -1)  # heads are grouped
+        return low @ attn.o_b_proj.weight.t()
+
+    def _decode_compressed(
+        self,
+        layer_type: str,
+        comp: _Compressor,
+        state: LayerState,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
+        pos: torch.Tensor,
+        span: int,
+        turn: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Feed the token to the compressor(s) and return the compressed keys with the positions
+        from which each is visible: HCA the first span // rate rows [rows, d] and [rows]; CSA the
+        indexer's picks among them, [k, d] and [k]. (None, None) when the span holds no whole
+        window."""
+        cfg, steps = self.config, self._steps
+        assert steps is not None
+        assert state.entries is not None and state.compressor is not None
+        rate = cfg.rate(layer_type)
+        csa = layer_type == CSA
+        # The compressor and the indexer's (CSA) share the window arithmetic: same rate, same rows.
+        at = self._window_step(pos, rate, state.entries.shape[0], csa)
+        self._decode_compress(comp, state.compressor, state.entries, x, at, csa)
+        indexer = comp.indexer if csa else None
+        if isinstance(indexer, _Indexer):
+            assert state.index_entries is not None and state.indexer is not None
+            self._decode_compress(indexer, state.indexer, state.index_entries, x, at, True)
+        rows = span // rate
+        if rows == 0:  # pos < span <= rate - 1: no window has closed yet
+            return None, None
+        # Entry w pools tokens up to (w + 1) rate - 1: visible from that token on.
+        ready = steps[rate - 1 : rows * rate : rate]  # [rows]
+        entries = state.entries[:rows]
+        if isinstance(indexer, _Indexer):
+            assert state.index_entries is not None
+            picks = self._decode_index(indexer, state.index_entries[:rows], x, q_res, turn, ready <= pos)
+            return entries.index_select(0, picks), ready.index_select(0, picks)  # [k, d], [k]
+        return entries, ready
+
+    def _window_step(self, pos: torch.Tensor, rate: int, rows: int, overlap: bool) -> _WindowStep:
+        steps = self._steps
+        assert steps is not None
+        slot = pos % rate  # [1]
+        step = _WindowStep(slot, (steps[:rate] == slot).unsqueeze(1), slot == rate - 1)
+        if rows:
+            # Closing implies pos // rate < rows; otherwise the clamped row is rewritten unchanged.
+            step.window = torch.clamp(torch.div(pos, rate, rounding_mode="floor"), max=rows - 1)
+            step.first = pos < rate if overlap else None
+            cos, sin = self._tables["compress"]
+            start = pos - slot  # window * rate (when clamped, the entry is not written)
+            step.turn = _turn(cos.index_select(0, start), sin.index_select(0, start))
+        return step
+
+    def _decode_compress(
+        self,
+        comp: _Compressor,
+        state: CompressorState,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        at: _WindowStep,
+        overlap: bool,
+    ) -> None:
+        """_compress for one token without branches: the entry of the window holding pos is pooled
+        every step and written back unchanged unless pos closes it; the open window takes the token
+        unless it closes (as _compress, which keeps only a closed window's first halves, for CSA)."""
+        kv = (x @ comp.kv_proj.weight.t()).float()  # [1, width]
+        bias = comp.position_bias.index_select(0, at.slot)
+        gate = torch.add(bias, x @ comp.gate_proj.weight.t())  # float32, as the bias
+        win_kv = torch.where(at.here, kv, state.kv)  # the window holding pos, pos included: [rate, width]
+        win_gate = torch.where(at.here, gate, state.gate)
+        closing = at.closing
+        dim = win_kv.shape[-1] // 2
+        if at.window is not None and at.turn is not None:  # some rows exist
+            pool_kv, pool_gate = win_kv, win_gate
+            if overlap:
+                # Entry w pools window w-1's first halves with window w's second halves; window 0
+                # has no predecessor (weight 0: its carried kv is finite, so 0 * kv adds nothing).
+                assert state.prev_kv is not None and state.prev_gate is not None and at.first is not None
+                prev_gate = torch.where(at.first, -math.inf, state.prev_gate)
+                pool_kv = torch.cat([state.prev_kv, win_kv[:, dim:]])  # [2 rate, dim]
+                pool_gate = torch.cat([prev_gate, win_gate[:, dim:]])
+            pooled = (pool_kv * torch.softmax(pool_gate, dim=0)).sum(dim=0, keepdim=True)
+            entry = _norm_rope(pooled, comp.kv_norm.weight, self.config.rms_norm_eps, at.turn, rows.dtype)
+            window = at.window
+            rows.index_copy_(0, window, torch.where(closing, entry, rows.index_select(0, window)))
+        # In place (out= the tensor it keeps): one kernel each, no copy.
+        if overlap:
+            assert state.prev_kv is not None and state.prev_gate is not None
+            torch.where(closing, win_kv[:, :dim], state.prev_kv, out=state.prev_kv)
+            torch.where(closing, win_gate[:, :dim], state.prev_gate, out=state.prev_gate)
+        torch.where(closing, state.kv, win_kv, out=state.kv)
+        torch.where(closing, state.gate, win_gate, out=state.gate)
+
+    def _decode_index(
+        self,
+        indexer: _Indexer,
+        keys: torch.Tensor,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
+        turn: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """_index_select for one query over a fixed candidate count: the top min(index_topk, rows)
+        by score [k], invisible candidates scored -inf (fewer visible than k: the rest are not,
+        and attention masks them)."""
+        cfg = self.config
+        heads, dim = cfg.index_heads, cfg.index_head_dim
+        q = _rope_((q_res @ indexer.q_b_proj.weight.t()).view(heads, dim).float(), turn)  # [Hi, di]
+        weights = _index_weights(x, indexer, heads, dim)  # [1, Hi]
+        part = torch.relu_(torch.mm(q, keys.float().t()))  # [Hi, rows]
+        scores = torch.where(visible, torch.mm(weights, part), -math.inf)  # [1, rows]
+        return scores.topk(min(cfg.index_topk, keys.shape[0]), dim=-1).indices.view(-1)
+
+    def _decode_moe(self, moe: _Moe, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """_moe for one token without a host sync: the routed experts' weights are gathered by
+        index (what scales to 256 experts), or, when the active experts are a large share of all
+        (the cost of a gather is a copy plus a read of k experts), every expert runs and the
+        unchosen ones weigh zero."""
+        cfg = self.config
+        gate = moe.gate
+        scores = F.softplus((x @ gate.weight.t()).float()).sqrt()  # [1, E]
+        tid2eid = getattr(gate, "tid2eid", None)
+        if tid2eid is not None:
+            chosen = tid2eid.index_select(0, token)  # [1, k]
+        else:
+            chosen = (scores + gate.e_score_correction_bias).topk(cfg.experts_per_token, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+
+        experts = moe.experts
+        dense = self.graph_dense_moe
+        if dense is None:
+            dense = cfg.num_experts <= 3 * cfg.experts_per_token
+        vector = x.view(-1)
+        if dense:
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            weights = torch.zeros_like(scores).scatter_(1, chosen, weights)  # [1, E]
+        else:
+            picked = chosen.view(-1)
+            gate_up = experts.gate_up_proj.index_select(0, picked)  # [k, 2I, D]
+            down = experts.down_proj.index_select(0, picked)  # [k, D, I]
+        hidden = _swiglu(*torch.matmul(gate_up, vector).chunk(2, dim=-1), cfg.swiglu_limit)  # [E or k, I]
+        y = torch.bmm(down, hidden.unsqueeze(-1)).squeeze(-1)  # [E or k, D]
+        routed = torch.matmul(weights, y.float()).to(x.dtype)  # [1, D]
+        shared = moe.shared_experts
+        act = _swiglu(x @ shared.gate_proj.weight.t(), x @ shared.up_proj.weight.t(), cfg.swiglu_limit)
+        return routed + act @ shared.down_proj.weight.t()
+
+
+@dataclass(slots=True)
+class _WindowStep:
+    """A decode step's place in its compression window (shared by a layer's compressors)."""
+
+    slot: torch.Tensor  # [1]: pos mod rate
+    here: torch.Tensor  # [rate, 1]: the open window's row that pos fills
+    closing: torch.Tensor  # [1]: pos ends its window
+    window: torch.Tensor | None = None  # [1]: the row of pos's window (clamped to the last); None: no rows
+    first: torch.Tensor | None = None  # [1]: pos is in window 0 (CSA: the overlap's predecessor)
+    turn: torch.Tensor | None = None  # [1, r / 2]: the rotation at the window's start
+
+
+def _index_weights(x: torch.Tensor, indexer: _Indexer, heads: int, dim: int) -> torch.Tensor:
+    """The indexer's per-head weights with both scales folded in, float32 [T, Hi]: the score is
+    Σ_h w_h Hi^-½ ReLU(q_h · k) di^-½ = Σ_h (w_h Hi^-½ di^-½) ReLU(q_h · k)."""
+    return (x @ indexer.scorer.weights_proj.weight.t()).float() * (heads**-0.5 * dim**-0.5)
 
 
 # --- math helpers --------------------------------------------------------------------------------
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm in float32; the (float32) weight multiplies before the cast back, as V4 keeps it."""
-    normed = x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        normed = weight * normed
-    return normed.to(x.dtype)
+def _hand_over(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What crosses into the next shard: a synchronous copy into that shard's own tensor, never an
+    alias of one the previous shard may still write."""
+    return x.to(device, non_blocking=False, copy=True)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing 2 * cos.shape[-1] dims of x in interleaved pairs (2i, 2i + 1), float32."""
-    dims = 2 * cos.shape[-1]
-    rot = x[..., -dims:].float()
-    a, b = rot[..., 0::2], rot[..., 1::2]
-    rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-    return torch.cat([x[..., :-dims], rotated.to(x.dtype)], dim=-1)
+def _rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """RMSNorm in float32; the (float32) weight multiplies before the cast to `dtype` (x's by
+    default), as V4 keeps it. F.rms_norm is one fused kernel on CUDA (spelled out it is seven)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(dtype or x.dtype)
 
 
-def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """The hyper-connection projection of the RMS-normed flattened streams, float32 [T, rows]."""
+def _turn(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation e^{iφ} of each rotary pair (complex64 [.., r / 2]) from a table's rows."""
+    return torch.complex(cos, sin)
+
+
+def _norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    turn: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """_rms_norm then _rope_, both in float32, cast once at the end (to x's dtype by default)."""
+    return _rope_(F.rms_norm(x.float(), (x.shape[-1],), weight, eps), turn).to(dtype or x.dtype)
+
+
+def _rope_(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2 * turn.shape[-1] dims of x in interleaved pairs (2i, 2i + 1) by `turn`
+    (see _turn; its conjugate rotates back), in float32 (one complex product), in place: x is
+    always a fresh activation. Returns x."""
+    dims = 2 * turn.shape[-1]
+    rot = x[..., -dims:]
+    pairs = torch.view_as_complex(rot.float().unflatten(-1, (-1, 2)))
+    rot.copy_(torch.view_as_real(pairs * turn).flatten(-2))
+    return x
+
+
+def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hyper-connection projection of the RMS-normed flattened streams, float32 [T, rows], and
+    the float32 streams [T, m, D] (which the collapse reuses)."""
     flat = streams.reshape(streams.shape[0], -1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
-    return flat @ fn.t()
+    mixed = torch.mm(F.rms_norm(flat, (flat.shape[-1],), None, eps), fn.t())
+    return mixed, flat.view(streams.shape)
 
 
-def _collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Σ_j pre_j X_j: the block input, [T, D]."""
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+def _collapse(streams32: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Σ_j pre_j X_j: the block input, float32 [T, D] (normed before it is cast: one rounding)."""
+    return torch.bmm(pre.unsqueeze(1), streams32).squeeze(1)
 
 
 def _expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """X'_k = post_k y + Σ_j C[j, k] X_j (Cᵀ X: C is not symmetric)."""
-    dtype = streams.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(1, 2), streams)
-    return post.to(dtype).unsqueeze(-1) * y.unsqueeze(1) + mixed
+    """X'_k = post_k y + Σ_j C[j, k] X_j (Cᵀ X: C is not symmetric), as one batched product
+    [Cᵀ | post] @ [X; y]."""
+    mix = torch.cat([comb.transpose(1, 2), post.unsqueeze(-1)], dim=-1).to(streams.dtype)  # [T, m, m + 1]
+    return torch.bmm(mix, torch.cat([streams, y.unsqueeze(1)], dim=1))
 
 
-def _swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(g, limit)) * clamp(u, ±limit) of a [.., gate | up] projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit)) * clamp(u, ±limit)."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)

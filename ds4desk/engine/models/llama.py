@@ -29,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
+from ds4desk.engine.split import ShardPlan
 
 LogitsMode = Literal["none", "last", "all"]
 
@@ -314,6 +315,29 @@ class _DecodeBuffers:
     up: torch.Tensor  # [1, F] view
 
 
+@dataclass(slots=True)
+class _Shard:
+    """Consecutive layers on one device and what their loop reads there (ds4desk.engine.split):
+    unsplit, the one shard holds every layer. Shards on one device share the tables and buffers."""
+
+    device: torch.device
+    plans: list[_LayerPlan]
+    first: bool  # reads the embedding's output; a later shard gets the activation handed over
+    cache: torch.Tensor | None = None  # [its layers, 2, KV, context, D]
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    half_swap: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
+    decode: _DecodeBuffers | None = None
+
+
+def _hand_over(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The activation crossing into the next shard: always a copy into that shard's own tensor
+    (never an alias of one the previous shard may still write), synchronous so that the next
+    device never reads a half-copied buffer."""
+    return x.to(device, non_blocking=False, copy=True)
+
+
 class DenseModel(nn.Module):
     """A dense decoder with a preallocated KV cache. Build it on the meta device, then
     `materialize(device)`, copy the checkpoint into its parameters, `finish_loading()`, and
@@ -327,6 +351,8 @@ class DenseModel(nn.Module):
     # fused kernel instead of four (and rounds once instead of twice, a hair more precise than the
     # reference's cast-then-scale). Set by finish_loading.
     one_pass_norm = True
+    # How decode_graphable attends: "matmul" (baddbmm + softmax + bmm) or "sdpa" (one fused call).
+    decode_attention = "matmul"
 
     def __init__(self, config: DenseConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -344,6 +370,10 @@ class DenseModel(nn.Module):
         self._half_swap: torch.Tensor | None = None  # [D]: index d -> (d + D/2) mod D
         self._key_positions: torch.Tensor | None = None  # [context]: 0..context-1, for graph masks
         self._context = 0
+        self._split: ShardPlan | None = None  # None: every layer on one device
+        self._shards: list[_Shard] = []
+        # A tied head on another device than the embedding (a split): the last shard's own copy.
+        self._tied_head: torch.Tensor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -358,16 +388,40 @@ class DenseModel(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    @property
+    def split(self) -> ShardPlan | None:
+        """The layer split set by place(); None: every layer on `device`."""
+        return self._split
+
     # --- loading -----------------------------------------------------------------------------
 
+    def place(self, plan: ShardPlan) -> None:
+        """Split the layers over the plan's devices; before materialize (which then ignores its
+        device): layer i's weights and cache go to its shard's device, the embedding to the first,
+        the final norm and head to the last."""
+        if plan.num_layers != self.config.num_layers:
+            raise EngineFailure(
+                ErrorCode.BAD_REQUEST,
+                f"the layer split covers {plan.num_layers} layers; the model has {self.config.num_layers}",
+            )
+        if any(not p.is_meta for p in self.parameters()):
+            raise RuntimeError("place() must come before materialize()")
+        self._split = plan
+
     def materialize(self, device: torch.device) -> None:
-        """Give every parameter real (uninitialised) storage on `device`, fusing q/k/v and gate/up."""
-        for layer in self.model.layers:
-            _fuse(layer, device, self.dtype, empty=True)
-        for module in self.modules():
+        """Give every parameter real (uninitialised) storage on `device` (or where the split puts
+        it), fusing q/k/v and gate/up."""
+        split = self._split
+        layer_devices = [device] * self.config.num_layers
+        if split is not None:
+            layer_devices = [torch.device(d) for d in split.layer_devices()]
+        for layer, where in zip(self.model.layers, layer_devices, strict=True):
+            _fuse(layer, where, self.dtype, empty=True)
+        for prefix, module in self.named_modules():
             for name, param in list(module._parameters.items()):
                 if param is not None and param.is_meta:
-                    real = torch.empty(param.shape, device=device, dtype=param.dtype)
+                    where = device if split is None else torch.device(split.device_of(f"{prefix}.{name}"))
+                    real = torch.empty(param.shape, device=where, dtype=param.dtype)
                     module._parameters[name] = nn.Parameter(real, requires_grad=False)
 
     def finish_loading(self) -> None:
@@ -380,8 +434,8 @@ class DenseModel(nn.Module):
         self._plans = []
         for index, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            if layer.fused is None:
-                _fuse(layer, device, self.dtype, empty=False)  # built without materialize
+            if layer.fused is None:  # built without materialize
+                _fuse(layer, layer.input_layernorm.weight.device, self.dtype, empty=False)
             fused = layer.fused
             assert fused is not None
             qk_norm = None
@@ -409,6 +463,15 @@ class DenseModel(nn.Module):
                     window=cfg.sliding_windows[index] if cfg.sliding_windows else None,
                 )
             )
+        bounds = self._split.bounds() if self._split is not None else [(0, cfg.num_layers)]
+        self._shards = [
+            _Shard(self._plans[start].ln1.device, self._plans[start:stop], index == 0)
+            for index, (start, stop) in enumerate(bounds)
+        ]
+        last = self.model.norm.weight.device
+        self._tied_head = None
+        if cfg.tie_word_embeddings and last != device:
+            self._tied_head = self.model.embed_tokens.weight.to(last, copy=True)
         if self._context:
             self.allocate_cache(self._context)
 
@@ -423,15 +486,19 @@ class DenseModel(nn.Module):
         cfg = self.config
         self.free_cache()
         device = self.device
-        # One block for every layer's keys and values: a single allocation, zeroed so that no
-        # stale NaN can ever meet a mask.
-        self._cache = torch.zeros(
-            (cfg.num_layers, 2, cfg.num_kv_heads, context, cfg.head_dim), device=device, dtype=self.dtype
-        )
-        for i, plan in enumerate(self._plans):
-            plan.kv_cache = self._cache[i]
-            plan.keys = self._cache[i, 0].unsqueeze(0)
-            plan.values = self._cache[i, 1].unsqueeze(0)
+        # One block for every layer's keys and values (per shard): a single allocation, zeroed so
+        # that no stale NaN can ever meet a mask.
+        for shard in self._shards:
+            shard.cache = torch.zeros(
+                (len(shard.plans), 2, cfg.num_kv_heads, context, cfg.head_dim),
+                device=shard.device,
+                dtype=self.dtype,
+            )
+            for i, plan in enumerate(shard.plans):
+                plan.kv_cache = shard.cache[i]
+                plan.keys = shard.cache[i, 0].unsqueeze(0)
+                plan.values = shard.cache[i, 1].unsqueeze(0)
+        self._cache = self._shards[0].cache
         positions = torch.arange(context, device=device, dtype=torch.float32)
         angles = torch.outer(positions, self._inv_freq)  # [context, D/2], float32 like the reference
         half = cfg.head_dim // 2
@@ -444,19 +511,20 @@ class DenseModel(nn.Module):
         self._half_swap = torch.arange(cfg.head_dim, device=device).roll(half)
         self._key_positions = torch.arange(context, device=device)
         assert self._cos.shape[-1] == 2 * half
-        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = torch.empty((1, (heads + 2 * kv_heads) * dim), device=device, dtype=self.dtype)
-        gate_up = torch.empty((1, 2 * cfg.intermediate_size), device=device, dtype=self.dtype)
-        self._decode = _DecodeBuffers(
-            qkv=qkv,
-            qk=qkv[0, : (heads + kv_heads) * dim].view(heads + kv_heads, dim),
-            kv=qkv[0, heads * dim :].view(2, kv_heads, dim),
-            q=qkv[0, : heads * dim].view(1, kv_heads, heads // kv_heads, dim),
-            gate_up=gate_up,
-            gate=gate_up[:, : cfg.intermediate_size],
-            up=gate_up[:, cfg.intermediate_size :],
-        )
+        self._decode = _decode_buffers(cfg, device, self.dtype)
         self._context = context
+        # Another device's shards get copies of the first device's tables (computed once, so every
+        # shard rotates by bit-identical angles) and their own decode buffers.
+        tables = (self._cos, self._sin, self._half_swap, self._key_positions)
+        per_device: dict[torch.device, tuple[tuple[torch.Tensor, ...], _DecodeBuffers]] = {
+            device: (tables, self._decode)
+        }
+        for shard in self._shards:
+            if shard.device not in per_device:
+                copies = tuple(t.to(shard.device, copy=True) for t in tables)
+                per_device[shard.device] = (copies, _decode_buffers(cfg, shard.device, self.dtype))
+            copied_tables, shard.decode = per_device[shard.device]
+            shard.cos, shard.sin, shard.half_swap, shard.key_positions = copied_tables
 
     def free_cache(self) -> None:
         self._cache = None
@@ -465,10 +533,17 @@ class DenseModel(nn.Module):
         self._decode = None
         for plan in self._plans:
             plan.kv_cache = plan.keys = plan.values = None
+        for shard in self._shards:
+            shard.cache = shard.cos = shard.sin = shard.half_swap = shard.key_positions = None
+            shard.decode = None
         self._context = 0
 
     def cache_bytes(self) -> int:
-        return 0 if self._cache is None else self._cache.numel() * self._cache.element_size()
+        return sum(s.cache.numel() * s.cache.element_size() for s in self._shards if s.cache is not None)
+
+    def layer_cache_bytes_for(self, context: int) -> list[int]:
+        """What each layer's share of allocate_cache(context) takes (a split plan places it)."""
+        return [self.cache_bytes_for(context) // self.config.num_layers] * self.config.num_layers
 
     def cache_bytes_for(self, context: int) -> int:
         """What allocate_cache(context) will take, before taking it."""
@@ -479,12 +554,24 @@ class DenseModel(nn.Module):
     def export_state(self, length: int) -> dict[str, torch.Tensor]:
         """Everything positions 0..length-1 left behind, as host tensors (a snapshot's payload)."""
         assert self._cache is not None
-        return {"kv": self._cache[:, :, :, :length].to("cpu", copy=True)}
+        if len(self._shards) == 1:
+            return {"kv": self._cache[:, :, :, :length].to("cpu", copy=True)}
+        # Every shard's part, in layer order: the same payload as the unsplit model's.
+        parts = [shard.cache[:, :, :, :length].to("cpu") for shard in self._shards if shard.cache is not None]
+        return {"kv": torch.cat(parts)}
 
     def import_state(self, state: dict[str, torch.Tensor], length: int) -> None:
         """The inverse of export_state: attention never reads past `length`, so nothing else to reset."""
         assert self._cache is not None
-        self._cache[:, :, :, :length].copy_(state["kv"])
+        if len(self._shards) == 1:
+            self._cache[:, :, :, :length].copy_(state["kv"])
+            return
+        start = 0
+        for shard in self._shards:
+            assert shard.cache is not None
+            stop = start + shard.cache.shape[0]
+            shard.cache[:, :, :, :length].copy_(state["kv"][start:stop])  # onto the shard's device
+            start = stop
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -509,9 +596,15 @@ class DenseModel(nn.Module):
         if logits == "last":
             x = x[-1:]
         x = _rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.one_pass_norm)
-        head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        out = torch.mm(x, head.t()).float()
+        out = torch.mm(x, self._head().t()).float()
+        if out.device != input_ids.device:  # split: the logits come back to where the ids came from
+            out = out.to(input_ids.device)
         return out[0] if logits == "last" else out
+
+    def _head(self) -> torch.Tensor:
+        if self._tied_head is not None:
+            return self._tied_head
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def decode_graphable(self, token: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         """One decode step whose shapes depend on `span` only, so a CUDA graph can replay it.
@@ -520,8 +613,8 @@ class DenseModel(nn.Module):
         first `span` cache rows (pos < span <= context) under a mask, because the number of valid
         rows must not be a shape. Returns float32 logits [V], like forward(token, pos, "last").
         """
-        cfg, cos_table, sin_table, keys_at = self.config, self._cos, self._sin, self._key_positions
-        assert cos_table is not None and sin_table is not None and keys_at is not None
+        cfg = self.config
+        assert self._cos is not None and self._sin is not None and self._key_positions is not None
         if not 0 < span <= self._context:
             raise ValueError(f"span must be in 1..{self._context}, got {span}")
         eps = cfg.rms_norm_eps
@@ -529,48 +622,63 @@ class DenseModel(nn.Module):
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_width = heads * dim
         qk_width = (heads + kv_heads) * dim
-        cos, sin = cos_table.index_select(0, pos), sin_table.index_select(0, pos)  # [1, D]
-        keys_at = keys_at[:span]
         scale = dim**-0.5
-        biases: dict[int | None, torch.Tensor] = {}  # 0 where a key may be read, -inf elsewhere
-        for window in {plan.window for plan in self._plans}:
-            allowed = keys_at <= pos
-            if window is not None:
-                allowed = allowed & (keys_at > pos - window)
-            bias = torch.zeros(span, dtype=self.dtype, device=keys_at.device).masked_fill_(
-                ~allowed, -torch.inf
-            )
-            biases[window] = bias.expand(kv_heads, heads // kv_heads, span)
+        here = pos
 
         x = F.embedding(token, self.model.embed_tokens.weight)  # [1, hidden]
-        for plan in self._plans:
-            assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
-            h = _rms_norm(x, plan.ln1, eps, exact)
-            qkv = _project(h, plan.qkv_w_t, plan.qkv_b)
-            qk = qkv[0, :qk_width].view(heads + kv_heads, dim)
-            src = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
-            torch.addcmul(src * cos, torch.index_select(src, 1, self._half_swap), sin, out=qk)
-            plan.kv_cache.index_copy_(2, pos, qkv[0, q_width:].view(2, kv_heads, 1, dim))
-            # Two batched matmuls over the span instead of SDPA: a fused attention kernel gives
-            # each kv head one thread block, which leaves most of the GPU idle on a long cache.
-            q = qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
-            scores = torch.baddbmm(
-                biases[plan.window], q, plan.keys[0, :, :span].transpose(1, 2), alpha=scale
-            )  # [KV, G, span]
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attn = torch.bmm(probs, plan.values[0, :, :span])  # [KV, G, D]
-            x = torch.addmm(x, attn.reshape(1, q_width), plan.o_w_t)
-            if plan.o_b is not None:
-                x = x + plan.o_b
-            h = _rms_norm(x, plan.ln2, eps, exact)
-            gate_up = _project(h, plan.gu_w_t, plan.gu_b)
-            width = gate_up.shape[1] // 2
-            x = torch.addmm(x, F.silu(gate_up[:, :width]) * gate_up[:, width:], plan.down_w_t)
-            if plan.down_b is not None:
-                x = x + plan.down_b
+        for shard in self._shards:
+            if not shard.first:
+                x = _hand_over(x, shard.device)
+                if here.device != shard.device:
+                    here = _hand_over(here, shard.device)
+            cos_table, sin_table, keys_at = shard.cos, shard.sin, shard.key_positions
+            assert cos_table is not None and sin_table is not None and keys_at is not None
+            cos, sin = cos_table.index_select(0, here), sin_table.index_select(0, here)  # [1, D]
+            keys_at = keys_at[:span]
+            biases: dict[int | None, torch.Tensor] = {}  # 0 where a key may be read, -inf elsewhere
+            for window in {plan.window for plan in shard.plans}:
+                allowed = keys_at <= here
+                if window is not None:
+                    allowed = allowed & (keys_at > here - window)
+                bias = torch.zeros(span, dtype=self.dtype, device=keys_at.device).masked_fill_(
+                    ~allowed, -torch.inf
+                )
+                biases[window] = bias.expand(kv_heads, heads // kv_heads, span)
+
+            for plan in shard.plans:
+                assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
+                h = _rms_norm(x, plan.ln1, eps, exact)
+                qkv = _project(h, plan.qkv_w_t, plan.qkv_b)
+                qk = qkv[0, :qk_width].view(heads + kv_heads, dim)
+                src = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
+                torch.addcmul(src * cos, torch.index_select(src, 1, shard.half_swap), sin, out=qk)
+                plan.kv_cache.index_copy_(2, here, qkv[0, q_width:].view(2, kv_heads, 1, dim))
+                if self.decode_attention == "sdpa":
+                    q = qkv[0, :q_width].view(1, kv_heads, heads // kv_heads, dim)
+                    attn = F.scaled_dot_product_attention(
+                        q, plan.keys[:, :, :span], plan.values[:, :, :span], attn_mask=biases[plan.window]
+                    )
+                else:
+                    # Two batched matmuls over the span: a fused attention kernel gives each kv head
+                    # one thread block, which leaves most of the GPU idle on a long cache.
+                    q = qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
+                    scores = torch.baddbmm(
+                        biases[plan.window], q, plan.keys[0, :, :span].transpose(1, 2), alpha=scale
+                    )  # [KV, G, span]
+                    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                    attn = torch.bmm(probs, plan.values[0, :, :span])  # [KV, G, D]
+                x = torch.addmm(x, attn.reshape(1, q_width), plan.o_w_t)
+                if plan.o_b is not None:
+                    x = x + plan.o_b
+                h = _rms_norm(x, plan.ln2, eps, exact)
+                gate_up = _project(h, plan.gu_w_t, plan.gu_b)
+                width = gate_up.shape[1] // 2
+                x = torch.addmm(x, F.silu(gate_up[:, :width]) * gate_up[:, width:], plan.down_w_t)
+                if plan.down_b is not None:
+                    x = x + plan.down_b
         x = _rms_norm(x, self.model.norm.weight, eps, exact)
-        head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        return torch.mm(x, head.t()).float()[0]
+        out = torch.mm(x, self._head().t()).float()[0]
+        return out if out.device == token.device else out.to(token.device)
 
     def _decode_step(self, input_ids: torch.Tensor, pos: int) -> torch.Tensor:
         """One token through every layer; returns the final hidden state [1, hidden] (unnormed).
@@ -578,52 +686,53 @@ class DenseModel(nn.Module):
         The same math as _prefill with T = 1, in as few torch calls as possible: outputs go into
         the preallocated buffers, whose views were made once, and no mask is needed.
         """
-        cfg, buffers, cos, sin = self.config, self._decode, self._cos, self._sin
-        assert buffers is not None and cos is not None and sin is not None
+        cfg = self.config
         eps = cfg.rms_norm_eps
         exact = self.one_pass_norm
         q_width = cfg.num_heads * cfg.head_dim
-        qkv, qk, kv, q = buffers.qkv, buffers.qk, buffers.kv, buffers.q
-        gate_up, gate, up = buffers.gate_up, buffers.gate, buffers.up
-        cos, sin = cos[pos], sin[pos]  # [D], broadcast over the heads
-        swap = self._half_swap
-        assert swap is not None
         end = pos + 1
 
         x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [1, hidden]
-        for plan in self._plans:
-            h = _rms_norm(x, plan.ln1, eps, exact)
-            if plan.qkv_b is None:
-                torch.mm(h, plan.qkv_w_t, out=qkv)
-            else:
-                torch.addmm(plan.qkv_b, h, plan.qkv_w_t, out=qkv)
-            src = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
-            torch.addcmul(src * cos, torch.index_select(src, 1, swap), sin, out=qk)
-            assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
-            plan.kv_cache.select(2, pos).copy_(kv)
-            low = 0 if plan.window is None else max(0, end - plan.window)
-            attn = F.scaled_dot_product_attention(
-                q, plan.keys.narrow(2, low, end - low), plan.values.narrow(2, low, end - low)
-            )
-            # reshape: a view on CPU; GPU kernels may hand back a [1, G, KV, D] memory layout.
-            x = torch.addmm(x, attn.reshape(1, q_width), plan.o_w_t)  # the residual add rides along
-            if plan.o_b is not None:
-                x.add_(plan.o_b)
+        for shard in self._shards:
+            if not shard.first:
+                x = _hand_over(x, shard.device)
+            buffers, cos, sin, swap = shard.decode, shard.cos, shard.sin, shard.half_swap
+            assert buffers is not None and cos is not None and sin is not None and swap is not None
+            qkv, qk, kv, q = buffers.qkv, buffers.qk, buffers.kv, buffers.q
+            gate_up, gate, up = buffers.gate_up, buffers.gate, buffers.up
+            cos, sin = cos[pos], sin[pos]  # [D], broadcast over the heads
+            for plan in shard.plans:
+                h = _rms_norm(x, plan.ln1, eps, exact)
+                if plan.qkv_b is None:
+                    torch.mm(h, plan.qkv_w_t, out=qkv)
+                else:
+                    torch.addmm(plan.qkv_b, h, plan.qkv_w_t, out=qkv)
+                src = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
+                torch.addcmul(src * cos, torch.index_select(src, 1, swap), sin, out=qk)
+                assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
+                plan.kv_cache.select(2, pos).copy_(kv)
+                low = 0 if plan.window is None else max(0, end - plan.window)
+                attn = F.scaled_dot_product_attention(
+                    q, plan.keys.narrow(2, low, end - low), plan.values.narrow(2, low, end - low)
+                )
+                # reshape: a view on CPU; GPU kernels may hand back a [1, G, KV, D] memory layout.
+                x = torch.addmm(x, attn.reshape(1, q_width), plan.o_w_t)  # the residual add rides along
+                if plan.o_b is not None:
+                    x.add_(plan.o_b)
 
-            h = _rms_norm(x, plan.ln2, eps, exact)
-            if plan.gu_b is None:
-                torch.mm(h, plan.gu_w_t, out=gate_up)
-            else:
-                torch.addmm(plan.gu_b, h, plan.gu_w_t, out=gate_up)
-            x = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), plan.down_w_t)
-            if plan.down_b is not None:
-                x.add_(plan.down_b)
+                h = _rms_norm(x, plan.ln2, eps, exact)
+                if plan.gu_b is None:
+                    torch.mm(h, plan.gu_w_t, out=gate_up)
+                else:
+                    torch.addmm(plan.gu_b, h, plan.gu_w_t, out=gate_up)
+                x = torch.addmm(x, F.silu(gate, inplace=True).mul_(up), plan.down_w_t)
+                if plan.down_b is not None:
+                    x.add_(plan.down_b)
         return x
 
     def _prefill(self, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """T > 1 tokens through every layer; returns the final hidden states [T, hidden] (unnormed)."""
         cfg = self.config
-        assert self._cos is not None and self._sin is not None and self._half_swap is not None
         count = input_ids.shape[0]
         end = start_pos + count
         heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -634,56 +743,77 @@ class DenseModel(nn.Module):
         exact = self.one_pass_norm
 
         x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, hidden]
-        cos = self._cos[start_pos:end].unsqueeze(1)  # [T, 1, D]
-        sin = self._sin[start_pos:end].unsqueeze(1)
-        masks: dict[int | None, torch.Tensor | None] = {}
+        for shard in self._shards:
+            if not shard.first:
+                x = _hand_over(x, shard.device)
+            assert shard.cos is not None and shard.sin is not None and shard.half_swap is not None
+            cos = shard.cos[start_pos:end].unsqueeze(1)  # [T, 1, D]
+            sin = shard.sin[start_pos:end].unsqueeze(1)
+            masks: dict[int | None, torch.Tensor | None] = {}
 
-        for plan in self._plans:
-            kv_cache, all_keys, all_values = plan.kv_cache, plan.keys, plan.values
-            assert kv_cache is not None and all_keys is not None and all_values is not None
-            h = _rms_norm(x, plan.ln1, eps, exact)
-            if plan.qkv_b is None:
-                qkv = torch.mm(h, plan.qkv_w_t)  # [T, (H + 2 KV) D]
-            else:
-                qkv = torch.addmm(plan.qkv_b, h, plan.qkv_w_t)
-            qk = qkv[:, :qk_width].view(count, heads + kv_heads, dim)
-            rotated = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
-            # RoPE on queries and keys at once (HF's rotate_half convention, see allocate_cache),
-            # written back into qkv so keys and values reach the cache in one copy.
-            torch.addcmul(rotated * cos, torch.index_select(rotated, 2, self._half_swap), sin, out=qk)
-            kv_cache[:, :, start_pos:end].copy_(
-                qkv[:, q_width:].view(count, 2, kv_heads, dim).permute(1, 2, 0, 3)
-            )
+            for plan in shard.plans:
+                kv_cache, all_keys, all_values = plan.kv_cache, plan.keys, plan.values
+                assert kv_cache is not None and all_keys is not None and all_values is not None
+                h = _rms_norm(x, plan.ln1, eps, exact)
+                if plan.qkv_b is None:
+                    qkv = torch.mm(h, plan.qkv_w_t)  # [T, (H + 2 KV) D]
+                else:
+                    qkv = torch.addmm(plan.qkv_b, h, plan.qkv_w_t)
+                qk = qkv[:, :qk_width].view(count, heads + kv_heads, dim)
+                rotated = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
+                # RoPE on queries and keys at once (HF's rotate_half convention, see allocate_cache),
+                # written back into qkv so keys and values reach the cache in one copy.
+                torch.addcmul(rotated * cos, torch.index_select(rotated, 2, shard.half_swap), sin, out=qk)
+                kv_cache[:, :, start_pos:end].copy_(
+                    qkv[:, q_width:].view(count, 2, kv_heads, dim).permute(1, 2, 0, 3)
+                )
 
-            if self.fused_attention and plan.window is None:
-                attn = _causal_attention(qkv[:, :q_width], all_keys, all_values, start_pos, group)
-            else:
-                # GQA without copying keys: the `group` query heads that share one kv head become
-                # group * T query rows of that kv head, so SDPA's batch dimension is the kv head.
-                q = qkv[:, :q_width].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
-                q = q.reshape(1, kv_heads, group * count, dim)
-                mask = masks.get(plan.window)
-                if mask is None:
-                    mask = masks[plan.window] = _causal_mask(start_pos, count, group, plan.window, x.device)
-                attn = F.scaled_dot_product_attention(
-                    q, all_keys[:, :, :end], all_values[:, :, :end], attn_mask=mask
-                )  # [1, KV, G * T, D]
-                attn = attn.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, q_width)
-            x = torch.addmm(x, attn, plan.o_w_t)  # the residual add rides along
-            if plan.o_b is not None:
-                x.add_(plan.o_b)
+                if self.fused_attention and plan.window is None:
+                    attn = _causal_attention(qkv[:, :q_width], all_keys, all_values, start_pos, group)
+                else:
+                    # GQA without copying keys: the `group` query heads that share one kv head become
+                    # group * T query rows of that kv head, so SDPA's batch dimension is the kv head.
+                    q = qkv[:, :q_width].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
+                    q = q.reshape(1, kv_heads, group * count, dim)
+                    mask = masks.get(plan.window)
+                    if mask is None:
+                        mask = masks[plan.window] = _causal_mask(
+                            start_pos, count, group, plan.window, x.device
+                        )
+                    attn = F.scaled_dot_product_attention(
+                        q, all_keys[:, :, :end], all_values[:, :, :end], attn_mask=mask
+                    )  # [1, KV, G * T, D]
+                    attn = attn.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, q_width)
+                x = torch.addmm(x, attn, plan.o_w_t)  # the residual add rides along
+                if plan.o_b is not None:
+                    x.add_(plan.o_b)
 
-            h = _rms_norm(x, plan.ln2, eps, exact)
-            if plan.gu_b is None:
-                gate_up = torch.mm(h, plan.gu_w_t)
-            else:
-                gate_up = torch.addmm(plan.gu_b, h, plan.gu_w_t)
-            width = gate_up.shape[1] // 2
-            act = F.silu(gate_up[:, :width]).mul_(gate_up[:, width:])
-            x = torch.addmm(x, act, plan.down_w_t)
-            if plan.down_b is not None:
-                x.add_(plan.down_b)
+                h = _rms_norm(x, plan.ln2, eps, exact)
+                if plan.gu_b is None:
+                    gate_up = torch.mm(h, plan.gu_w_t)
+                else:
+                    gate_up = torch.addmm(plan.gu_b, h, plan.gu_w_t)
+                width = gate_up.shape[1] // 2
+                act = F.silu(gate_up[:, :width]).mul_(gate_up[:, width:])
+                x = torch.addmm(x, act, plan.down_w_t)
+                if plan.down_b is not None:
+                    x.add_(plan.down_b)
         return x
+
+
+def _decode_buffers(cfg: DenseConfig, device: torch.device, dtype: torch.dtype) -> _DecodeBuffers:
+    heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = torch.empty((1, (heads + 2 * kv_heads) * dim), device=device, dtype=dtype)
+    gate_up = torch.empty((1, 2 * cfg.intermediate_size), device=device, dtype=dtype)
+    return _DecodeBuffers(
+        qkv=qkv,
+        qk=qkv[0, : (heads + kv_heads) * dim].view(heads + kv_heads, dim),
+        kv=qkv[0, heads * dim :].view(2, kv_heads, dim),
+        q=qkv[0, : heads * dim].view(1, kv_heads, heads // kv_heads, dim),
+        gate_up=gate_up,
+        gate=gate_up[:, : cfg.intermediate_size],
+        up=gate_up[:, cfg.intermediate_size :],
+    )
 
 
 def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

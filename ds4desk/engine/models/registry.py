@@ -23,6 +23,7 @@ from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
 from ds4desk.engine.models.llama import DENSE_ARCHITECTURES, DenseConfig, DenseModel, LogitsMode
+from ds4desk.engine.split import ShardPlan
 
 
 class CausalLM(Protocol):
@@ -33,6 +34,8 @@ class CausalLM(Protocol):
 
     @property
     def context(self) -> int: ...
+
+    def place(self, plan: ShardPlan) -> None: ...
 
     def materialize(self, device: torch.device) -> None: ...
 
@@ -45,6 +48,8 @@ class CausalLM(Protocol):
     def cache_bytes(self) -> int: ...
 
     def cache_bytes_for(self, context: int) -> int: ...
+
+    def layer_cache_bytes_for(self, context: int) -> list[int]: ...
 
     def export_state(self, length: int) -> dict[str, torch.Tensor]: ...
 
@@ -138,20 +143,39 @@ def check_tensors(
     return model, by_file
 
 
-def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Build the model for `source` and fill it from its safetensors files on `device` in `dtype`."""
+def load_model(
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
+    split: ShardPlan | None = None,
+) -> LoadedModel:
+    """Build the model for `source` and fill it from its safetensors files on `device` in `dtype`
+    (or, with `split`, each layer on its shard's device; see ds4desk.engine.split).
+    `progress(done, total)` runs after each tensor; an exception it raises stops the load there."""
     family = family_for(source.architecture)
     model, by_file = check_tensors(source, dtype)
+    total = sum(len(names) for names in by_file.values())
+    done = 0
 
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    if split is not None:
+        model.place(split)
     try:
         model.materialize(device)
         params = dict(model.named_parameters())
         with torch.no_grad():
             for file, names in by_file.items():
-                _copy_from_file(file, names, params, source.tensors)
+                _copy_from_file(file, names, params, source.tensors, tick)
         model.finish_loading()
     except torch.OutOfMemoryError as exc:
-        raise EngineFailure(ErrorCode.OUT_OF_MEMORY, f"loading the weights onto {device}: {exc}") from exc
+        where = device if split is None else ", ".join(split.devices)
+        raise EngineFailure(ErrorCode.OUT_OF_MEMORY, f"loading the weights onto {where}: {exc}") from exc
 
     left = [name for name, t in _tensors(model) if t.is_meta]
     if left:
@@ -171,6 +195,7 @@ def _copy_from_file(
     names: list[str],
     params: dict[str, nn.Parameter],
     tensors: dict[str, TensorEntry] | None = None,
+    after_each: Callable[[], None] | None = None,
 ) -> None:
     tensors = tensors or {}
     try:
@@ -184,6 +209,8 @@ def _copy_from_file(
                     copy_tensor_into(reader, name, entry, params[name])
                 else:
                     params[name].copy_(handle.get_tensor(name))
+                if after_each is not None:
+                    after_each()
     except (torch.OutOfMemoryError, EngineFailure):
         raise
     except (OSError, RuntimeError, ValueError, TypeError) as exc:

@@ -1,0 +1,72 @@
+"""Where a decode step's time goes on the GPU (the dense model of bench/gpu_speed.py).
+
+    python3 bench/profile_decode.py --model DIR [--depth 512]
+
+Prints: the time of one replayed graph step with nothing else around it (the GPU's share), the
+time of a full Runtime decode step (graph + sampling + the host's share), and torch.profiler's
+kernel table for the same step run eagerly, so each kernel's GPU time can be read off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ds4desk.engine.api import SamplingParams
+from ds4desk.engine.loading.detect import inspect_model
+from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.runtime import Runtime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--depth", type=int, default=512)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    source = inspect_model(args.model, args.model.parent / "cache")
+    model = load_model(source, device, torch.bfloat16).model
+    runtime = Runtime(model, device, context=args.depth + 300, chunk=4096, graphs=True)
+    graphs = runtime.graphs
+    assert graphs is not None
+    ids = [(i * 7919 + 13) % 49000 + 100 for i in range(args.depth)]
+    with torch.inference_mode():
+        runtime.prefill_logits(ids)
+        token = torch.tensor([5], device=device)
+        steps = 200
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(steps):
+            graphs.step(token, args.depth + i)
+        torch.cuda.synchronize()
+        replay_ms = (time.perf_counter() - start) / steps * 1e3
+        out = runtime.generate(
+            ids, SamplingParams(temperature=0.0), 256, set(), lambda _t: None, lambda: False
+        )
+        step_ms = 1e3 / out.stats.decode_tok_s
+        print(f"graph replay only: {replay_ms:.3f} ms/step; full decode step: {step_ms:.3f} ms/step")
+
+        pos = torch.tensor([args.depth], device=device)
+        span = graphs.spans[0] if args.depth < graphs.spans[0] else graphs.spans[-1]
+        for _ in range(3):
+            model.decode_graphable(token, pos, span)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                model.decode_graphable(token, pos, span)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(table)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in events) / 10
+    kernels = sum(e.count for e in events) / 10
+    print(f"eager step: {gpu_us:.0f} us of kernel time in {kernels:.0f} kernels per step")
+
+
+if __name__ == "__main__":
+    main()
