@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import faulthandler
 import logging
+import os
 import signal
 import sqlite3
 import sys
@@ -17,12 +18,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
 import qasync
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import QEvent, QObject, QTimer
+from PySide6.QtGui import QIcon, QWindow
 from PySide6.QtWidgets import QApplication
 
 from ds4desk.engine.api import (
@@ -32,8 +35,11 @@ from ds4desk.engine.api import (
     GenerateResult,
     LoadRequest,
     LoadResult,
+    MemoryStats,
     ModelInfo,
+    ModelPreview,
     ParkResult,
+    SlotResult,
     TextDelta,
 )
 from ds4desk.history import History, HistoryError
@@ -46,6 +52,36 @@ from ds4desk.ui.theme import apply_theme
 log = logging.getLogger(__name__)
 
 APP_NAME = "ds4desk"
+# Set it (to anything) and the app writes VISIBLE_MARKER and the Unix time to stderr once the window
+# is on screen: the bundle's smoke test (packaging/smoke.sh) waits for it and measures start-up time.
+REPORT_VISIBLE_ENV = "DS4DESK_REPORT_VISIBLE"
+VISIBLE_MARKER = "ds4desk: window visible at"
+
+
+def app_icon() -> QIcon:
+    """The PNG render of assets/ds4desk.svg: no SVG plugin needed (the bundle leaves QtSvg out)."""
+    return QIcon(str(resources.files("ds4desk") / "assets" / "ds4desk.png"))
+
+
+class VisibleReporter(QObject):
+    """Writes the REPORT_VISIBLE_ENV line once `window` is exposed and that expose is painted."""
+
+    def __init__(self, window: QWindow) -> None:
+        super().__init__(window)
+        self._window = window
+        if window.isExposed():
+            QTimer.singleShot(0, self._report)
+        else:
+            window.installEventFilter(self)
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.Expose and self._window.isExposed():
+            self._window.removeEventFilter(self)
+            QTimer.singleShot(0, self._report)  # queued behind the paint this expose triggers
+        return False
+
+    def _report(self) -> None:
+        print(f"{VISIBLE_MARKER} {time.time():.3f}", file=sys.stderr, flush=True)
 
 
 class CrashLog:
@@ -142,7 +178,9 @@ class UnavailableBackend:
     def model_info(self) -> ModelInfo | None:
         return None
 
-    async def load(self, request: LoadRequest) -> LoadResult:
+    async def load(
+        self, request: LoadRequest, on_progress: Callable[[int, int, str], None] | None = None
+    ) -> LoadResult:
         return LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, self.reason))
 
     async def generate(
@@ -162,6 +200,19 @@ class UnavailableBackend:
 
     async def unpark(self, selector: str) -> ParkResult:
         return ParkResult(selector, False, error=EngineError(ErrorCode.MODEL_NOT_LOADED, self.reason))
+
+    async def slots(self, op: str = "list", slot: int | None = None, path: Path | None = None) -> SlotResult:
+        return SlotResult(error=EngineError(ErrorCode.MODEL_NOT_LOADED, self.reason))
+
+    async def memory(self) -> MemoryStats:
+        return MemoryStats(device="none", name="no engine")
+
+    async def inspect(self, request: LoadRequest) -> ModelPreview:
+        error = EngineError(ErrorCode.LOAD_FAILED, self.reason)
+        return ModelPreview(str(request.path), error=error, message=self.reason)
+
+    def cancel_load(self) -> None:
+        pass
 
 
 def engine_backend_factory(dirs: DataDirs) -> Callable[[], ChatBackend]:
@@ -225,6 +276,8 @@ def _run(
         else QApplication(argv if argv is not None else sys.argv)
     )
     app.setApplicationName(APP_NAME)
+    app.setQuitOnLastWindowClosed(True)  # closing the window ends run_forever; tests turn it off
+    app.setWindowIcon(app_icon())
     apply_theme(app)
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
@@ -243,6 +296,8 @@ def _run(
     window.setWindowTitle(APP_NAME)
     crash.notify = window.report_exception
     window.show()
+    if os.environ.get(REPORT_VISIBLE_ENV) and (handle := window.windowHandle()) is not None:
+        VisibleReporter(handle)
     if history_problem:
         window.set_status(history_problem, error=True)
     # Scheduled, not awaited here: the window paints first, then the load starts.

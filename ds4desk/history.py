@@ -45,6 +45,19 @@ class Message:
     created: float
     finished: bool
     stats: dict[str, Any] | None
+    parent_id: int | None = None  # None: a first message; siblings share a parent (branches)
+
+
+@dataclass(slots=True)
+class ThreadItem:
+    """A message of the active branch and where it sits among its siblings."""
+
+    message: Message
+    sibling_ids: list[int]  # oldest first, the message itself included
+
+    @property
+    def index(self) -> int:
+        return self.sibling_ids.index(self.message.id)
 
 
 def _schema_v1(conn: sqlite3.Connection) -> None:
@@ -72,8 +85,30 @@ def _schema_v1(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX chats_by_updated ON chats(updated DESC)")
 
 
+def _schema_v2(conn: sqlite3.Connection) -> None:
+    """Chats become trees: a message has a parent, the chat remembers the leaf of its active branch,
+    and a deleted chat stays hidden (undo) until it is purged. A v1 chat is one straight branch."""
+    conn.execute(
+        "ALTER TABLE messages ADD COLUMN parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE"
+    )
+    conn.execute("ALTER TABLE chats ADD COLUMN leaf_id INTEGER")
+    conn.execute("ALTER TABLE chats ADD COLUMN deleted REAL")  # when it was hidden; NULL: visible
+    conn.execute(
+        """UPDATE messages SET parent_id = (
+            SELECT MAX(m.id) FROM messages AS m WHERE m.chat_id = messages.chat_id AND m.id < messages.id
+        )"""
+    )
+    conn.execute(
+        "UPDATE chats SET leaf_id = (SELECT MAX(m.id) FROM messages AS m WHERE m.chat_id = chats.id)"
+    )
+    conn.execute("CREATE INDEX messages_by_parent ON messages(parent_id)")
+
+
 # MIGRATIONS[n] takes a database at schema version n to n + 1. Append here; never edit a shipped one.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_schema_v1]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_schema_v1, _schema_v2]
+
+# add_message(parent_id=LEAF): append to the chat's active branch.
+LEAF = "leaf"
 
 
 def schema_version() -> int:
@@ -106,6 +141,7 @@ class History:
             # In WAL mode NORMAL loses nothing when the app crashes, only (maybe) on power loss.
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._migrate()
+            self.purge_hidden()  # left hidden by a session that ended before it could purge
         except BaseException:
             self._conn.close()
             raise
@@ -113,6 +149,9 @@ class History:
     # ---- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Chats still hidden (an undo that never came) are deleted now."""
+        with contextlib.suppress(sqlite3.Error):
+            self.purge_hidden()
         self._conn.close()
 
     def __enter__(self) -> History:
@@ -161,12 +200,33 @@ class History:
         return Chat(int(cur.lastrowid or 0), title, now, now, model)
 
     def get_chat(self, chat_id: int) -> Chat | None:
-        row = self._conn.execute("SELECT * FROM chats WHERE id = ?", (chat_id,)).fetchone()
+        """None for a missing or hidden (deleted, undo pending) chat."""
+        row = self._conn.execute(
+            "SELECT * FROM chats WHERE id = ? AND deleted IS NULL", (chat_id,)
+        ).fetchone()
         return _chat(row) if row else None
 
     def list_chats(self) -> list[Chat]:
         """Most recently used first."""
-        rows = self._conn.execute("SELECT * FROM chats ORDER BY updated DESC, id DESC").fetchall()
+        rows = self._conn.execute(
+            "SELECT * FROM chats WHERE deleted IS NULL ORDER BY updated DESC, id DESC"
+        ).fetchall()
+        return [_chat(row) for row in rows]
+
+    def search_chats(self, query: str) -> list[Chat]:
+        """Chats whose title or any message (on any branch) contains `query`, case-insensitively for
+        ASCII; most recently used first. `%` and `_` in the query are matched literally."""
+        if not query.strip():
+            return self.list_chats()
+        pattern = "%" + re.sub(r"([\\%_])", r"\\\1", query.strip()) + "%"
+        rows = self._conn.execute(
+            r"""SELECT * FROM chats WHERE deleted IS NULL AND (
+                    title LIKE :p ESCAPE '\'
+                    OR EXISTS (SELECT 1 FROM messages AS m
+                               WHERE m.chat_id = chats.id AND m.content LIKE :p ESCAPE '\'))
+                ORDER BY updated DESC, id DESC""",
+            {"p": pattern},
+        ).fetchall()
         return [_chat(row) for row in rows]
 
     def rename_chat(self, chat_id: int, title: str) -> None:
@@ -178,17 +238,69 @@ class History:
             conn.execute("UPDATE chats SET model = ? WHERE id = ?", (model, chat_id))
 
     def delete_chat(self, chat_id: int) -> None:
-        """Its messages go with it (ON DELETE CASCADE)."""
+        """Now and for good; its messages go with it (ON DELETE CASCADE)."""
         with self._tx() as conn:
             conn.execute("DELETE FROM chats WHERE id = ?", (chat_id,))
+
+    def hide_chat(self, chat_id: int) -> None:
+        """A delete that can be undone: the chat disappears from every read until `restore_chat`,
+        or until `purge_hidden` (the undo window ended, or the history was closed) deletes it."""
+        with self._tx() as conn:
+            conn.execute("UPDATE chats SET deleted = ? WHERE id = ?", (time.time(), chat_id))
+
+    def restore_chat(self, chat_id: int) -> bool:
+        """False when it is gone already (purged)."""
+        with self._tx() as conn:
+            cur = conn.execute(
+                "UPDATE chats SET deleted = NULL WHERE id = ? AND deleted IS NOT NULL", (chat_id,)
+            )
+        return cur.rowcount > 0
+
+    def purge_hidden(self, chat_id: int | None = None) -> int:
+        """Delete hidden chats for good (one, or all of them); returns how many."""
+        with self._tx() as conn:
+            if chat_id is None:
+                cur = conn.execute("DELETE FROM chats WHERE deleted IS NOT NULL")
+            else:
+                cur = conn.execute("DELETE FROM chats WHERE id = ? AND deleted IS NOT NULL", (chat_id,))
+        return cur.rowcount
 
     # ---- messages -------------------------------------------------------------------------
 
     def messages(self, chat_id: int) -> list[Message]:
+        """The active branch, first message first ([] for a hidden chat)."""
+        return [item.message for item in self.thread(chat_id)]
+
+    def all_messages(self, chat_id: int) -> list[Message]:
+        """Every branch, in the order they were written."""
         rows = self._conn.execute(
-            "SELECT * FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)
+            "SELECT m.* FROM messages AS m JOIN chats AS c ON c.id = m.chat_id"
+            " WHERE m.chat_id = ? AND c.deleted IS NULL ORDER BY m.id",
+            (chat_id,),
         ).fetchall()
         return [_message(row) for row in rows]
+
+    def thread(self, chat_id: int) -> list[ThreadItem]:
+        """The active branch, each message with its siblings (the other branches at that point)."""
+        chat = self._conn.execute(
+            "SELECT leaf_id FROM chats WHERE id = ? AND deleted IS NULL", (chat_id,)
+        ).fetchone()
+        if chat is None:
+            return []
+        everything = self.all_messages(chat_id)
+        by_id = {m.id: m for m in everything}
+        children: dict[int | None, list[int]] = {}
+        for m in everything:
+            children.setdefault(m.parent_id, []).append(m.id)
+        leaf = chat["leaf_id"] if chat["leaf_id"] in by_id else (everything[-1].id if everything else None)
+        path: list[Message] = []
+        seen: set[int] = set()
+        while leaf is not None and leaf in by_id and leaf not in seen:  # `seen`: a damaged file can loop
+            seen.add(leaf)
+            path.append(by_id[leaf])
+            leaf = by_id[leaf].parent_id
+        path.reverse()
+        return [ThreadItem(m, children.get(m.parent_id, [m.id])) for m in path]
 
     def get_message(self, message_id: int) -> Message | None:
         row = self._conn.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
@@ -200,25 +312,52 @@ class History:
         role: str,
         content: str = "",
         *,
+        parent_id: int | str | None = LEAF,
         finished: bool = True,
         stats: dict[str, Any] | None = None,
     ) -> Message:
-        """The chat's first user message also becomes its title, unless it already has one."""
+        """Appends to the active branch (`parent_id=LEAF`), or starts a new branch under `parent_id`
+        (None: a new first message); either way the new message becomes the active branch's end.
+        The chat's first user message also becomes its title, unless it already has one."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         now = time.time()
         with self._tx() as conn:
+            if parent_id == LEAF:
+                thread = self.thread(chat_id)
+                parent = thread[-1].message.id if thread else None
+            else:
+                parent = parent_id if isinstance(parent_id, int) else None
+                if parent is not None:
+                    owner = conn.execute("SELECT chat_id FROM messages WHERE id = ?", (parent,)).fetchone()
+                    if owner is None or owner[0] != chat_id:
+                        raise ValueError(f"message {parent} is not in chat {chat_id}")
             cur = conn.execute(
-                "INSERT INTO messages (chat_id, role, content, created, finished, stats)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (chat_id, role, content, now, int(finished), _dump(stats)),
+                "INSERT INTO messages (chat_id, role, content, created, finished, stats, parent_id)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, now, int(finished), _dump(stats), parent),
             )
-            conn.execute("UPDATE chats SET updated = ? WHERE id = ?", (now, chat_id))
+            message_id = int(cur.lastrowid or 0)
+            conn.execute("UPDATE chats SET updated = ?, leaf_id = ? WHERE id = ?", (now, message_id, chat_id))
             if role == "user" and content.strip():
                 conn.execute(
                     "UPDATE chats SET title = ? WHERE id = ? AND title = ''", (derive_title(content), chat_id)
                 )
-        return Message(int(cur.lastrowid or 0), chat_id, role, content, now, finished, stats)
+        return Message(message_id, chat_id, role, content, now, finished, stats, parent)
+
+    def switch_branch(self, message_id: int) -> None:
+        """Make the branch through `message_id` the active one, down to its newest descendants."""
+        message = self.get_message(message_id)
+        if message is None:
+            raise ValueError(f"no message {message_id}")
+        leaf = message_id
+        while True:
+            row = self._conn.execute("SELECT MAX(id) FROM messages WHERE parent_id = ?", (leaf,)).fetchone()
+            if row[0] is None:
+                break
+            leaf = int(row[0])
+        with self._tx() as conn:
+            conn.execute("UPDATE chats SET leaf_id = ? WHERE id = ?", (leaf, message.chat_id))
 
     def update_message(
         self,
@@ -328,5 +467,12 @@ def _message(row: sqlite3.Row) -> Message:
             loaded = None  # a damaged stats blob must not hide the message itself
         stats = loaded if isinstance(loaded, dict) else None
     return Message(
-        row["id"], row["chat_id"], row["role"], row["content"], row["created"], bool(row["finished"]), stats
+        row["id"],
+        row["chat_id"],
+        row["role"],
+        row["content"],
+        row["created"],
+        bool(row["finished"]),
+        stats,
+        row["parent_id"] if "parent_id" in row.keys() else None,  # noqa: SIM118 (sqlite3.Row)
     )

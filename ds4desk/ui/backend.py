@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ds4desk.engine.api import (
@@ -10,8 +11,11 @@ from ds4desk.engine.api import (
     GenerateResult,
     LoadRequest,
     LoadResult,
+    MemoryStats,
     ModelInfo,
+    ModelPreview,
     ParkResult,
+    SlotResult,
     TextDelta,
 )
 
@@ -28,8 +32,11 @@ class ChatBackend(Protocol):
         """True while the model's weights are freed; the next answer reloads them."""
         ...
 
-    async def load(self, request: LoadRequest) -> LoadResult:
-        """Never raises: failures come back in LoadResult.error."""
+    async def load(
+        self, request: LoadRequest, on_progress: Callable[[int, int, str], None] | None = None
+    ) -> LoadResult:
+        """Never raises: failures come back in LoadResult.error. `on_progress(done, total, unit)`
+        is called on the loop thread, batched; total 0 while the amount is not known yet."""
         ...
 
     async def generate(
@@ -47,4 +54,26 @@ class ChatBackend(Protocol):
 
     async def unpark(self, selector: str) -> ParkResult:
         """Load the parked weights back; `bytes` is what was taken."""
+        ...
+
+    # ---- snapshot slots and memory (slot panel, park row, live speed dock) -----------------------
+
+    async def slots(self, op: str = "list", slot: int | None = None, path: Path | None = None) -> SlotResult:
+        """op: "list", "free", "pin", "unpin", "save" (slot to path) or "load" (path into a slot);
+        failures come back in SlotResult.error, and `slots` lists them all afterwards."""
+        ...
+
+    async def memory(self) -> MemoryStats:
+        """The device memory now (or the engine's latest reading while it is busy)."""
+        ...
+
+    # ---- opening models (drag and drop, File > Open, recent models) ---------------------------------
+
+    async def inspect(self, request: LoadRequest) -> ModelPreview:
+        """What loading request.path would take, from its headers (nothing allocated), off the loop
+        thread. Never raises: a file that is no model comes back in ModelPreview.error."""
+        ...
+
+    def cancel_load(self) -> None:
+        """The running load stops at its next tensor with `cancelled`; the previous model stays."""
         ...

@@ -1,4 +1,5 @@
-"""Where the user types: Enter sends, Shift+Enter starts a new line, the box grows with the text."""
+"""Where the user types: Enter (or Ctrl+Enter) sends, Shift+Enter starts a new line, the box grows
+with the text. In edit mode it holds a sent message's text; sending it makes a new branch."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QPlainTextEdit, QWidget
 
 PLACEHOLDER = "Message ds4desk…  (Enter to send, Shift+Enter for a new line)"
+EDIT_PLACEHOLDER = "Edit the message…  (Enter sends it as a new branch, Esc cancels)"
 
 
 class Composer(QPlainTextEdit):
     submitted = Signal()
+    editing_changed = Signal(bool)
 
     def __init__(self, parent: QWidget | None = None, *, min_lines: int = 2, max_lines: int = 10) -> None:
         super().__init__(parent)
         self.setObjectName("Composer")
         self.setPlaceholderText(PLACEHOLDER)
+        self.setAccessibleName("Message")
+        self.setAccessibleDescription("Enter sends, Shift+Enter starts a new line")
         self.setTabChangesFocus(True)
+        self.editing: int | None = None  # the history message being edited
         self._min_lines = min_lines
         self._max_lines = max_lines
         # Fires on edits and on re-wrapping after a resize.
@@ -26,6 +32,35 @@ class Composer(QPlainTextEdit):
     def text(self) -> str:
         return self.toPlainText()
 
+    def start_edit(self, message_id: int, text: str) -> None:
+        self.editing = message_id
+        self.setPlainText(text)
+        self.moveCursor(self.textCursor().MoveOperation.End)
+        self._set_edit_look(True)
+        self.setFocus()
+
+    def cancel_edit(self) -> None:
+        """Leaves edit mode; the text goes (it was the old message's, not something typed)."""
+        if self.editing is None:
+            return
+        self.editing = None
+        self.clear()
+        self._set_edit_look(False)
+
+    def finish_edit(self) -> int | None:
+        """Leaves edit mode after sending; returns the message that was edited."""
+        edited, self.editing = self.editing, None
+        if edited is not None:
+            self._set_edit_look(False)
+        return edited
+
+    def _set_edit_look(self, editing: bool) -> None:
+        self.setPlaceholderText(EDIT_PLACEHOLDER if editing else PLACEHOLDER)
+        self.setProperty("editing", editing)
+        self.style().unpolish(self)  # a dynamic property only restyles after a re-polish
+        self.style().polish(self)
+        self.editing_changed.emit(editing)
+
     def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
             mods = event.modifiers()
@@ -34,7 +69,7 @@ class Composer(QPlainTextEdit):
                 self.textCursor().insertText("\n")
                 event.accept()
                 return
-            if not mods & ~Qt.KeyboardModifier.KeypadModifier:
+            if not mods & ~(Qt.KeyboardModifier.KeypadModifier | Qt.KeyboardModifier.ControlModifier):
                 event.accept()
                 self.submitted.emit()
                 return

@@ -14,20 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QPoint, Qt
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
+    QApplication,
     QComboBox,
     QDockWidget,
     QFileDialog,
     QHBoxLayout,
-    QInputDialog,
     QLabel,
-    QListWidget,
-    QListWidgetItem,
     QMainWindow,
-    QMenu,
-    QMessageBox,
     QPushButton,
     QSplitter,
     QVBoxLayout,
@@ -41,25 +37,33 @@ from ds4desk.engine.api import (
     GenerateRequest,
     GenerateResult,
     LoadResult,
+    MemoryStats,
     ModelInfo,
     ParkResult,
     SaveSnapshot,
     TextDelta,
 )
-from ds4desk.history import Chat, History, Message, StreamingWriter
+from ds4desk.history import LEAF, History, Message, StreamingWriter
 from ds4desk.settings import Settings
+from ds4desk.ui import chat_view
 from ds4desk.ui.backend import ChatBackend
-from ds4desk.ui.chat_view import ChatView, NoteKind
+from ds4desk.ui.chat_options import ChatOptions
+from ds4desk.ui.chat_view import ChatView, NoteKind, counts_as_thinking
 from ds4desk.ui.composer import Composer
 from ds4desk.ui.markdown_render import split_thinking
-from ds4desk.ui.speed_chart import SpeedChart
+from ds4desk.ui.markdown_render import with_think_tag as _with_think_tag
+from ds4desk.ui.model_loader import ModelLoader
+from ds4desk.ui.park_readout import ParkReadout
+from ds4desk.ui.perf_panel import PerfPanel
+from ds4desk.ui.settings_dialog import SettingsDialog
+from ds4desk.ui.sidebar import UNTITLED, Sidebar
+from ds4desk.ui.slot_panel import SlotPanel
 from ds4desk.ui.stats_format import format_bytes, stats_footer
+from ds4desk.ui.theme import ThemeWatcher
 
 log = logging.getLogger(__name__)
 
 WINDOW_TITLE = "ds4desk"
-UNTITLED = "New chat"
-_CHAT_ID = Qt.ItemDataRole.UserRole
 PARK_CHOICES = (("All models", "all"), ("Target model", "target"), ("Draft model", "draft"))
 
 
@@ -70,6 +74,8 @@ class _Generation:
     chat_id: int
     request_id: int
     writer: StreamingWriter
+    thinking_tokens: int = 0  # streamed inside <think>…</think>
+    think_tag_pending: bool = False  # thinking mode: the prompt opened <think>, the text will not
 
 
 def message_note(message: Message) -> tuple[str | None, NoteKind]:
@@ -123,9 +129,11 @@ class MainWindow(QMainWindow):
         self.resize(1100, 750)
         self.setMinimumSize(640, 420)
         self._build_widgets()
-        self._build_speed_dock()
+        self._build_slot_and_perf_docks()
         self._build_actions()
         self._build_status_bar()
+        self.model_loader = ModelLoader(self)  # drops, File > Open recent, load progress and cancel
+        self._follow_theme()
         self._refresh_sidebar()
         self._show_model(backend.model_info)
         self.composer.setFocus()  # given the focus once the window is shown and active
@@ -133,29 +141,27 @@ class MainWindow(QMainWindow):
     # ---- construction ---------------------------------------------------------------------
 
     def _build_widgets(self) -> None:
-        sidebar = QWidget(objectName="Sidebar")
-        self.new_chat_button = QPushButton("+  New chat", objectName="NewChatButton")
-        self.new_chat_button.setToolTip("Start a new conversation (Ctrl+N)")
-        self.new_chat_button.clicked.connect(self.new_chat)
-        self.chat_list = QListWidget(objectName="ChatList")
-        self.chat_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
-        self.chat_list.customContextMenuRequested.connect(self._chat_menu)
-        self.chat_list.currentItemChanged.connect(self._on_chat_selected)
-        self.chat_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.chat_list.setTextElideMode(Qt.TextElideMode.ElideRight)
-        side = QVBoxLayout(sidebar)
-        side.setContentsMargins(10, 12, 10, 10)
-        side.setSpacing(10)
-        side.addWidget(self.new_chat_button)
-        side.addWidget(self.chat_list, 1)
+        self.sidebar = sidebar = Sidebar(self.history)
+        self.new_chat_button = sidebar.new_chat_button
+        self.chat_list = sidebar.chat_list
+        sidebar.new_chat_requested.connect(self.new_chat)
+        sidebar.chat_selected.connect(self.open_chat)
+        sidebar.delete_requested.connect(self.delete_chat)
+        sidebar.chat_restored.connect(self._on_chat_restored)
 
         self.chat_view = ChatView()
+        self.chat_view.action_requested.connect(self._on_message_action)
         self.composer = Composer()
         self.composer.submitted.connect(self.submit)
+        self.chat_options = ChatOptions(self.settings)
+        self.chat_options.changed.connect(self._save_settings)
+        self.chat_options.custom_requested.connect(self.open_settings)
         self.send_button = QPushButton("Send", objectName="SendButton")
-        self.send_button.setToolTip("Send (Enter)")
+        self.send_button.setToolTip("Send (Enter or Ctrl+Enter)")
+        self.send_button.setAccessibleName("Send")
         self.send_button.clicked.connect(self.submit)
         self.stop_button = QPushButton("Stop", objectName="StopButton")
+        self.stop_button.setAccessibleName("Stop")
         self.stop_button.setToolTip("Stop the answer (Esc); what was written stays")
         self.stop_button.clicked.connect(self.stop)
         self.stop_button.setEnabled(False)
@@ -180,6 +186,7 @@ class MainWindow(QMainWindow):
         column.setSpacing(10)
         column.addWidget(self.chat_view, 1)
         column.addWidget(park_box)
+        column.addWidget(self.chat_options)
         composer_box = QWidget(objectName="ComposerBox")
         composer_box.setLayout(composer_row)
         composer_row.setContentsMargins(16, 0, 16, 0)
@@ -200,11 +207,14 @@ class MainWindow(QMainWindow):
         for label, selector in PARK_CHOICES:
             self.park_selector.addItem(label, selector)
         self.park_selector.setToolTip("Which model Park and Unpark act on")
+        self.park_selector.setAccessibleName("Model to park")
         self.park_button = QPushButton("Park", objectName="ParkButton")
         self.park_button.setToolTip("Free the model's memory; the next answer loads it back")
+        self.park_button.setAccessibleName("Park")
         self.park_button.clicked.connect(self.start_park)
         self.unpark_button = QPushButton("Unpark", objectName="UnparkButton")
         self.unpark_button.setToolTip("Load the parked model back now")
+        self.unpark_button.setAccessibleName("Unpark")
         self.unpark_button.clicked.connect(self.start_unpark)
         row = QHBoxLayout()
         row.setContentsMargins(16, 0, 16, 0)
@@ -215,17 +225,71 @@ class MainWindow(QMainWindow):
             button.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # keep the focus in the composer
             row.addWidget(button)
         row.addStretch(1)
+        idle_s = self.settings.idle_park_minutes * 60 if self.settings.idle_park_minutes > 0 else None
+        self.park_readout = ParkReadout(idle_s, on_expired=self.refresh_memory)
+        row.addWidget(self.park_readout)
         box = QWidget(objectName="ParkRow")
         box.setLayout(row)
         return box
 
-    def _build_speed_dock(self) -> None:
-        """Per-answer speed over the session; hidden until asked for (View > Speed)."""
-        self.speed_chart = SpeedChart()
-        self.speed_dock = QDockWidget("Speed", self, objectName="SpeedDock")
-        self.speed_dock.setWidget(self.speed_chart)
-        self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.speed_dock)
-        self.speed_dock.hide()
+    def _build_slot_and_perf_docks(self) -> None:
+        """Snapshot slots and live speed, hidden until asked for (View menu)."""
+        # Snapshot files go beside the history, in the data dir (None for an in-memory history).
+        db = self.history.path
+        snapshot_dir = None if db == ":memory:" else Path(db).parent / "snapshots"
+        self.slot_panel = SlotPanel(self.backend, chat_title=self._chat_title_of, snapshot_dir=snapshot_dir)
+        self.slot_dock = QDockWidget("Snapshot slots", self, objectName="SlotDock")
+        self.slot_dock.setWidget(self.slot_panel)
+        # getattr: a stand-in backend (the engine could not start) may have no memory reading.
+        self.perf_panel = PerfPanel(getattr(self.backend, "memory", None))
+        self.perf_dock = QDockWidget("Live speed", self, objectName="PerfDock")
+        self.perf_dock.setWidget(self.perf_panel)
+        for dock in (self.slot_dock, self.perf_dock):
+            self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
+            dock.hide()
+        self.slot_dock.visibilityChanged.connect(self._on_slot_dock_shown)
+        self._memory_task: asyncio.Task[None] | None = None
+
+    def _on_slot_dock_shown(self, shown: bool) -> None:
+        if shown:
+            self.slot_panel.refresh()
+
+    def _chat_title_of(self, tag: str | None) -> str:
+        chat = self.history.get_chat(int(tag)) if tag and tag.isdigit() else None
+        return (chat.title or UNTITLED) if chat else (tag or "")
+
+    def refresh_memory(self) -> None:
+        """Read the device memory in the background and show it (park row, memory chart)."""
+        if self._memory_task is None or self._memory_task.done():
+            self._memory_task = asyncio.ensure_future(self._read_memory())
+
+    async def _read_memory(self) -> None:
+        try:
+            stats = await self.backend.memory()
+        except Exception as exc:  # a reading is a nicety: never an error dialog
+            log.warning("memory reading failed: %s", exc)
+            return
+        if not self._closed:
+            self._show_memory(stats)
+
+    def _restart_idle_countdown(self) -> None:
+        if self.backend.parked or self.backend.model_info is None:
+            self.park_readout.stop()
+        else:
+            self.park_readout.restart()
+
+    def _panel_tasks(self) -> list[asyncio.Future[Any]]:
+        """The docks' background reads, so wait_idle (and a clean shutdown) waits for them too."""
+        tasks = [self._memory_task, self.slot_panel._task, self.perf_panel._memory_task]
+        return [t for t in tasks if t is not None]
+
+    def _show_memory(self, stats: MemoryStats | None) -> None:
+        if stats is not None:
+            self.park_readout.show_memory(stats)
+            self.perf_panel.add_memory(stats)
+        if self.backend.parked:
+            self.park_readout.stop()
+            self._show_model(self.backend.model_info)  # the engine may have parked itself
 
     def _build_actions(self) -> None:
         self.open_model_action = QAction("&Open model…", self)
@@ -243,17 +307,45 @@ class MainWindow(QMainWindow):
         self.stop_action.setShortcut(QKeySequence(Qt.Key.Key_Escape))
         self.stop_action.triggered.connect(self.stop)
         self.addAction(self.stop_action)  # shortcut only, no menu entry
+        self.settings_action = QAction("&Settings…", self)
+        self.settings_action.setShortcut(QKeySequence("Ctrl+,"))
+        self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
+        self.settings_action.triggered.connect(self.open_settings)
+        self.search_action = QAction("&Search chats", self)
+        self.search_action.setShortcuts([QKeySequence("Ctrl+F"), QKeySequence("Ctrl+K")])
+        self.search_action.triggered.connect(self.sidebar.focus_search)
+        self.undo_delete_action = QAction("&Undo delete chat", self)
+        self.undo_delete_action.setShortcut(QKeySequence("Ctrl+Z"))  # a focused text box keeps its own
+        self.undo_delete_action.triggered.connect(self.sidebar.undo_delete)
+        self.rename_action = QAction("&Rename chat", self)
+        self.rename_action.triggered.connect(lambda: self.sidebar.start_rename(self.current_chat_id))
 
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction(self.open_model_action)
         file_menu.addAction(self.new_chat_action)
+        file_menu.addAction(self.settings_action)
         file_menu.addSeparator()
         file_menu.addAction(self.quit_action)
-        self.speed_dock_action = self.speed_dock.toggleViewAction()  # stays in step with the dock's X
-        self.speed_dock_action.setText("&Speed")
-        self.speed_dock_action.setStatusTip("Show decode speed and time to first token per answer")
+        edit_menu = self.menuBar().addMenu("&Edit")
+        for action in (self.search_action, self.rename_action, self.undo_delete_action):
+            edit_menu.addAction(action)
         view_menu = self.menuBar().addMenu("&View")
-        view_menu.addAction(self.speed_dock_action)
+        self.slot_dock_action = self.slot_dock.toggleViewAction()
+        self.slot_dock_action.setText("Snapshot s&lots")
+        self.slot_dock_action.setStatusTip("List the snapshot slots; free, pin, save or load them")
+        self.perf_dock_action = self.perf_dock.toggleViewAction()
+        self.perf_dock_action.setText("&Live speed")
+        self.perf_dock_action.setStatusTip("Live decode speed, prefill speed, first token and memory")
+        view_menu.addAction(self.slot_dock_action)
+        view_menu.addAction(self.perf_dock_action)
+
+    def _follow_theme(self) -> None:
+        """Light or dark as the system says, now and whenever it switches."""
+        app = QApplication.instance()
+        if isinstance(app, QApplication):
+            self.theme_watcher = ThemeWatcher(app, self)
+            self.theme_watcher.changed.connect(self.chat_view.set_dark)
+            self.chat_view.set_dark(self.theme_watcher.dark)
 
     def _build_status_bar(self) -> None:
         self.status_label = QLabel("Ready", objectName="StatusLabel")
@@ -333,6 +425,12 @@ class MainWindow(QMainWindow):
             return result
         self._park_task = None  # done: the buttons below must not count it as running
         self._show_model(self.backend.model_info)
+        if result.error is None:
+            self._restart_idle_countdown()
+        if result.memory is not None:
+            self._show_memory(result.memory)
+        else:
+            self.refresh_memory()
         if result.error is not None:
             action = "park" if park else "unpark"
             self.set_status(f"Could not {action} the model: {result.error.detail}", error=True)
@@ -360,7 +458,7 @@ class MainWindow(QMainWindow):
         self.open_model_action.setEnabled(False)
         started = time.monotonic()
         try:
-            result = await self.backend.load(request)
+            result = await self.model_loader.load(request)
         except Exception as exc:  # the backend promises not to raise; a bug must not kill the window
             log.exception("load raised")
             result = LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}"))
@@ -369,11 +467,19 @@ class MainWindow(QMainWindow):
         self.open_model_action.setEnabled(True)
         self._show_model(self.backend.model_info)  # a failed load may have kept the previous model
         if result.ok and result.info is not None:
+            self._restart_idle_countdown()
+            self.refresh_memory()
+            if self.slot_dock.isVisible():
+                self.slot_panel.refresh()
             seconds = result.seconds or time.monotonic() - started
-            self.set_status(f"Model {result.info.name} loaded in {seconds:.1f} s")
+            unloaded = " (the previous model was unloaded first: memory holds one)" * result.dropped_previous
+            self.set_status(f"Model {result.info.name} loaded in {seconds:.1f} s{unloaded}")
             if remember and request.path:
-                self.settings.last_model = request.path
+                self.model_loader.remember(request.path)
                 self._save_settings()
+        elif result.error is not None and result.error.code == ErrorCode.CANCELLED:
+            kept = self.backend.model_info
+            self.set_status(f"Loading {label} cancelled" + (f"; {kept.name} is still loaded" if kept else ""))
         else:
             detail = result.error.detail if result.error else "the engine gave no reason"
             self.set_status(f"Could not load the model: {detail}", error=True)
@@ -383,7 +489,7 @@ class MainWindow(QMainWindow):
     def _on_open_model(self) -> None:
         path = self._choose_model_path()
         if path:
-            self.start_load(path, remember=True)
+            self.model_loader.open_path(path)
 
     def _choose_model_path(self) -> str | None:
         """One dialog for both kinds: a .gguf file, or any file of a model folder (its folder is
@@ -400,6 +506,20 @@ class MainWindow(QMainWindow):
         chosen = Path(path)
         return str(chosen if chosen.suffix.lower() == ".gguf" else chosen.parent)
 
+    def open_settings(self) -> SettingsDialog:
+        """Settings (Ctrl+,): window-modal, not blocking; OK saves them."""
+        dialog = SettingsDialog(self.settings, self)
+        dialog.accepted.connect(self._on_settings_accepted)
+        dialog.finished.connect(dialog.deleteLater)
+        self.settings_dialog = dialog
+        dialog.open()
+        return dialog
+
+    def _on_settings_accepted(self) -> None:
+        self._save_settings()
+        self.chat_options.sync()
+        self.set_status("Settings saved. Model options apply at the next model load.")
+
     def _save_settings(self) -> None:
         if self._settings_path is None:
             return
@@ -411,43 +531,48 @@ class MainWindow(QMainWindow):
     # ---- chats ----------------------------------------------------------------------------
 
     def _refresh_sidebar(self) -> None:
-        self.chat_list.blockSignals(True)  # rebuilding must not look like the user picking a chat
-        try:
-            self.chat_list.clear()
-            for chat in self.history.list_chats():
-                item = QListWidgetItem(chat.title or UNTITLED)
-                item.setData(_CHAT_ID, chat.id)
-                item.setToolTip(_chat_tooltip(chat))
-                self.chat_list.addItem(item)
-                if chat.id == self.current_chat_id:
-                    self.chat_list.setCurrentItem(item)
-        finally:
-            self.chat_list.blockSignals(False)
-
-    def _on_chat_selected(self, item: QListWidgetItem | None, _previous: QListWidgetItem | None) -> None:
-        if item is not None:
-            self.open_chat(int(item.data(_CHAT_ID)))
+        self.sidebar.current_id = self.current_chat_id
+        self.sidebar.refresh()
 
     def open_chat(self, chat_id: int) -> None:
+        """Show the chat's active branch; a chat still being answered keeps streaming into view."""
         if self.history.get_chat(chat_id) is None:
             return
+        if chat_id != self.current_chat_id:
+            self.composer.cancel_edit()
         self.current_chat_id = chat_id
         self.chat_view.clear_messages()
         generation = self._generation if self._generation and self._generation.chat_id == chat_id else None
-        for message in self.history.messages(chat_id):
+        for item in self.history.thread(chat_id):
+            message = item.message
             if generation and message.id == generation.writer.message_id:
-                self.chat_view.begin_stream(generation.writer.text)  # still streaming: keep following it
+                # Still streaming: keep following it.
+                self.chat_view.begin_stream(
+                    generation.writer.text,
+                    message_id=message.id,
+                    thinking_tokens=generation.thinking_tokens,
+                    branch=(item.index, len(item.sibling_ids)),
+                )
                 continue
             note, kind = message_note(message)
-            self.chat_view.add_message(message.role, message.content, note=note, note_kind=kind)
-        self._select_in_sidebar(chat_id)
+            self.chat_view.add_message(
+                message.role,
+                message.content,
+                note=note,
+                note_kind=kind,
+                message_id=message.id,
+                branch=(item.index, len(item.sibling_ids)),
+                thinking_tokens=(message.stats or {}).get("thinking_tokens"),
+            )
+        self.sidebar.select(chat_id)
         self.composer.setFocus()
 
     def new_chat(self) -> None:
         """The chat row is created with the first message, so empty chats never pile up."""
         self.current_chat_id = None
+        self.composer.cancel_edit()
         self.chat_view.clear_messages()
-        self._select_in_sidebar(None)
+        self.sidebar.select(None)
         self.composer.setFocus()
 
     def rename_chat(self, chat_id: int, title: str) -> None:
@@ -456,46 +581,70 @@ class MainWindow(QMainWindow):
             self._refresh_sidebar()
 
     def delete_chat(self, chat_id: int) -> bool:
+        """Hides the chat; Undo (the sidebar's button, Ctrl+Z) brings it back for a few seconds."""
         if self._generation and self._generation.chat_id == chat_id:
             self.set_status("Stop the answer before deleting its chat.", error=True)
             return False
-        self.history.delete_chat(chat_id)
+        chat = self.history.get_chat(chat_id)
+        title = (chat.title if chat else "") or UNTITLED
+        self.sidebar.hide_chat(chat_id)
         if chat_id == self.current_chat_id:
             self.new_chat()
-        self._refresh_sidebar()
+        self.set_status(f"Deleted “{title}”. Undo with Ctrl+Z or the Undo button.")
         return True
 
-    def _select_in_sidebar(self, chat_id: int | None) -> None:
-        self.chat_list.blockSignals(True)
-        try:
-            self.chat_list.setCurrentItem(None)  # type: ignore[arg-type]
-            self.chat_list.clearSelection()
-            for row in range(self.chat_list.count()):
-                item = self.chat_list.item(row)
-                if item.data(_CHAT_ID) == chat_id:
-                    self.chat_list.setCurrentItem(item)
-                    break
-        finally:
-            self.chat_list.blockSignals(False)
+    def _on_chat_restored(self, chat_id: int) -> None:
+        self.open_chat(chat_id)
+        self.set_status("Chat restored.")
 
-    def _chat_menu(self, pos: QPoint) -> None:
-        item = self.chat_list.itemAt(pos)
+    # ---- branches: edit, regenerate, switch -------------------------------------------------
+
+    def _on_message_action(self, action: str, message_id: int) -> None:
+        if action == chat_view.EDIT:
+            self.edit_message(message_id)
+        elif action == chat_view.REGENERATE:
+            self.regenerate(message_id)
+        elif action in (chat_view.PREVIOUS, chat_view.NEXT):
+            self.switch_branch(message_id, -1 if action == chat_view.PREVIOUS else 1)
+
+    def edit_message(self, message_id: int) -> None:
+        """Loads a sent message into the composer; sending it makes a new branch from there."""
+        message = self.history.get_message(message_id)
+        if message is None or message.role != "user":
+            return
+        self.composer.start_edit(message_id, message.content)
+        self.set_status("Editing: Enter sends it as a new branch (the old one stays), Esc cancels.")
+
+    def regenerate(self, message_id: int | None = None) -> asyncio.Task[GenerateResult | None] | None:
+        """A new answer to the same question, as a sibling of `message_id` (default: the last one)."""
+        if self.busy:
+            self.set_status("Still answering: press Stop (Esc) to interrupt it first.")
+            return None
+        thread = self.history.messages(self.current_chat_id) if self.current_chat_id else []
+        if message_id is None:
+            message_id = next((m.id for m in reversed(thread) if m.role == "assistant"), None)
+        message = self.history.get_message(message_id) if message_id is not None else None
+        if message is None or message.role != "assistant" or message.parent_id is None:
+            return None
+        self._set_busy(True)
+        self._send_task = asyncio.ensure_future(self.send_message(None, parent_id=message.parent_id))
+        return self._send_task
+
+    def switch_branch(self, message_id: int, step: int) -> None:
+        """Show the previous (step -1) or next (+1) sibling of `message_id` and its branch."""
+        chat_id = self.current_chat_id
+        thread = self.history.thread(chat_id) if chat_id is not None else []
+        item = next((i for i in thread if i.message.id == message_id), None)
         if item is None:
             return
-        chat_id = int(item.data(_CHAT_ID))
-        menu = QMenu(self)
-        rename = menu.addAction("Rename…")
-        delete = menu.addAction("Delete")
-        delete.setEnabled(not (self._generation and self._generation.chat_id == chat_id))
-        chosen = menu.exec(self.chat_list.viewport().mapToGlobal(pos))
-        if chosen is rename:
-            title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=item.text())
-            if ok:
-                self.rename_chat(chat_id, title)
-        elif chosen is delete:
-            answer = QMessageBox.question(self, "Delete chat", f"Delete “{item.text()}” and its messages?")
-            if answer == QMessageBox.StandardButton.Yes:
-                self.delete_chat(chat_id)
+        index = item.index + step
+        if not 0 <= index < len(item.sibling_ids):
+            return
+        if self._generation is not None and self._generation.chat_id == chat_id:
+            self.set_status("Wait for the answer (or Stop it) before switching branches.")
+            return
+        self.history.switch_branch(item.sibling_ids[index])
+        self.open_chat(chat_id)
 
     # ---- sending and streaming ------------------------------------------------------------
 
@@ -511,71 +660,115 @@ class MainWindow(QMainWindow):
         if self.busy:
             self.set_status("Still answering: press Stop (Esc) to interrupt it first.")
             return  # the text stays in the composer
+        parent: int | str | None = LEAF
+        edited = self.history.get_message(self.composer.finish_edit() or 0)
+        if edited is not None and edited.chat_id == self.current_chat_id:
+            parent = edited.parent_id  # the edit becomes a sibling: a new branch, the old one stays
         self.composer.clear()
         self._set_busy(True)  # now, not when the task first runs: a second Enter must see it
-        self._send_task = asyncio.ensure_future(self.send_message(text))
+        self._send_task = asyncio.ensure_future(self.send_message(text, parent_id=parent))
 
     def stop(self) -> None:
         if self._generation is not None:
             self.backend.cancel(self._generation.request_id)
             self.set_status("Stopping…")
+        elif self.composer.editing is not None:
+            self.composer.cancel_edit()
+            self.set_status("Edit cancelled.")
 
     async def wait_idle(self) -> None:
         """Until no load, park or answer is running (tests, and a clean shutdown)."""
         while True:
-            tasks = (self._load_task, self._send_task, self._park_task)
+            tasks = (self._load_task, self._send_task, self._park_task, *self._panel_tasks())
             pending = [t for t in tasks if t is not None and not t.done()]
             if not pending:
                 return
             await asyncio.wait(pending)
 
-    async def send_message(self, text: str) -> GenerateResult | None:
-        """Store and show the user's message, then stream the answer into history and the view."""
+    async def send_message(
+        self, text: str | None, *, parent_id: int | str | None = LEAF
+    ) -> GenerateResult | None:
+        """Store and show the user's message, then stream the answer into history and the view.
+        `parent_id`: where the message goes (LEAF: after the last one; else a new branch). With
+        `text` None (regenerate) only a new answer is written, under `parent_id`."""
         self._set_busy(True)
         try:
-            return await self._answer(text)
+            return await self._answer(text, parent_id)
         finally:
             self._generation = None
             if not self._closed:
                 self._set_busy(False)
 
-    async def _answer(self, text: str) -> GenerateResult | None:
+    async def _answer(self, text: str | None, parent_id: int | str | None) -> GenerateResult | None:
         chat_id = self.current_chat_id
         if chat_id is None or self.history.get_chat(chat_id) is None:
+            if text is None:
+                return None  # nothing to regenerate
             info = self.backend.model_info
             chat_id = self.history.create_chat(model=info.name if info else None).id
             self.current_chat_id = chat_id
-        self.history.add_message(chat_id, "user", text)
-        self.chat_view.add_message("user", text)
+            parent_id = LEAF
+        branching = parent_id != LEAF
+        answer_parent: int | str | None = LEAF
+        if text is not None:
+            user = self.history.add_message(chat_id, "user", text, parent_id=parent_id)
+            if not branching:
+                self.chat_view.add_message("user", text, message_id=user.id)
+            else:
+                self.open_chat(chat_id)  # the new branch, with its "< 2/2 >" switcher
+        else:
+            answer_parent = parent_id  # regenerate: a sibling of the old answer
         self._refresh_sidebar()
+        # Let the loop draw the question before the answer's frame is made: two short steps rather
+        # than one long one (in a long chat each new frame costs a relayout of the whole chat).
+        await asyncio.sleep(0)
+        if self._closed:
+            return None
 
-        if self._load_task is not None and not self._load_task.done():
+        # The engine keeps the current model answering while the next one loads: only wait without one.
+        if self._load_task is not None and not self._load_task.done() and self.backend.model_info is None:
             self.set_status("Waiting for the model to finish loading…")
             await asyncio.wait([self._load_task])
             if self._closed:
                 return None
 
         request = GenerateRequest(
-            messages=self._conversation(chat_id),
+            messages=self._conversation(chat_id, until=answer_parent if text is None else None),
             sampling=self.settings.sampling(),
             max_new_tokens=self.settings.max_new_tokens,
+            thinking=self.settings.thinking,
+            thinking_budget=self.settings.thinking_budget(),
             # The next turn's prompt starts with this one and its answer: keep the state there, so
             # a follow-up prefills only the new message.
-            save_snapshot=SaveSnapshot(),
+            save_snapshot=SaveSnapshot(tag=str(chat_id)),  # the slot panel shows whose it is
         )
-        row = self.history.add_message(chat_id, "assistant", "", finished=False)
+        row = self.history.add_message(chat_id, "assistant", "", parent_id=answer_parent, finished=False)
         generation = _Generation(chat_id, request.request_id, self.history.streaming_writer(row.id))
+        generation.think_tag_pending = self.settings.thinking
         self._generation = generation
         if self.current_chat_id == chat_id:
-            self.chat_view.begin_stream()
+            if text is None:
+                self.open_chat(chat_id)  # shows the new, still empty answer with its switcher
+            else:
+                self.chat_view.begin_stream(message_id=row.id)
         self.set_status("Answering…")
+        self.perf_panel.begin_answer()
+        self.park_readout.stop()  # the engine does not count idle time while it answers
 
         def on_delta(delta: TextDelta) -> None:
             if self._closed:
                 return
-            generation.writer.append(delta.text)
+            self.perf_panel.on_delta(delta)
+            text = delta.text
+            if generation.think_tag_pending and text:
+                generation.think_tag_pending = False
+                text = _with_think_tag(text)
+            before = generation.writer.text
+            if counts_as_thinking(before, text):
+                generation.thinking_tokens += len(delta.tokens)
+            generation.writer.append(text)
             if self.current_chat_id == chat_id:
-                self.chat_view.append_stream(delta.text)
+                self.chat_view.append_stream(text, len(delta.tokens))
 
         try:
             result = await self.backend.generate(request, on_delta)
@@ -606,6 +799,10 @@ class MainWindow(QMainWindow):
         # The engine's final text is the reference (it decodes the whole sequence at once); on an
         # error it has none, so what streamed stays.
         content = result.text or generation.writer.text
+        if result.text and generation.writer.text.lstrip().startswith("<think>"):
+            content = _with_think_tag(content)  # the same text as streamed, <think> included
+        if split_thinking(content)[0] is not None:
+            stats["thinking_tokens"] = generation.thinking_tokens
         finished = reason in (FinishReason.STOP, FinishReason.LENGTH)
         generation.writer.finish(finished=finished, stats=stats, content=content)
         info = self.backend.model_info
@@ -616,7 +813,9 @@ class MainWindow(QMainWindow):
         message = self.history.get_message(generation.writer.message_id)
         note, kind = message_note(message) if message else (None, NoteKind.INFO)
         if self.current_chat_id == generation.chat_id:
-            self.chat_view.end_stream(content, note=note, note_kind=kind)
+            self.chat_view.end_stream(
+                content, note=note, note_kind=kind, thinking_tokens=stats.get("thinking_tokens")
+            )
         self._refresh_sidebar()
 
         if reason == FinishReason.ERROR:
@@ -626,9 +825,13 @@ class MainWindow(QMainWindow):
             self.set_status("Stopped. The partial answer was kept.")
         else:
             self.set_status("Ready")
+        self.perf_panel.end_answer(result.stats)
+        self._restart_idle_countdown()
+        self.refresh_memory()
+        if self.slot_dock.isVisible():
+            self.slot_panel.refresh()
         if result.stats.generated_tokens:
             s = result.stats
-            self.speed_chart.add_answer(s.decode_tok_s, s.time_to_first_token_s)
             self.speed_label.setText(f"{s.generated_tokens} tokens  ·  {s.decode_tok_s:.1f} tok/s")
             self.speed_label.setToolTip(
                 f"prompt {s.prompt_tokens} tokens ({s.reused_tokens} reused), "
@@ -636,11 +839,17 @@ class MainWindow(QMainWindow):
                 f"first token after {s.time_to_first_token_s:.2f} s, decode {s.decode_tok_s:.1f} tok/s"
             )
 
-    def _conversation(self, chat_id: int) -> list[dict[str, str]]:
+    def _conversation(self, chat_id: int, until: int | str | None = None) -> list[dict[str, str]]:
+        """The active branch as chat messages, the system prompt first; `until`: stop after that
+        message (regenerate answers the question again, without the old answer)."""
         messages: list[dict[str, str]] = []
         if self.settings.system_prompt.strip():
             messages.append({"role": "system", "content": self.settings.system_prompt})
-        for message in self.history.messages(chat_id):
+        branch = self.history.messages(chat_id)
+        if isinstance(until, int):
+            ids = [m.id for m in branch]
+            branch = branch[: ids.index(until) + 1] if until in ids else branch
+        for message in branch:
             content = message.content
             if message.role == "assistant":
                 # Earlier reasoning is not sent back: models are trained without it in the context.
@@ -656,14 +865,10 @@ class MainWindow(QMainWindow):
     # ---- shutdown -------------------------------------------------------------------------
 
     def closeEvent(self, event: QCloseEvent) -> None:
+        self.sidebar.purge_pending()  # the undo window ends with the window
         if self._generation is not None:
             # The answer cannot finish now: save what streamed (unfinished) and stop the engine.
             self.backend.cancel(self._generation.request_id)
             self._generation.writer.flush()
         self._closed = True
         super().closeEvent(event)
-
-
-def _chat_tooltip(chat: Chat) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(chat.updated))
-    return f"{chat.title or UNTITLED}\n{when}" + (f"  ·  {chat.model}" if chat.model else "")

@@ -27,6 +27,9 @@ T = TypeVar("T")
 @pytest.fixture
 def loop(qapp: QApplication) -> Iterator[qasync.QEventLoop]:
     """A qasync loop over pytest-qt's QApplication, the current asyncio loop for the test."""
+    # qasync runs the loop inside QApplication.exec(). A test that closes its last window leaves a
+    # quit behind, and with quit-on-last-window-closed it would end the next test's exec() at once.
+    qapp.setQuitOnLastWindowClosed(False)
     event_loop = qasync.QEventLoop(qapp)
     asyncio.set_event_loop(event_loop)
     yield event_loop

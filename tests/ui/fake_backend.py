@@ -7,8 +7,10 @@ between), cancel is honoured between batches, and loads or answers can be told t
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ds4desk.engine.api import (
     EngineError,
@@ -19,8 +21,12 @@ from ds4desk.engine.api import (
     GenerateStats,
     LoadRequest,
     LoadResult,
+    MemoryStats,
     ModelInfo,
+    ModelPreview,
     ParkResult,
+    SlotInfo,
+    SlotResult,
     TextDelta,
 )
 
@@ -90,7 +96,7 @@ class FakeBackend:
         if self._info is None or self._parked or selector == "draft":  # like the engine: no draft yet
             return ParkResult(selector, self._parked)
         self._parked = True
-        return ParkResult(selector, True, bytes=self.park_bytes, seconds=0.02)
+        return ParkResult(selector, True, bytes=self.park_bytes, seconds=0.02, memory=self._memory_now())
 
     async def unpark(self, selector: str) -> ParkResult:
         self.park_calls.append(("unpark", selector))
@@ -100,12 +106,17 @@ class FakeBackend:
         if not self._parked or selector == "draft":
             return ParkResult(selector, self._parked)
         self._parked = False
-        return ParkResult(selector, False, bytes=self.park_bytes, seconds=0.5)
+        return ParkResult(selector, False, bytes=self.park_bytes, seconds=0.5, memory=self._memory_now())
 
-    async def load(self, request: LoadRequest) -> LoadResult:
+    async def load(
+        self, request: LoadRequest, on_progress: Callable[[int, int, str], None] | None = None
+    ) -> LoadResult:
         self.load_requests.append(request)
         await asyncio.sleep(self.delay_s)
-        if self.fail_load is not None:
+        cancelled = await self._simulate_load_progress(on_progress)
+        if cancelled is not None:
+            result = cancelled
+        elif self.fail_load is not None:
             result = LoadResult(error=self.fail_load, seconds=0.01)
         else:
             self._info = fake_info(request.path, request.device)
@@ -140,6 +151,7 @@ class FakeBackend:
             if self.after_batch is not None:
                 self.after_batch()
             self._wake()
+        self._save_slot(request, len(chunks))
         return self._result(rid, text, len(chunks), FinishReason.STOP)
 
     def cancel(self, request_id: int) -> None:
@@ -166,3 +178,147 @@ class FakeBackend:
             decode_s=0.1,
         )
         return GenerateResult(rid, tokens=list(range(tokens)), text=text, finish_reason=reason, stats=stats)
+
+    # ---- snapshot slots and memory: like the engine's, kept in a list ---------------------------
+
+    slot_infos: list[SlotInfo] = field(default_factory=list)
+    slot_calls: list[tuple[str, int | None, Path | None]] = field(default_factory=list)
+    fail_slots: EngineError | None = None
+    memory_total: int = 80_000_000_000
+    idle_park_in_s: float | None = None  # what memory() reports for the engine's idle auto-park
+    memory_calls: int = 0
+
+    def _save_slot(self, request: GenerateRequest, tokens: int) -> None:
+        save = request.save_snapshot
+        if save is None:
+            return
+        # The next turn of a chat continues from its previous snapshot: that one gets the hit.
+        for index, info in enumerate(self.slot_infos):
+            if save.tag is not None and info.tag == save.tag:
+                self.slot_infos[index] = replace(info, hits=info.hits + 1)
+        used = {info.slot for info in self.slot_infos}
+        slot = min(set(range(len(used) + 1)) - used)
+        # About 4 characters a token: a later turn of a chat holds more tokens than the one before.
+        count = self.prompt_tokens + tokens + sum(len(m["content"]) for m in request.messages or []) // 4
+        self.slot_infos.append(SlotInfo(slot, count, count * 36_864, tag=save.tag))
+        self.slot_infos.sort(key=lambda info: info.slot)
+
+    async def slots(self, op: str = "list", slot: int | None = None, path: Path | None = None) -> SlotResult:
+        self.slot_calls.append((op, slot, path))
+        await asyncio.sleep(self.delay_s)
+        if self.fail_slots is not None:
+            return SlotResult(slot=slot, error=self.fail_slots)
+        if self._info is None:
+            return SlotResult(slot=slot, error=EngineError(ErrorCode.MODEL_NOT_LOADED, "no model is loaded"))
+        by_slot = {info.slot: info for info in self.slot_infos}
+        if op in ("free", "pin", "unpin", "save") and slot not in by_slot:
+            error = EngineError(ErrorCode.INVALID_SNAPSHOT_SLOT, f"slot {slot} holds no snapshot")
+            return SlotResult(slot=slot, error=error)
+        if op == "free":
+            del by_slot[slot]  # type: ignore[arg-type]
+        elif op in ("pin", "unpin"):
+            by_slot[slot] = replace(by_slot[slot], pinned=op == "pin")  # type: ignore[index]
+        elif op == "save" and path is not None:
+            info = by_slot[slot]  # type: ignore[index]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"fake-snapshot": [info.tokens, info.bytes, info.tag]}))
+            by_slot[info.slot] = replace(info, path=str(path))
+        elif op == "load" and path is not None:
+            try:
+                tokens, size, tag = json.loads(path.read_text())["fake-snapshot"]
+            except (OSError, ValueError, KeyError, TypeError):
+                error = EngineError(ErrorCode.INVALID_SNAPSHOT_SLOT, f"{path.name} is no snapshot")
+                return SlotResult(slot=slot, error=error)
+            slot = slot if slot is not None else min(set(range(len(by_slot) + 1)) - by_slot.keys())
+            by_slot[slot] = SlotInfo(slot, tokens, size, tag=tag, path=str(path))
+        elif op != "list":
+            return SlotResult(slot=slot, error=EngineError(ErrorCode.BAD_REQUEST, f"bad slot op {op!r}"))
+        self.slot_infos = sorted(by_slot.values(), key=lambda info: info.slot)
+        return SlotResult(list(self.slot_infos), slot)
+
+    def _memory_now(self) -> MemoryStats:
+        allocated = self.park_bytes if self._info is not None and not self._parked else 0
+        reserved = allocated + 100_000_000 if allocated else 0
+        return MemoryStats(
+            device="cuda:0",
+            name="Fake GPU",
+            allocated=allocated,
+            reserved=reserved,
+            free=self.memory_total - reserved,
+            total=self.memory_total,
+            idle_park_in_s=self.idle_park_in_s if allocated else None,
+        )
+
+    async def memory(self) -> MemoryStats:
+        self.memory_calls += 1
+        await asyncio.sleep(self.delay_s)
+        return self._memory_now()
+
+    # ---- opening models: preflight, load progress and cancel ------------------------------------
+
+    previews: dict[str, ModelPreview] = field(default_factory=dict)  # by path; else a preview that fits
+    inspect_requests: list[LoadRequest] = field(default_factory=list)
+    load_steps: int = 0  # tensors a load reports progress for (0: none)
+    pause_load_at: int | None = None  # the load waits after this step until cancel_load or resume_load
+    cancel_load_calls: int = 0
+    _load_paused: asyncio.Event | None = None
+    _load_resume: asyncio.Event | None = None
+    _load_cancelled: bool = False
+
+    async def inspect(self, request: LoadRequest) -> ModelPreview:
+        self.inspect_requests.append(request)
+        await asyncio.sleep(self.delay_s)
+        path = request.path or "<embedded>"
+        if path in self.previews:
+            return self.previews[path]
+        return ModelPreview(
+            path,
+            family="llama",
+            architecture="LlamaForCausalLM",
+            parameters=1_100_000_000,
+            weight_bytes=4_400_000_000,
+            cache_bytes=100_000_000,
+            free_bytes=self.memory_total,
+            fits=True,
+            message="1.1B parameters (LlamaForCausalLM), needs 4.5 GB",
+            device="cpu",
+            dtype="float32",
+            context=request.context,
+        )
+
+    def cancel_load(self) -> None:
+        self.cancel_load_calls += 1
+        self._load_cancelled = True
+        if self._load_resume is not None:
+            self._load_resume.set()
+
+    def resume_load(self) -> None:
+        if self._load_resume is not None:
+            self._load_resume.set()
+
+    async def wait_load_paused(self) -> None:
+        """Until a load reached `pause_load_at` (an event, not a timer)."""
+        if self._load_paused is None:
+            self._load_paused = asyncio.Event()
+        await self._load_paused.wait()
+
+    async def _simulate_load_progress(
+        self, on_progress: Callable[[int, int, str], None] | None
+    ) -> LoadResult | None:
+        """Steps like the engine's tensors; a cancelled load comes back like the engine's."""
+        self._load_cancelled = False
+        for step in range(1, self.load_steps + 1):
+            await asyncio.sleep(self.delay_s)
+            if self._load_cancelled:
+                return LoadResult(error=EngineError(ErrorCode.CANCELLED, "loading was cancelled"))
+            if on_progress is not None:
+                on_progress(step, self.load_steps, "tensors")
+            if step == self.pause_load_at:
+                self._load_resume = asyncio.Event()
+                if self._load_paused is None:
+                    self._load_paused = asyncio.Event()
+                self._load_paused.set()
+                await self._load_resume.wait()
+        if self._load_cancelled:
+            return LoadResult(error=EngineError(ErrorCode.CANCELLED, "loading was cancelled"))
+        return None

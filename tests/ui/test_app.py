@@ -16,6 +16,7 @@ from ds4desk.engine.api import LoadRequest
 from ds4desk.history import History
 from ds4desk.paths import DataDirs
 from ds4desk.settings import Settings
+from ds4desk.ui.backend import ChatBackend
 from tests.ui.fake_backend import FakeBackend
 
 
@@ -62,7 +63,12 @@ def test_run_app_survives_a_backend_that_cannot_start(qapp: QApplication, tmp_pa
 
 def test_unavailable_backend_answers_with_errors(loop) -> None:
     backend = UnavailableBackend("engine missing")
+    assert isinstance(backend, ChatBackend)  # every method the window may call is there
     assert loop.run_until_complete(backend.load(LoadRequest())).error.detail == "engine missing"
+    preview = loop.run_until_complete(backend.inspect(LoadRequest(path="/m")))
+    assert not preview.ok and preview.message == "engine missing"
+    assert loop.run_until_complete(backend.slots()).error.detail == "engine missing"
+    assert loop.run_until_complete(backend.memory()).total == 0
 
 
 def test_crash_log_catches_and_reports(tmp_path: Path) -> None:

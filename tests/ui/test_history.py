@@ -111,7 +111,7 @@ def test_migration_hook_runs_new_steps(db_path: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(history_module, "MIGRATIONS", [*history_module.MIGRATIONS, add_pinned])
     with History(db_path) as history:
-        assert history.user_version == 2
+        assert history.user_version == len(history_module.MIGRATIONS) == 3
         columns = [row[1] for row in history._conn.execute("PRAGMA table_info(chats)")]
         assert "pinned" in columns
 

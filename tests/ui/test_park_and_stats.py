@@ -8,7 +8,6 @@ from PySide6.QtCore import Qt
 
 from ds4desk.engine.api import EngineError, ErrorCode
 from ds4desk.ui.main_window import MainWindow
-from ds4desk.ui.speed_chart import SpeedChart
 from ds4desk.ui.stats_format import format_bytes, stats_footer
 from tests.ui.fake_backend import FakeBackend
 from tests.ui.test_main_window import type_and_enter
@@ -152,31 +151,3 @@ def test_no_reuse_means_no_reuse_note(qtbot, make_window, run) -> None:
     run(window.wait_idle())
     shown = window.chat_view.toPlainText()
     assert "first token" in shown and "reused" not in shown
-
-
-def test_speed_dock_charts_each_answer(qtbot, make_window, run) -> None:
-    window = make_window(FakeBackend(replies=["First answer.", "Second answer."]))
-    assert window.speed_dock.isHidden()
-    window.speed_dock_action.trigger()
-    assert window.speed_dock.isVisible()
-
-    for text in ("one", "two"):
-        type_and_enter(qtbot, window, text)
-        run(window.wait_idle())
-    chart = window.speed_chart
-    assert len(chart.decode_tok_s) == 2 and len(chart.ttft_s) == 2
-    assert all(value > 0 for value in chart.decode_tok_s)
-    assert list(chart.ttft_s) == [0.05, 0.05]
-    qtbot.waitUntil(lambda: chart.paints > 0)  # drawn once the coalesced repaint is due
-
-    window.speed_dock_action.trigger()
-    assert window.speed_dock.isHidden()
-
-
-def test_speed_chart_keeps_a_bounded_history(qtbot) -> None:
-    chart = SpeedChart(capacity=3)
-    qtbot.addWidget(chart)
-    for value in range(5):
-        chart.add_answer(float(value), value / 10)
-    assert list(chart.decode_tok_s) == [2.0, 3.0, 4.0]
-    assert list(chart.ttft_s) == [0.2, 0.3, 0.4]

@@ -1,0 +1,242 @@
+"""Opening models: drag and drop anywhere on the window, File > Open and File > Open recent.
+
+What was dropped is checked first: the engine's preflight reads headers only, on a worker thread,
+so the window never waits on it. Something that is no model, or does not fit in memory, is refused
+with its reason and nothing changes. Otherwise the window's load runs with a progress bar and a
+Cancel button in the status bar; the engine keeps the current model until the new one is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from PySide6.QtCore import QEvent, QMimeData, QObject
+from PySide6.QtGui import QAction, QDragEnterEvent, QDropEvent
+from PySide6.QtWidgets import QMenu, QProgressBar, QPushButton, QWidget
+
+from ds4desk.engine.api import EngineError, ErrorCode, LoadRequest, LoadResult, ModelPreview
+from ds4desk.settings import MAX_RECENT_MODELS
+
+if TYPE_CHECKING:
+    from ds4desk.ui.main_window import MainWindow
+
+log = logging.getLogger(__name__)
+
+_DRAG_EVENTS = (QEvent.Type.DragEnter, QEvent.Type.DragMove)
+
+
+def dropped_paths(mime: QMimeData | None) -> list[str]:
+    """The local files and folders a drag carries (web links and text are not models)."""
+    if mime is None or not mime.hasUrls():
+        return []
+    return [url.toLocalFile() for url in mime.urls() if url.isLocalFile() and url.toLocalFile()]
+
+
+def remembered(recent: list[str], path: str) -> list[str]:
+    """`recent` with `path` moved to the front, at most MAX_RECENT_MODELS long."""
+    return [path, *(p for p in recent if p != path)][:MAX_RECENT_MODELS]
+
+
+class ModelLoader(QObject):
+    def __init__(self, window: MainWindow) -> None:
+        super().__init__(window)
+        self._window = window
+        self.last_preview: ModelPreview | None = None
+        self.progress_updates = 0  # how many batches of progress reached the bar
+        self._open_task: asyncio.Task[LoadResult] | None = None
+
+        self.progress_bar = QProgressBar(objectName="LoadProgress")
+        self.progress_bar.setMaximumWidth(220)
+        self.progress_bar.setAccessibleName("Model loading progress")
+        self.cancel_button = QPushButton("Cancel", objectName="CancelLoadButton")
+        self.cancel_button.setToolTip("Stop loading; the model loaded before stays")
+        self.cancel_button.setAccessibleName("Cancel loading")
+        self.cancel_button.clicked.connect(self.cancel)
+        bar = window.statusBar()
+        bar.addPermanentWidget(self.progress_bar)
+        bar.addPermanentWidget(self.cancel_button)
+        self._show_progress(False)
+
+        self.recent_menu = QMenu("Open &recent", window, objectName="RecentModelsMenu")
+        self.recent_menu.setToolTipsVisible(True)
+        self._insert_recent_menu()
+        self.rebuild_recent_menu()
+
+        # Drops anywhere: the window, and the widgets that would otherwise take a dropped file's
+        # path as text (the composer, the conversation).
+        window.setAcceptDrops(True)
+        window.installEventFilter(self)
+        for child in window.findChildren(QWidget):
+            if child.acceptDrops():
+                child.installEventFilter(self)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def loading(self) -> bool:
+        task = self._window._load_task
+        return task is not None and not task.done()
+
+    # ---- drag and drop ----------------------------------------------------------------------
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        kind = event.type()
+        if kind not in (*_DRAG_EVENTS, QEvent.Type.Drop):
+            return False
+        try:
+            return self._drag_event(event, kind)  # type: ignore[arg-type]
+        except Exception as exc:  # whatever was dropped, the window goes on
+            log.exception("handling a drop failed")
+            self._window.set_status(f"Could not take what was dropped: {exc}", error=True)
+            return True
+
+    def _drag_event(self, event: QDragEnterEvent | QDropEvent, kind: QEvent.Type) -> bool:
+        paths = dropped_paths(event.mimeData())
+        if not paths:
+            return False  # text and the like: the widget under the cursor handles it
+        event.acceptProposedAction()
+        if kind == QEvent.Type.Drop:
+            if len(paths) > 1:
+                self._window.set_status(
+                    f"{len(paths)} items dropped: opening the first, {Path(paths[0]).name}"
+                )
+            self.open_path(paths[0])
+        return True
+
+    # ---- opening ----------------------------------------------------------------------------
+
+    def open_path(self, path: str) -> asyncio.Task[LoadResult] | None:
+        """Preflight `path`, then load it; None (and a status line) while another load runs."""
+        if self.loading:
+            self._window.set_status(
+                "A model is still loading: cancel it (Cancel, bottom right) before opening another.",
+                error=True,
+            )
+            return None
+        self._open_task = asyncio.ensure_future(self._open(path))
+        # The window's load task: a message sent meanwhile waits for it, and wait_idle sees it.
+        self._window._load_task = self._open_task
+        return self._open_task
+
+    async def _open(self, path: str) -> LoadResult:
+        window = self._window
+        name = Path(path).name or path
+        request = window.settings.load_request(path, window._device_override)
+        window.set_status(f"Checking {name}…")
+        try:
+            preview = await window.backend.inspect(request)
+        except Exception as exc:  # the backend promises not to raise; a bug must not kill the window
+            log.exception("inspect raised")
+            error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
+            preview = ModelPreview(path, error=error, message=error.detail)
+        if window._closed:
+            return LoadResult(error=EngineError(ErrorCode.CANCELLED, "the window closed"))
+        self.last_preview = preview
+        if preview.error is not None:
+            return self._refuse(preview.error, f"{name} cannot be opened: {preview.error.detail}")
+        if not preview.fits:
+            error = EngineError(ErrorCode.OUT_OF_MEMORY, preview.message)
+            return self._refuse(error, f"{name} does not fit: {preview.message}")
+        return await window.load_model(path, remember=True)
+
+    def _refuse(self, error: EngineError, text: str) -> LoadResult:
+        """Nothing was loaded or let go: say why, in the status bar and in the conversation."""
+        self._window.set_status(text, error=True)
+        self._window.chat_view.add_error(text)
+        return LoadResult(error=error)
+
+    async def load(self, request: LoadRequest) -> LoadResult:
+        """The backend's load, with the progress bar and the Cancel button up while it runs."""
+        preview = self.last_preview
+        if preview is not None and preview.path == request.path:
+            self.progress_bar.setToolTip(preview.message)
+            if preview.needs_unload:
+                self._window.set_status(
+                    f"{self._window.status_label.text()} Memory holds only one model: the current one is "
+                    "unloaded first and cannot answer until this one is ready."
+                )
+        self._on_progress(0, 0, "tensors")
+        self.cancel_button.setEnabled(True)
+        self._show_progress(True)
+        try:
+            return await self._window.backend.load(request, self._on_progress)
+        finally:
+            if not self._window._closed:
+                self._show_progress(False)
+
+    def _on_progress(self, done: int, total: int, unit: str) -> None:
+        if self._window._closed:
+            return
+        self.progress_updates += 1
+        bar = self.progress_bar
+        if total <= 0:
+            bar.setRange(0, 0)  # busy: converting a GGUF, reading headers
+            bar.setFormat("Preparing…")
+            return
+        bar.setRange(0, total)
+        bar.setValue(min(done, total))
+        bar.setFormat(f"%v / %m {unit}")
+
+    def cancel(self) -> None:
+        if not self.loading:
+            return
+        self._window.backend.cancel_load()
+        self.cancel_button.setEnabled(False)  # once is enough; the load stops at its next tensor
+        self._window.set_status("Cancelling the load…")
+
+    def _show_progress(self, shown: bool) -> None:
+        self.progress_bar.setVisible(shown)
+        self.cancel_button.setVisible(shown)
+
+    # ---- recent models ----------------------------------------------------------------------
+
+    def _insert_recent_menu(self) -> None:
+        """Under File > Open model…, wherever the File menu is."""
+        opener = self._window.open_model_action
+        for action in self._window.menuBar().actions():
+            menu = action.menu()
+            if isinstance(menu, QMenu) and opener in menu.actions():
+                actions = menu.actions()
+                after = actions[actions.index(opener) + 1] if opener is not actions[-1] else None
+                if after is None:
+                    menu.addMenu(self.recent_menu)
+                else:
+                    menu.insertMenu(after, self.recent_menu)
+                return
+        self._window.menuBar().addMenu(self.recent_menu)
+
+    def remember(self, path: str) -> None:
+        """A model loaded from `path`: the one to open next time, first in the recent list."""
+        settings = self._window.settings
+        settings.last_model = path
+        settings.recent_models = remembered(settings.recent_models, path)
+        self.rebuild_recent_menu()
+
+    def rebuild_recent_menu(self) -> None:
+        menu = self.recent_menu
+        menu.clear()
+        recent = self._window.settings.recent_models
+        for path in recent:
+            action = QAction(Path(path).name or path, menu)
+            action.setToolTip(path)
+            action.setStatusTip(path)
+            action.setData(path)
+            action.triggered.connect(lambda _checked=False, p=path: self.open_path(p))
+            menu.addAction(action)
+        if not recent:
+            menu.addAction("No recent models").setEnabled(False)
+            return
+        menu.addSeparator()
+        menu.addAction("Clear recent models").triggered.connect(self.clear_recent)
+
+    def clear_recent(self) -> None:
+        self._window.settings.recent_models = []
+        self._window._save_settings()
+        self.rebuild_recent_menu()
+
+    def recent_paths(self) -> list[str]:
+        """What the menu offers, in its order (for the window's tests and accessibility checks)."""
+        return [str(a.data()) for a in self.recent_menu.actions() if a.data()]

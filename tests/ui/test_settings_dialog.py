@@ -1,0 +1,201 @@
+"""The settings dialog (Ctrl+,) on the real qasync loop: values shown, checked, saved across a
+restart, and used by the next model load and the next answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import shiboken6
+from PySide6.QtCore import Qt
+
+from ds4desk.history import History
+from ds4desk.settings import Settings
+from ds4desk.ui.main_window import MainWindow
+from ds4desk.ui.settings_dialog import SettingsDialog
+from tests.ui.chat_helpers import type_and_enter
+from tests.ui.fake_backend import FakeBackend
+
+
+@pytest.fixture
+def settings_path(tmp_path: Path) -> Path:
+    return tmp_path / "config" / "settings.json"
+
+
+@pytest.fixture
+def open_window(qtbot, loop, db_path: Path, settings_path: Path) -> Iterator[Callable[..., MainWindow]]:
+    """A window that saves its settings to `settings_path`, loaded from there like the app does."""
+    made: list[tuple[MainWindow, History]] = []
+
+    def make(backend: FakeBackend | None = None) -> MainWindow:
+        history = History(db_path)
+        window = MainWindow(
+            backend or FakeBackend(), history, Settings.load(settings_path), settings_path=settings_path
+        )
+        window.chat_view.render_interval_ms = 0
+        made.append((window, history))
+        window.show()
+        qtbot.waitExposed(window)
+        loop.run_until_complete(window.load_model())
+        return window
+
+    yield make
+    for window, history in made:
+        window.close()
+        loop.run_until_complete(window.wait_idle())
+        shiboken6.delete(window)
+        history.close()
+
+
+def open_dialog(qtbot, window: MainWindow) -> SettingsDialog:
+    qtbot.keyClick(window.composer, Qt.Key.Key_Comma, Qt.KeyboardModifier.ControlModifier)
+    dialog = window.settings_dialog
+    assert dialog.isVisible() and dialog.isModal()
+    return dialog
+
+
+def test_dialog_shows_the_current_settings(qtbot, open_window, settings_path: Path) -> None:
+    Settings(
+        device="cuda:1",
+        dtype="bfloat16",
+        context=8192,
+        chunk=256,
+        cuda_graphs="off",
+        snapshot_slots=4,
+        snapshot_memory_mb=2048,
+        thinking_budget_tokens=512,
+        unpark_on_generate=False,
+        park_cancels_running=True,
+        idle_park_minutes=15.0,
+    ).save(settings_path)
+    window = open_window()
+    dialog = open_dialog(qtbot, window)
+    assert dialog.device.currentText() == "cuda:1"
+    assert dialog.dtype.currentText() == "bfloat16"
+    assert (dialog.context.value(), dialog.chunk.value()) == (8192, 256)
+    assert dialog.cuda_graphs.currentData() == "off"
+    assert (dialog.snapshot_slots.value(), dialog.snapshot_memory.value()) == (4, 2048)
+    assert dialog.thinking_budget.value() == 512
+    assert not dialog.unpark_on_generate.isChecked() and dialog.park_cancels_running.isChecked()
+    assert dialog.idle_park.value() == 15.0
+    assert "next model load" in dialog.note.text() and "starts next" in dialog.note.text()
+    qtbot.mouseClick(dialog.cancel_button, Qt.MouseButton.LeftButton)
+
+
+def test_ok_saves_and_the_next_load_and_answer_use_them(qtbot, open_window, settings_path: Path, run) -> None:
+    backend = FakeBackend(replies=["ok"])
+    window = open_window(backend)
+    dialog = open_dialog(qtbot, window)
+    dialog.device.setCurrentText("cpu")
+    dialog.dtype.setCurrentText("float32")
+    dialog.context.setValue(2048)
+    dialog.chunk.setValue(128)
+    dialog.cuda_graphs.setCurrentIndex(dialog.cuda_graphs.findData("on"))
+    dialog.snapshot_slots.setValue(3)
+    dialog.snapshot_memory.setValue(512)
+    dialog.thinking_budget.setValue(100)
+    dialog.unpark_on_generate.setChecked(False)
+    dialog.park_cancels_running.setChecked(True)
+    dialog.idle_park.setValue(5.0)
+    dialog.temperature.setValue(0.25)
+    qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
+    assert not dialog.isVisible()
+
+    saved = Settings.load(settings_path)
+    assert saved == window.settings
+    assert (saved.device, saved.dtype, saved.context, saved.chunk, saved.cuda_graphs) == (
+        "cpu",
+        "float32",
+        2048,
+        128,
+        "on",
+    )
+    assert (saved.snapshot_slots, saved.snapshot_memory_mb, saved.thinking_budget_tokens) == (3, 512, 100)
+    assert saved.engine_options() == {
+        "unpark_on_generate": False,
+        "park_cancels_running": True,
+        "idle_park_after_s": 300.0,
+        "snapshot_slots": 3,
+        "snapshot_budget_bytes": 512 * 2**20,
+    }
+    assert "Settings saved" in window.status_label.text()
+    assert window.chat_options.preset.currentText().startswith("Custom (0.25")
+
+    run(window.load_model())
+    request = backend.load_requests[-1]
+    assert (request.device, request.dtype, request.context, request.chunk, request.cuda_graphs) == (
+        "cpu",
+        "float32",
+        2048,
+        128,
+        True,
+    )
+
+    qtbot.mouseClick(window.chat_options.thinking, Qt.MouseButton.LeftButton)
+    assert window.settings.thinking and Settings.load(settings_path).thinking
+    type_and_enter(qtbot, window, "hi")
+    run(window.wait_idle())
+    generate = backend.generate_requests[-1]
+    assert generate.sampling.temperature == 0.25
+    assert generate.thinking and generate.thinking_budget is not None
+    assert generate.thinking_budget.max_tokens == 100
+
+
+def test_settings_survive_a_restart(qtbot, open_window, settings_path: Path) -> None:
+    window = open_window()
+    dialog = open_dialog(qtbot, window)
+    dialog.snapshot_slots.setValue(7)
+    dialog.idle_park.setValue(30.0)
+    dialog.accept()
+    window.close()
+
+    again = open_window()
+    assert again.settings.snapshot_slots == 7 and again.settings.idle_park_minutes == 30.0
+    dialog = open_dialog(qtbot, again)
+    assert dialog.snapshot_slots.value() == 7 and dialog.idle_park.value() == 30.0
+    dialog.reject()
+
+
+def test_bad_values_are_refused_and_nothing_changes(qtbot, open_window, settings_path: Path) -> None:
+    window = open_window()
+    before = Settings.load(settings_path)
+    dialog = open_dialog(qtbot, window)
+    dialog.device.setCurrentText("gpu seven")
+    qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
+    assert dialog.isVisible()
+    assert not dialog.error_label.isHidden() and "device" in dialog.error_label.text()
+    assert window.settings.device == "auto" and Settings.load(settings_path) == before
+
+    dialog.device.setCurrentText("cuda:3")
+    dialog.context.setValue(256)
+    dialog.chunk.setValue(512)
+    dialog.accept()
+    assert dialog.isVisible() and "chunk" in dialog.error_label.text()
+    assert window.settings.context == 4096
+
+    dialog.chunk.setValue(128)
+    dialog.accept()
+    assert not dialog.isVisible()
+    assert (window.settings.device, window.settings.context, window.settings.chunk) == ("cuda:3", 256, 128)
+
+
+def test_cancel_changes_nothing(qtbot, open_window, settings_path: Path) -> None:
+    window = open_window()
+    dialog = open_dialog(qtbot, window)
+    dialog.snapshot_slots.setValue(99)
+    qtbot.mouseClick(dialog.cancel_button, Qt.MouseButton.LeftButton)
+    assert window.settings.snapshot_slots == Settings().snapshot_slots
+    assert not settings_path.exists()  # nothing was saved
+
+
+def test_custom_preset_opens_the_settings(qtbot, open_window) -> None:
+    window = open_window()
+    combo = window.chat_options.preset
+    combo.setCurrentIndex(combo.count() - 1)
+    combo.activated.emit(combo.count() - 1)
+    assert window.settings_dialog.isVisible()
+    window.settings_dialog.temperature.setValue(1.5)
+    window.settings_dialog.accept()
+    assert window.settings.temperature == 1.5
+    assert combo.currentText().startswith("Custom (1.5")
