@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ds4desk.engine.api import (
     EngineFailure,
@@ -59,7 +59,45 @@ async def _result_of(future: Future[T]) -> T:
     return await waiter
 
 
-class _DeltaBatcher:
+class _Coalescer:
+    """Updates pushed from the engine thread reach the loop at most once per interval: the first
+    push of an interval arms one timer, the ones after it only add to what that flush delivers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float) -> None:
+        self._loop = loop
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._armed = False
+        self._last_flush = 0.0
+
+    def _pushed(self) -> None:
+        """Engine thread, with the update stored under the lock already released."""
+        with self._lock:
+            if self._armed:
+                return
+            self._armed = True
+        _call_soon(self._loop, self._arm)
+
+    def _arm(self) -> None:
+        delay = max(0.0, self._last_flush + self._interval_s - self._loop.time())
+        self._loop.call_later(delay, self.flush)
+
+    def flush(self) -> None:
+        """Loop thread."""
+        with self._lock:
+            taken = self._take()
+            self._armed = False
+        self._last_flush = self._loop.time()
+        self._send(taken)
+
+    def _take(self) -> Any:
+        raise NotImplementedError
+
+    def _send(self, taken: Any) -> None:
+        raise NotImplementedError
+
+
+class _DeltaBatcher(_Coalescer):
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
@@ -67,15 +105,11 @@ class _DeltaBatcher:
         deliver: Callable[[TextDelta], None],
         interval_s: float,
     ) -> None:
-        self._loop = loop
+        super().__init__(loop, interval_s)
         self._request_id = request_id
         self._deliver = deliver
-        self._interval_s = interval_s
-        self._lock = threading.Lock()
         self._tokens: list[int] = []
         self._text: list[str] = []
-        self._armed = False
-        self._last_flush = 0.0
 
     def push(self, token: int | None, text: str) -> None:
         """Engine thread."""
@@ -83,29 +117,21 @@ class _DeltaBatcher:
             if token is not None:
                 self._tokens.append(token)
             self._text.append(text)
-            if self._armed:
-                return
-            self._armed = True
-        _call_soon(self._loop, self._arm)
+        self._pushed()
 
-    def _arm(self) -> None:
-        delay = max(0.0, self._last_flush + self._interval_s - self._loop.time())
-        self._loop.call_later(delay, self.flush)
+    def _take(self) -> tuple[list[int], str]:
+        taken = self._tokens, "".join(self._text)
+        self._tokens, self._text = [], []
+        return taken
 
-    def flush(self) -> None:
-        """Loop thread."""
-        with self._lock:
-            tokens, text = self._tokens, "".join(self._text)
-            self._tokens, self._text = [], []
-            self._armed = False
-        self._last_flush = self._loop.time()
+    def _send(self, taken: tuple[list[int], str]) -> None:
+        tokens, text = taken
         if tokens or text:
             self._deliver(TextDelta(self._request_id, tuple(tokens), text))
 
 
-class _ProgressBatcher:
-    """Load progress from the engine thread, on the loop at most once per interval: only the latest
-    (done, total, unit) matters, so the ones in between are dropped."""
+class _ProgressBatcher(_Coalescer):
+    """Load progress: only the latest (done, total, unit) matters, the ones in between are dropped."""
 
     def __init__(
         self,
@@ -113,35 +139,23 @@ class _ProgressBatcher:
         deliver: Callable[[int, int, str], None],
         interval_s: float,
     ) -> None:
-        self._loop = loop
+        super().__init__(loop, interval_s)
         self._deliver = deliver
-        self._interval_s = interval_s
-        self._lock = threading.Lock()
         self._latest: tuple[int, int, str] | None = None
-        self._armed = False
-        self._last_flush = 0.0
 
     def push(self, done: int, total: int, unit: str) -> None:
         """Engine thread."""
         with self._lock:
             self._latest = (done, total, unit)
-            if self._armed:
-                return
-            self._armed = True
-        _call_soon(self._loop, self._arm)
+        self._pushed()
 
-    def _arm(self) -> None:
-        delay = max(0.0, self._last_flush + self._interval_s - self._loop.time())
-        self._loop.call_later(delay, self.flush)
+    def _take(self) -> tuple[int, int, str] | None:
+        latest, self._latest = self._latest, None
+        return latest
 
-    def flush(self) -> None:
-        """Loop thread."""
-        with self._lock:
-            latest, self._latest = self._latest, None
-            self._armed = False
-        self._last_flush = self._loop.time()
-        if latest is not None:
-            self._deliver(*latest)
+    def _send(self, taken: tuple[int, int, str] | None) -> None:
+        if taken is not None:
+            self._deliver(*taken)
 
 
 def _inspect_now(engine: Engine, request: LoadRequest) -> ModelPreview:

@@ -12,7 +12,7 @@ The plan is either explicit (`--devices cuda:0,cuda:1 --layer-split 22,21`, chec
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,6 +71,14 @@ class ShardPlan:
 
     def describe(self) -> str:
         return ", ".join(f"{d}: {n} layers" for d, n in zip(self.devices, self.layers, strict=True))
+
+
+def check_placement(plan: ShardPlan, num_layers: int, parameters: Iterable[Any]) -> None:
+    """A model's place(plan): the plan must cover its layers, and come before any weight is real."""
+    if plan.num_layers != num_layers:
+        raise _bad(f"the layer split covers {plan.num_layers} layers; the model has {num_layers}")
+    if any(not p.is_meta for p in parameters):
+        raise RuntimeError("place() must come before materialize()")
 
 
 def single(device: str, num_layers: int) -> ShardPlan:

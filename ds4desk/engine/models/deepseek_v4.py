@@ -36,7 +36,7 @@ from torch import nn
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models.llama import LogitsMode
 from ds4desk.engine.models.v4_hc_kernel import hc_weights
-from ds4desk.engine.split import ShardPlan
+from ds4desk.engine.split import ShardPlan, check_placement
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -575,13 +575,7 @@ class DeepseekV4Model(nn.Module):
         """Split the layers over the plan's devices; before materialize (which then ignores its
         device): layer i's weights and cache go to its shard's device, the embedding to the first,
         the final norm, hyper-connection head and head to the last."""
-        if plan.num_layers != self.config.num_layers:
-            raise EngineFailure(
-                ErrorCode.BAD_REQUEST,
-                f"the layer split covers {plan.num_layers} layers; the model has {self.config.num_layers}",
-            )
-        if any(not p.is_meta for p in self.parameters()):
-            raise RuntimeError("place() must come before materialize()")
+        check_placement(plan, self.config.num_layers, self.parameters())
         self._split = plan
 
     def materialize(self, device: torch.device) -> None:

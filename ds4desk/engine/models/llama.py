@@ -29,7 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
-from ds4desk.engine.split import ShardPlan
+from ds4desk.engine.split import ShardPlan, check_placement
 
 LogitsMode = Literal["none", "last", "all"]
 
@@ -399,13 +399,7 @@ class DenseModel(nn.Module):
         """Split the layers over the plan's devices; before materialize (which then ignores its
         device): layer i's weights and cache go to its shard's device, the embedding to the first,
         the final norm and head to the last."""
-        if plan.num_layers != self.config.num_layers:
-            raise EngineFailure(
-                ErrorCode.BAD_REQUEST,
-                f"the layer split covers {plan.num_layers} layers; the model has {self.config.num_layers}",
-            )
-        if any(not p.is_meta for p in self.parameters()):
-            raise RuntimeError("place() must come before materialize()")
+        check_placement(plan, self.config.num_layers, self.parameters())
         self._split = plan
 
     def materialize(self, device: torch.device) -> None:
