@@ -446,7 +446,9 @@ class Engine:
             identity = ModelIdentity(_fingerprint(source), info.dtype, context)
             snapshots = SnapshotStore(identity, self._snapshot_slots, self._snapshot_budget_bytes)
         if keep:
-            self._drop_model()  # the old model goes only now that the new one is ready
+            # The old model goes only now that the new one is ready; the cuBLAS workspaces stay,
+            # because the new model's graphs were captured with them.
+            self._drop_model(clear_workspaces=False)
         self._loaded = _Loaded(runtime, tokenizer, info, request, snapshots)
         self._parked = None  # a new model replaces a parked one too
         return info
@@ -478,7 +480,7 @@ class Engine:
         except Exception:
             log.exception("could not reload the previous model")
 
-    def _drop_model(self) -> None:
+    def _drop_model(self, clear_workspaces: bool = True) -> None:
         if self._loaded is None:
             return
         device = self._loaded.runtime.device
@@ -490,10 +492,10 @@ class Engine:
             torch.cuda.empty_cache()
             # cuBLAS keeps a workspace per stream it ran on (graph capture adds streams); they come
             # from the same allocator and would outlive the model.
-            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear_workspaces is not None:
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces and clear is not None:
                 torch.cuda.synchronize(device)
-                clear_workspaces()
+                clear()
                 torch.cuda.empty_cache()
 
     def _park(self, selector: str) -> ParkResult:
