@@ -72,8 +72,11 @@ class SlotPanel(QWidget):
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().hide()
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.table.horizontalHeader().setStretchLastSection(True)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        # The chat title takes what the numbers leave (elided), so a long title never pushes
+        # the numbers out of sight.
+        header.setSectionResizeMode(COLUMNS.index("Chat"), QHeaderView.ResizeMode.Stretch)
         self.table.itemSelectionChanged.connect(self._update_buttons)
 
         self.free_button = self._button("Free", "Free slot", "Drop the selected snapshot", self.free_selected)
