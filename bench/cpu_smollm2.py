@@ -29,6 +29,7 @@ import torch
 from ds4desk.engine import Engine, GenerateRequest, LoadRequest
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.loading.detect import inspect_model
+from ds4desk.engine.loading.gguf_import import gguf_tensor_name, permute_rope_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -168,35 +169,13 @@ def write_f32_gguf(folder: Path, out: Path) -> None:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-    }
-    parts = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
     with safe_open(folder / "model.safetensors", framework="np") as weights:
         for key in weights.keys():  # noqa: SIM118 - safe_open has no __iter__
             array = weights.get_tensor(key)
-            if key in names:
-                target = names[key]
-            else:
-                _, _, layer, rest = key.split(".", 3)
-                target = f"blk.{layer}.{parts[rest.removesuffix('.weight')]}.weight"
-                # llama.cpp expects Q and K rows in its own rope order (the inverse of the import).
-                if rest.startswith("self_attn.q_proj") or rest.startswith("self_attn.k_proj"):
-                    n = heads if "q_proj" in rest else kv_heads
-                    rows, cols = array.shape
-                    array = array.reshape(n, 2, rows // n // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-            writer.add_tensor(target, array)
+            # llama.cpp expects Q and K rows in its own rope order (the inverse of the import).
+            if ".q_proj." in key or ".k_proj." in key:
+                array = permute_rope_rows(array, heads if ".q_proj." in key else kv_heads)
+            writer.add_tensor(gguf_tensor_name(key), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

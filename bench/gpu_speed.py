@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ds4desk.engine.api import SamplingParams
+from ds4desk.engine.loading.gguf_import import gguf_tensor_name, permute_rope_rows
 from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import Runtime
 
@@ -124,12 +125,6 @@ def write_hf(folder: Path, state: dict[str, torch.Tensor], vocab_dir: Path) -> N
     shutil.copy(vocab_dir / "tokenizer.json", folder / "tokenizer.json")
 
 
-def _rope_rows_interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """HF keeps each head's rotary pairs as (first half, second half); GGUF keeps them adjacent."""
-    rows, cols = weight.shape
-    return weight.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
 def write_gguf(path: Path, state: dict[str, torch.Tensor], vocab_dir: Path) -> None:
     import gguf
 
@@ -157,35 +152,18 @@ def write_gguf(path: Path, state: dict[str, torch.Tensor], vocab_dir: Path) -> N
     writer.add_bos_token_id(int(vocab.get("bos_token_id", 1)))
     writer.add_eos_token_id(int(vocab.get("eos_token_id", 2)))
 
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for name, tensor in state.items():
-        if name == "model.embed_tokens.weight":
-            out = "token_embd.weight"
-        elif name == "model.norm.weight":
-            out = "output_norm.weight"
-        else:
-            _, _, index, rest = name.split(".", 3)
-            module = rest.removesuffix(".weight")
-            out = f"blk.{index}.{names[module]}.weight"
-            if module == "self_attn.q_proj":
-                tensor = _rope_rows_interleaved(tensor, cfg["num_attention_heads"])
-            elif module == "self_attn.k_proj":
-                tensor = _rope_rows_interleaved(tensor, cfg["num_key_value_heads"])
         if tensor.dim() == 1:  # norms: llama.cpp wants them in float32
-            writer.add_tensor(out, tensor.float().numpy())
-        else:
-            raw = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
-            writer.add_tensor(out, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(gguf_tensor_name(name), tensor.float().numpy())
+            continue
+        raw = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)  # bf16 bits
+        projection = name.split(".")[-2]
+        if projection in heads:  # GGUF keeps Q/K rows in rope's adjacent-pair order
+            raw = permute_rope_rows(raw, heads[projection])
+        writer.add_tensor(
+            gguf_tensor_name(name), raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.BF16
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

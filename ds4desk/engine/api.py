@@ -60,7 +60,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Always the most likely token: temperature 0, or a top-k of 1."""
+        return self.temperature <= 0.0 or self.top_k == 1
 
 
 @dataclass(slots=True)

@@ -163,13 +163,12 @@ class Runtime:
 
         pos = len(prompt_ids)
         decode_start = 0.0
-        greedy = sampling.greedy or sampling.top_k == 1
         greedy_pick: torch.Tensor | None = None
         with torch.inference_mode():
             while True:
                 try:
                     forced = gate.forced_token() if gate is not None else None
-                    if forced is None and greedy_pick is not None and greedy:
+                    if forced is None and greedy_pick is not None and sampling.greedy:
                         pick = greedy_pick  # already chosen inside the captured graph
                         token_t = pick[0].long()
                     else:

@@ -46,7 +46,7 @@ def sample(
     The logprob is the token's natural log-probability under the raw logits, before temperature
     and truncation, so it describes the model rather than the sampler.
     """
-    token = torch.argmax(logits) if params.greedy or params.top_k == 1 else _draw(logits, params, generator)
+    token = torch.argmax(logits) if params.greedy else _draw(logits, params, generator)
     logprob = logits[token] - torch.logsumexp(logits, dim=0)
     return token, logprob
 

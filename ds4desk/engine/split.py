@@ -81,6 +81,20 @@ def check_placement(plan: ShardPlan, num_layers: int, parameters: Iterable[Any])
         raise RuntimeError("place() must come before materialize()")
 
 
+def materialize_parameters(model: Any, device: Any, split: ShardPlan | None) -> None:
+    """Give every parameter still on the meta device real (uninitialised) storage, keeping its dtype:
+    on `device`, or on the device the split puts it."""
+    import torch
+    from torch import nn
+
+    for prefix, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                where = device if split is None else torch.device(split.device_of(f"{prefix}.{name}"))
+                real = torch.empty(param.shape, device=where, dtype=param.dtype)
+                module._parameters[name] = nn.Parameter(real, requires_grad=False)
+
+
 def single(device: str, num_layers: int) -> ShardPlan:
     return ShardPlan((device,), (num_layers,))
 

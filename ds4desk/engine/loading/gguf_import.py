@@ -372,6 +372,25 @@ def _write_json(path: Path, data: dict[str, object]) -> None:
 # --- weights -------------------------------------------------------------------------------------
 
 
+def gguf_tensor_name(hf_name: str) -> str:
+    """The llama GGUF name of an HF tensor name: the inverse of the import's renaming (benchmarks
+    write the same weights for llama.cpp)."""
+    for gguf_name, hf in _GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return gguf_name
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    part = next(g for g, hf in _LAYER_NAMES.items() if hf == module)
+    return f"blk.{layer}.{part}.{kind}"
+
+
+def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of unpermute_rope_rows: HF's rotate-half Q/K rows in GGUF's adjacent-pair order."""
+    rows = weight.shape[0]
+    per_head = weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+    return np.ascontiguousarray(per_head.swapaxes(1, 2).reshape(weight.shape))
+
+
 def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Reorder Q/K projection rows from GGUF's rope layout to the HF (rotate-half) layout.
 

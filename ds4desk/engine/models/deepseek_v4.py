@@ -36,7 +36,7 @@ from torch import nn
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models.llama import LogitsMode
 from ds4desk.engine.models.v4_hc_kernel import hc_weights
-from ds4desk.engine.split import ShardPlan, check_placement
+from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -582,12 +582,7 @@ class DeepseekV4Model(nn.Module):
         """Give every parameter real (uninitialised) storage on `device` (or where the split puts
         it), keeping its dtype."""
         split = self._split
-        for prefix, module in self.named_modules():
-            for name, param in list(module._parameters.items()):
-                if param is not None and param.is_meta:
-                    where = device if split is None else torch.device(split.device_of(f"{prefix}.{name}"))
-                    real = torch.empty(param.shape, device=where, dtype=param.dtype)
-                    module._parameters[name] = nn.Parameter(real, requires_grad=False)
+        materialize_parameters(self, device, split)
 
     def finish_loading(self) -> None:
         """After the weights are in: check the hash tables and derive the rope frequencies."""

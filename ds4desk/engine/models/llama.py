@@ -29,7 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
-from ds4desk.engine.split import ShardPlan, check_placement
+from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
 LogitsMode = Literal["none", "last", "all"]
 
@@ -411,12 +411,7 @@ class DenseModel(nn.Module):
             layer_devices = [torch.device(d) for d in split.layer_devices()]
         for layer, where in zip(self.model.layers, layer_devices, strict=True):
             _fuse(layer, where, self.dtype, empty=True)
-        for prefix, module in self.named_modules():
-            for name, param in list(module._parameters.items()):
-                if param is not None and param.is_meta:
-                    where = device if split is None else torch.device(split.device_of(f"{prefix}.{name}"))
-                    real = torch.empty(param.shape, device=where, dtype=param.dtype)
-                    module._parameters[name] = nn.Parameter(real, requires_grad=False)
+        materialize_parameters(self, device, split)
 
     def finish_loading(self) -> None:
         """After the weights are in: derive rope frequencies and the per-layer plans."""
