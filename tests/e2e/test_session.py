@@ -24,6 +24,7 @@ class Session:
             text=True,
         )
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.held: list[dict[str, Any]] = []
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -36,18 +37,30 @@ class Session:
         self.process.stdin.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
         self.process.stdin.flush()
 
-    def next(self, **match: Any) -> dict[str, Any]:
-        """The next line whose fields equal `match` (earlier other lines are dropped)."""
+    def _lines(self) -> Iterator[dict[str, Any]]:
+        """Lines held back by an earlier next(), then new ones. Requests run while commands are
+        read, so a result may come before the acknowledgement of the cancel that caused it."""
+        while self.held:
+            yield self.held.pop(0)
         while True:
-            line = self.lines.get(timeout=300)
+            yield self.lines.get(timeout=300)
+
+    def next(self, **match: Any) -> dict[str, Any]:
+        """The next line whose fields equal `match`; result lines passed on the way are held for
+        collect(), other lines are dropped."""
+        passed: list[dict[str, Any]] = []
+        for line in self._lines():
             if all(line.get(k) == v for k, v in match.items()):
+                self.held[:0] = passed
                 return line
+            if line.get("event") == "result":
+                passed.append(line)
+        raise AssertionError("unreachable")
 
     def collect(self, request_id: Any) -> tuple[list[int], dict[str, Any]]:
         """Streamed tokens of one request, then its result line."""
         streamed: list[int] = []
-        while True:
-            line = self.lines.get(timeout=300)
+        for line in self._lines():
             if line.get("id") != request_id:
                 continue
             if line["event"] == "tokens":
