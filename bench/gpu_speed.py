@@ -204,7 +204,7 @@ def prompt_ids(count: int, vocab: int) -> list[int]:
 
 
 def bench_ds4desk_dense(
-    folder: Path, graphs: bool, chunk: int = 4096, decode_attention: str = "matmul"
+    folder: Path, graphs: bool, chunk: int = 4096, decode_attention: str = "triton"
 ) -> dict[str, object]:
     from ds4desk.engine.loading.detect import inspect_model
 
@@ -215,7 +215,7 @@ def bench_ds4desk_dense(
     runtime = Runtime(model, device, context=max(PROMPTS) + NEW_TOKENS + 8, chunk=chunk, graphs=graphs)
     vocab = DENSE["vocab_size"]
     name = "ds4desk" if graphs else "ds4desk-eager"
-    if decode_attention != "matmul":
+    if decode_attention != "triton":
         name += f"-{decode_attention}"
     row: dict[str, object] = {"engine": name, "graphs": graphs, "decode_attention": decode_attention}
     greedy = SamplingParams(temperature=0.0)
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> None:
     rows = []
     engines: list[tuple[str, Callable[[], dict[str, object]]]] = [
         ("ds4desk", lambda: bench_ds4desk_dense(work / "dense", graphs=True)),
-        ("ds4desk-sdpa", lambda: bench_ds4desk_dense(work / "dense", True, decode_attention="sdpa")),
+        ("ds4desk-matmul", lambda: bench_ds4desk_dense(work / "dense", True, decode_attention="matmul")),
         ("ds4desk-eager", lambda: bench_ds4desk_dense(work / "dense", graphs=False)),
         ("transformers", lambda: bench_transformers_dense(work / "dense")),
     ]

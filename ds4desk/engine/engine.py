@@ -335,7 +335,7 @@ class Engine:
         from ds4desk.engine.graphs import graphs_wanted
         from ds4desk.engine.loading.default_model import default_model_path
         from ds4desk.engine.loading.detect import inspect_model
-        from ds4desk.engine.models.registry import check_tensors, load_model
+        from ds4desk.engine.models.registry import check_tensors, keeps_quantized, load_model
         from ds4desk.engine.preflight import memory_needed
         from ds4desk.engine.runtime import Runtime
         from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
@@ -361,13 +361,16 @@ class Engine:
         split_devices = _split_devices(request)
         device = resolve_device(request.device) if split_devices is None else torch.device(split_devices[0])
         dtype = resolve_dtype(request.dtype, device)
+        # FP8 / FP4 checkpoints stay packed where that pays (Hopper on); elsewhere they dequantize.
+        devices = [device] if split_devices is None else [torch.device(d) for d in split_devices]
+        quantized = keeps_quantized(source, devices)
         # Names and shapes against the architecture, on the meta device: this also sizes the cache.
-        plan = memory_needed(source, dtype, request.context)
+        plan = memory_needed(source, dtype, request.context, quantized)
         context = plan.context
         split = None
         needs = {str(device): plan.needed}  # bytes per device
         if split_devices is not None:
-            meta, _ = check_tensors(source, dtype)
+            meta, _ = check_tensors(source, dtype, quantized)
             split, needs = plan_for(split_devices, request.layer_split, meta, context, _free_bytes)
             del meta
         previous = self._loaded
@@ -403,7 +406,7 @@ class Engine:
 
         failure: BaseException | None = None
         try:
-            loaded = load_model(source, device, dtype, tick, split=split)
+            loaded = load_model(source, device, dtype, tick, split=split, quantized=quantized)
             if self._load_cancelled(seq):  # after the last tensor: still before the swap
                 raise EngineFailure(ErrorCode.CANCELLED, f"loading {path.name} was cancelled")
             graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)

@@ -41,10 +41,9 @@ def graphs_wanted(setting: bool | None, device: torch.device, model: object) -> 
     if device.type != "cuda" or not getattr(model, "supports_graphs", False):
         return False
     split = getattr(model, "split", None)
-    if split is not None and split.multi_device:
-        # A graph is captured on one device's stream; a step that crosses devices would need one
-        # graph per shard replayed in turn (with the hand-offs between them). Until then a split
-        # over several GPUs decodes eagerly.
+    if split is not None and split.multi_device and not hasattr(model, "decode_shard"):
+        # A graph is captured on one device's stream: a split over several GPUs needs a model that
+        # decodes shard by shard (one graph each); the others decode eagerly.
         return False
     if setting is None:
         return torch.version.hip is None
@@ -63,13 +62,18 @@ def span_buckets(context: int) -> list[int]:
 
 @dataclass(slots=True)
 class _Captured:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # the graph's output buffer, overwritten by every replay
-    greedy: torch.Tensor  # float64 [2]: the argmax token and its logprob, picked inside the graph
+    graphs: list[torch.cuda.CUDAGraph]  # one per shard, replayed in order
+    outputs: list[tuple[torch.Tensor, ...]]  # each graph's output buffers, overwritten by every replay
+    greedy: torch.Tensor  # float64 [2]: the argmax token and its logprob, picked inside the last graph
 
 
 class GraphedDecode:
-    """Owns the graphs of one model's cache; `step` is a drop-in for forward(token, pos, "last")."""
+    """Owns the graphs of one model's cache; `step` is a drop-in for forward(token, pos, "last").
+
+    A model split over several GPUs (one with `decode_shard`) gets a graph per shard and span: a
+    graph is captured on one device's stream. Between replays the previous shard's outputs are
+    copied into the next one's static inputs; copies between devices are ordered after the source
+    device's stream and before the destination's, so no shard reads a buffer still being written."""
 
     def __init__(self, model: GraphableModel, device: torch.device) -> None:
         self.model = model
@@ -78,9 +82,16 @@ class GraphedDecode:
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.spans = span_buckets(model.context)
         self._set_length = getattr(model, "set_length", None)
-        self._pool = torch.cuda.graph_pool_handle()
-        # One side stream for every capture: cuBLAS keeps a workspace per stream.
-        self._stream = torch.cuda.Stream(device)
+        split = getattr(model, "split", None)
+        if split is not None and split.multi_device:
+            self.devices: list[torch.device] = list(model.decode_devices())  # type: ignore[attr-defined]
+        else:
+            self.devices = [device]
+        # Static inputs per shard: the first reads (token, pos); later ones are sized at capture.
+        self._inputs: list[tuple[torch.Tensor, ...]] = [(self.token, self.pos)]
+        self._pools = {d: torch.cuda.graph_pool_handle() for d in self.devices}
+        # One side stream per device for every capture: cuBLAS keeps a workspace per stream.
+        self._streams = {d: torch.cuda.Stream(d) for d in self.devices}
         self._captured: list[_Captured] = []
         with torch.inference_mode():
             for span in self.spans:
@@ -92,27 +103,50 @@ class GraphedDecode:
         self.token.copy_(token.view(1))
         self.pos.fill_(pos)
         captured = self._captured[bisect.bisect_right(self.spans, pos)]
-        captured.graph.replay()
+        last = len(self.devices) - 1
+        for shard, (graph, device) in enumerate(zip(captured.graphs, self.devices, strict=True)):
+            with torch.cuda.device(device):
+                graph.replay()
+            if shard < last:
+                for dst, src in zip(self._inputs[shard + 1], captured.outputs[shard], strict=True):
+                    dst.copy_(src)
         if self._set_length is not None:
             self._set_length(pos + 1)  # a model that tracks its length on the host learns it here
-        return captured.logits, captured.greedy
+        logits = captured.outputs[-1][0]
+        return (logits if logits.device == self.device else logits.to(self.device)), captured.greedy
 
     def close(self) -> None:
         self._captured.clear()
 
+    def _run(self, shard: int, span: int) -> tuple[torch.Tensor, ...]:
+        if len(self.devices) == 1:
+            return (self.model.decode_graphable(self.token, self.pos, span),)
+        return self.model.decode_shard(shard, self._inputs[shard], span)  # type: ignore[attr-defined]
+
     def _capture(self, span: int) -> _Captured:
         self.pos.fill_(span - 1)
-        # cuBLAS and friends allocate workspaces on first use; that must happen outside capture.
-        side = self._stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.model.decode_graphable(self.token, self.pos, span)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            logits = self.model.decode_graphable(self.token, self.pos, span)
-            # Greedy decoding then needs no launches of its own between steps: one small copy.
-            # (max, not logits[best]: indexing with a tensor reads it on the host, which capture forbids)
-            top, best = logits.max(0)
-            greedy = torch.stack((best.double(), (top - torch.logsumexp(logits, 0)).double()))
-        return _Captured(graph, logits, greedy)
+        graphs, outputs = [], []
+        greedy = torch.empty(0)
+        for shard, device in enumerate(self.devices):
+            with torch.cuda.device(device):
+                # cuBLAS and friends allocate workspaces on first use; that must happen outside capture.
+                side = self._streams[device]
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    self._run(shard, span)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pools[device], stream=side):
+                    out = self._run(shard, span)
+                    if shard == len(self.devices) - 1:
+                        # Greedy decoding then needs no launches of its own between steps: one small
+                        # copy. (max, not logits[best]: indexing with a tensor reads it on the host.)
+                        logits = out[0]
+                        top, best = logits.max(0)
+                        greedy = torch.stack((best.double(), (top - torch.logsumexp(logits, 0)).double()))
+            graphs.append(graph)
+            outputs.append(out)
+            if shard + 1 < len(self.devices) and len(self._inputs) == shard + 1:
+                following = self.devices[shard + 1]
+                self._inputs.append(tuple(torch.zeros_like(t, device=following) for t in out))
+        return _Captured(graphs, outputs, greedy)

@@ -44,13 +44,19 @@ def clamp_context(config: dict[str, Any], context: int) -> int:
     return min(context, int(config.get("max_position_embeddings") or context))
 
 
-def memory_needed(source: ModelSource, dtype: torch.dtype, context: int) -> MemoryPlan:
+def memory_needed(
+    source: ModelSource, dtype: torch.dtype, context: int, quantized: bool = False
+) -> MemoryPlan:
     """Checks every tensor's name and shape against the architecture (LOAD_FAILED otherwise) and sizes
-    the weights in `dtype` and the cache for `context`."""
-    meta, _ = check_tensors(source, dtype)
+    the weights in `dtype` (`quantized`: as the packed parameters take them) and the cache for
+    `context`."""
+    meta, _ = check_tensors(source, dtype, quantized)
     parameters = sum(math.prod(entry.shape) for entry in source.tensors.values())
+    weight_bytes = parameters * _itemsize(dtype)
+    if quantized:
+        weight_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())
     context = clamp_context(source.config, context)
-    return MemoryPlan(parameters, parameters * _itemsize(dtype), meta.cache_bytes_for(context), context)
+    return MemoryPlan(parameters, weight_bytes, meta.cache_bytes_for(context), context)
 
 
 def _gguf_plan(

@@ -183,3 +183,37 @@ def _scale_exponent(amax: torch.Tensor, top: float) -> torch.Tensor:
     # ceil(log2(amax / top)); an all-zero block gets 2^0. Clamped to what a UE8M0 byte can hold.
     safe = torch.where(amax > 0, amax, torch.full_like(amax, top))
     return torch.ceil(torch.log2(safe / top)).clamp(-127, 127).to(torch.int32)
+
+
+def copy_packed_into(
+    reader: ShardReader, name: str, entry: TensorEntry, target: torch.Tensor, scale_target: torch.Tensor
+) -> None:
+    """Fill a parameter the model keeps quantized with the stored bytes as they are: FP8 values and
+    their block multipliers as float32, or packed FP4 pairs and their exponent bytes (stacked experts
+    part by part). Nothing is dequantized, so the load moves a quarter of bf16's bytes."""
+    parts = entry.parts or (entry,)
+    values, scales = target.view(-1).view(torch.uint8), scale_target.view(-1)
+    value_at = scale_at = 0
+    for part in parts:
+        check_quantized(name, part)
+        assert part.scale is not None  # check_quantized guarantees it
+        key = part.key or name
+        what = f"{part.file.name}: {key}"
+        stored = reader.get(part.file, key).view(torch.uint8).reshape(-1)
+        scale = reader.get(part.scale.file, part.scale.key or f"{key}.scale")
+        exponents = e8m0_to_float(scale, f"the scale of {what}")  # refuses NaN bytes
+        if part.encoding == "fp8_block128":
+            if len(parts) != 1 or target.dtype != torch.float8_e4m3fn:
+                raise _fail(f"internal: tensor {name} cannot keep its FP8 values")
+            scale_target.copy_(exponents)
+            values.copy_(stored)
+            return
+        raw = scale.view(torch.uint8).reshape(-1)
+        if value_at + stored.numel() > values.numel() or scale_at + raw.numel() > scales.numel():
+            raise _fail(f"tensor {name}: its {len(parts)} parts overflow shape {list(entry.shape)}")
+        values.narrow(0, value_at, stored.numel()).copy_(stored)
+        scales.narrow(0, scale_at, raw.numel()).copy_(raw)
+        value_at += stored.numel()
+        scale_at += raw.numel()
+    if value_at != values.numel() or scale_at != scales.numel():
+        raise _fail(f"tensor {name}: its {len(parts)} parts do not add up to shape {list(entry.shape)}")

@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
 from ds4desk.engine.models.llama import LogitsMode
+from ds4desk.engine.models.quant_kernels import fp4_dequantize, fp4_experts_gemv, fp8_linear
 from ds4desk.engine.models.v4_hc_kernel import hc_weights
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
@@ -326,6 +328,22 @@ class _Weight(nn.Module):
         self.weight = _param(shape, dtype)
 
 
+class _Fp8Weight(nn.Module):
+    """A linear weight kept in FP8 e4m3 with a float32 multiplier per 128 x 128 block (the official
+    checkpoints' format, fact sheet §8): half the bytes of bf16 per decode step, and Hopper's FP8
+    matrix units for prefill (quant_kernels.fp8_linear)."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        rows, cols = shape
+        self.weight = _param(shape, torch.float8_e4m3fn)
+        self.weight_scale_inv = _param((-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)), torch.float32)
+
+
+def _linear_weight(shape: tuple[int, int], dtype: torch.dtype, fp8: bool) -> nn.Module:
+    return _Fp8Weight(shape) if fp8 else _Weight(shape, dtype)
+
+
 class _HyperConnection(nn.Module):
     def __init__(self, mult: int, hidden: int) -> None:
         super().__init__()
@@ -363,29 +381,30 @@ class _Scorer(nn.Module):
 
 
 class _Indexer(_Compressor):
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp8: bool) -> None:
         super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_rate, True, dtype)
-        self.q_b_proj = _Weight((cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank), dtype)
+        self.q_b_proj = _linear_weight((cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank), dtype, fp8)
         self.scorer = _Scorer(cfg.hidden_size, cfg.index_heads, dtype)
 
 
 class _Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_type: str, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, dtype: torch.dtype, fp8: bool) -> None:
         super().__init__()
         hidden, heads, dim = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        self.q_a_proj = _Weight((cfg.q_lora_rank, hidden), dtype)
+        self.q_a_proj = _linear_weight((cfg.q_lora_rank, hidden), dtype, fp8)
         self.q_a_norm = _Weight((cfg.q_lora_rank,), torch.float32)
-        self.q_b_proj = _Weight((heads * dim, cfg.q_lora_rank), dtype)
-        self.kv_proj = _Weight((dim, hidden), dtype)
+        self.q_b_proj = _linear_weight((heads * dim, cfg.q_lora_rank), dtype, fp8)
+        self.kv_proj = _linear_weight((dim, hidden), dtype, fp8)
         self.kv_norm = _Weight((dim,), torch.float32)
+        # Grouped (a batched matmul): bf16 even in quantized models, as the official converter leaves it.
         self.o_a_proj = _Weight((cfg.o_groups * cfg.o_lora_rank, heads * dim // cfg.o_groups), dtype)
-        self.o_b_proj = _Weight((hidden, cfg.o_groups * cfg.o_lora_rank), dtype)
+        self.o_b_proj = _linear_weight((hidden, cfg.o_groups * cfg.o_lora_rank), dtype, fp8)
         self.sinks = _param((heads,), torch.float32)
         self.compressor: _Compressor | None = None
         if layer_type != SLIDING:
             self.compressor = _Compressor(hidden, dim, cfg.rate(layer_type), layer_type == CSA, dtype)
             if layer_type == CSA:
-                self.compressor.indexer = _Indexer(cfg, dtype)
+                self.compressor.indexer = _Indexer(cfg, dtype, fp8)
 
 
 class _Router(nn.Module):
@@ -401,34 +420,42 @@ class _Router(nn.Module):
 
 
 class _Experts(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp4: bool) -> None:
         super().__init__()
         experts, hidden, width = cfg.num_experts, cfg.hidden_size, cfg.expert_size
-        self.gate_up_proj = _param((experts, 2 * width, hidden), dtype)  # gate rows, then up rows
-        self.down_proj = _param((experts, hidden, width), dtype)
+        if not fp4:
+            self.gate_up_proj = _param((experts, 2 * width, hidden), dtype)  # gate rows, then up rows
+            self.down_proj = _param((experts, hidden, width), dtype)
+            return
+        # Packed FP4 as the official checkpoint stores them (two values a byte, a UE8M0 exponent
+        # byte per 32): a quarter of bf16's bytes, which is what lets Flash fit on two GPUs.
+        self.gate_up_proj = _param((experts, 2 * width, hidden // 2), torch.uint8)
+        self.gate_up_proj_scale = _param((experts, 2 * width, hidden // FP4_BLOCK), torch.uint8)
+        self.down_proj = _param((experts, hidden, width // 2), torch.uint8)
+        self.down_proj_scale = _param((experts, hidden, width // FP4_BLOCK), torch.uint8)
 
 
 class _SharedExpert(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp8: bool) -> None:
         super().__init__()
-        self.gate_proj = _Weight((cfg.expert_size, cfg.hidden_size), dtype)
-        self.up_proj = _Weight((cfg.expert_size, cfg.hidden_size), dtype)
-        self.down_proj = _Weight((cfg.hidden_size, cfg.expert_size), dtype)
+        self.gate_proj = _linear_weight((cfg.expert_size, cfg.hidden_size), dtype, fp8)
+        self.up_proj = _linear_weight((cfg.expert_size, cfg.hidden_size), dtype, fp8)
+        self.down_proj = _linear_weight((cfg.hidden_size, cfg.expert_size), dtype, fp8)
 
 
 class _Moe(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, hashed: bool, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool, dtype: torch.dtype, quantized: bool) -> None:
         super().__init__()
         self.gate = _Router(cfg, hashed, dtype)
-        self.experts = _Experts(cfg, dtype)
-        self.shared_experts = _SharedExpert(cfg, dtype)
+        self.experts = _Experts(cfg, dtype, quantized)
+        self.shared_experts = _SharedExpert(cfg, dtype, quantized)
 
 
 class _Layer(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, index: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekV4Config, index: int, dtype: torch.dtype, quantized: bool) -> None:
         super().__init__()
-        self.self_attn = _Attention(cfg, cfg.layer_types[index], dtype)
-        self.mlp = _Moe(cfg, cfg.mlp_layer_types[index] == HASH_MOE, dtype)
+        self.self_attn = _Attention(cfg, cfg.layer_types[index], dtype, quantized)
+        self.mlp = _Moe(cfg, cfg.mlp_layer_types[index] == HASH_MOE, dtype, quantized)
         self.input_layernorm = _Weight((cfg.hidden_size,), torch.float32)
         self.post_attention_layernorm = _Weight((cfg.hidden_size,), torch.float32)
         self.attn_hc = _HyperConnection(cfg.hc_mult, cfg.hidden_size)
@@ -436,10 +463,10 @@ class _Layer(nn.Module):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, quantized: bool) -> None:
         super().__init__()
         self.embed_tokens = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nn.ModuleList(_Layer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(_Layer(cfg, i, dtype, quantized) for i in range(cfg.num_layers))
         self.norm = _Weight((cfg.hidden_size,), torch.float32)
         self.hc_head = _HyperHead(cfg.hc_mult, cfg.hidden_size)
 
@@ -525,11 +552,16 @@ class DeepseekV4Model(nn.Module):
     # Graphable MoE: None picks by cost (see _decode_moe); True / False force all experts / a gather.
     graph_dense_moe: bool | None = None
 
-    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, quantized: bool = False
+    ) -> None:
+        """`quantized`: the linears the official checkpoint stores in FP8 stay FP8 (_Fp8Weight) and
+        the routed experts packed FP4; everything else, and all activations, in `dtype`."""
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = _Backbone(config, dtype)
+        self.quantized = quantized
+        self.model = _Backbone(config, dtype, quantized)
         self.lm_head: _Weight | None = None
         if not config.tie_word_embeddings:
             self.lm_head = _Weight((config.vocab_size, config.hidden_size), dtype)
@@ -838,10 +870,10 @@ class DeepseekV4Model(nn.Module):
         cos, sin = self._tables["main" if layer_type == SLIDING else "compress"]
         turn = _turn(cos[start : start + count], sin[start : start + count])  # [T, r / 2]
 
-        q_res = _rms_norm(x @ attn.q_a_proj.weight.t(), attn.q_a_norm.weight, eps)
-        q = (q_res @ attn.q_b_proj.weight.t()).view(count, heads, dim)
+        q_res = _rms_norm(_linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
+        q = _linear(q_res, attn.q_b_proj).view(count, heads, dim)
         q = _norm_rope(q, None, eps, turn.unsqueeze(1))
-        kv = _norm_rope(x @ attn.kv_proj.weight.t(), attn.kv_norm.weight, eps, turn)
+        kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
 
         # Raw keys: the ring's rows before this chunk (logical order) then the chunk's own, each
         # query masked to its window [t - W + 1, t]. The chunk goes into the ring only after the
@@ -889,7 +921,7 @@ class DeepseekV4Model(nn.Module):
         grouped = out.reshape(count, groups, -1).transpose(0, 1)  # [G, T, H d / G]
         o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
         low = torch.bmm(grouped, o_a.transpose(1, 2)).transpose(0, 1).reshape(count, -1)
-        return low @ attn.o_b_proj.weight.t()
+        return _linear(low, attn.o_b_proj)
 
     def _compressed_keys(
         self,
@@ -991,7 +1023,7 @@ class DeepseekV4Model(nn.Module):
         cfg = self.config
         count, heads, dim = x.shape[0], cfg.index_heads, cfg.index_head_dim
         cos, sin = self._tables["compress"]
-        q = (q_res @ indexer.q_b_proj.weight.t()).view(count, heads, dim)
+        q = _linear(q_res, indexer.q_b_proj).view(count, heads, dim)
         q = _rope_(q.float(), _turn(cos[start : start + count], sin[start : start + count]).unsqueeze(1))
         weights = _index_weights(x, indexer, heads, dim).unsqueeze(1)  # [T, 1, Hi]
         keys32 = keys.float().t()
@@ -1032,29 +1064,34 @@ class DeepseekV4Model(nn.Module):
         if cfg.num_experts * largest <= 2 * count * k:
             # Balanced enough (so most experts have tokens: their weights are read anyway): two
             # batched GEMMs over all experts, each group padded with zero rows to the largest, at
-            # most twice the rows (and memory) of the pairs themselves.
+            # most twice the rows (and memory) of the pairs themselves. Packed FP4 experts are
+            # dequantized for it in one pass each (a layer's worth of bf16, freed after).
+            gate_up_w, down_w = experts.gate_up_proj, experts.down_proj
+            if gate_up_w.dtype == torch.uint8:
+                gate_up_w = _dequantize_experts(gate_up_w, experts.gate_up_proj_scale, x.dtype)
+                down_w = _dequantize_experts(down_w, experts.down_proj_scale, x.dtype)
             ranked = flat.index_select(0, order)  # the expert of each sorted pair
             starts = (torch.cumsum(sizes, 0) - sizes).index_select(0, ranked)
             offset = torch.arange(count * k, device=x.device) - starts  # rank within its group
             slots = ranked * largest + offset  # each sorted pair's row in the padded [E, largest] layout
             padded = inputs.new_zeros((cfg.num_experts * largest, width)).index_copy_(0, slots, inputs)
             padded = padded.view(cfg.num_experts, largest, width)
-            hidden = _swiglu(*torch.bmm(padded, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1), limit)
-            ys = torch.bmm(hidden, experts.down_proj.transpose(1, 2)).view(-1, width)
+            hidden = _swiglu(*torch.bmm(padded, gate_up_w.transpose(1, 2)).chunk(2, dim=-1), limit)
+            del gate_up_w
+            ys = torch.bmm(hidden, down_w.transpose(1, 2)).view(-1, width)
             grouped = ys.index_select(0, slots)
         else:  # one GEMM pair per expert that has tokens
             parts, first = [], 0
             for expert, size in enumerate(host_sizes):
                 if size:
-                    gate_up = inputs[first : first + size] @ experts.gate_up_proj[expert].t()
-                    parts.append(_swiglu(*gate_up.chunk(2, dim=-1), limit) @ experts.down_proj[expert].t())
+                    gate_up_w, down_w = _expert_pair(experts, expert, x.dtype)
+                    gate_up = inputs[first : first + size] @ gate_up_w.t()
+                    parts.append(_swiglu(*gate_up.chunk(2, dim=-1), limit) @ down_w.t())
                     first += size
             grouped = torch.cat(parts)
         by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)  # back to (token, slot) order
         routed = torch.bmm(weights.unsqueeze(1), by_pair.view(count, k, -1).float()).squeeze(1).to(x.dtype)
-        shared = moe.shared_experts
-        act = _swiglu(x @ shared.gate_proj.weight.t(), x @ shared.up_proj.weight.t(), limit)
-        return routed + act @ shared.down_proj.weight.t()
+        return routed + _shared_expert(moe.shared_experts, x, limit)
 
     # --- graphable decode (one token, CUDA-graph capturable) -------------------------------------
     #
@@ -1072,25 +1109,45 @@ class DeepseekV4Model(nn.Module):
 
         The cache's host-side length cannot follow `pos` without a sync: it is left invalid, and the
         caller reports the new length with set_length(pos + 1) after the step (or replay)."""
+        carry: tuple[torch.Tensor, ...] = (token, pos)
+        for shard, device in enumerate(self.decode_devices()):
+            if shard:
+                carry = tuple(_hand_over(t, device) for t in carry)
+            carry = self.decode_shard(shard, carry, span)
+        logits = carry[0]
+        return logits if logits.device == token.device else logits.to(token.device)
+
+    def decode_devices(self) -> list[torch.device]:
+        """The device of every shard a decode step runs through, in order (one when unsplit)."""
+        return [self.device, *self._boundaries.values()]
+
+    def decode_shard(
+        self, shard: int, inputs: tuple[torch.Tensor, ...], span: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Shard `shard`'s part of decode_graphable, all on its own device (so each shard can be a
+        graph of its own): the first shard takes (token, pos), every later one the previous one's
+        (streams, token, pos) copied to its device (the token for hash routing); the last returns
+        (logits,), the others (streams, token, pos)."""
         cache = self._cache
         if cache is None or self._steps is None:
             raise RuntimeError("decode_graphable before allocate_cache")
         if not 0 < span <= self._context:
             raise ValueError(f"span must be in 1..{self._context}, got {span}")
         cfg = self.config
-        cache.length = 0  # until set_length: forward and export_state refuse to continue from here
-        x = F.embedding(token, self.model.embed_tokens.weight)  # [1, D]
-        streams = x.unsqueeze(1).expand(1, cfg.hc_mult, cfg.hidden_size).contiguous()
-        first_token = token
+        starts = [0, *self._boundaries]
+        first = starts[shard]
+        stop = starts[shard + 1] if shard + 1 < len(starts) else cfg.num_layers
+        if shard == 0:
+            token, pos = inputs
+            cache.length = 0  # until set_length: forward and export_state refuse to continue from here
+            x = F.embedding(token, self.model.embed_tokens.weight)  # [1, D]
+            streams = x.unsqueeze(1).expand(1, cfg.hc_mult, cfg.hidden_size).contiguous()
+        else:
+            streams, token, pos = inputs
         if self._boundaries:
-            self._use_device(self.device)
-        for index, layer in enumerate(self.model.layers):
-            if index in self._boundaries:
-                # A shard boundary: the streams, the token id (hash routing) and the position.
-                device = self._boundaries[index]
-                streams = _hand_over(streams, device)
-                token, pos = _hand_over(token, device), _hand_over(pos, device)
-                self._use_device(device)
+            self._use_device(streams.device)
+        for index in range(first, stop):
+            layer = self.model.layers[index]
             h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
             y = self._decode_attention(index, layer.self_attn, h, pos, span)
             streams = _expand(streams, y, post, comb)
@@ -1098,9 +1155,10 @@ class DeepseekV4Model(nn.Module):
             streams = _expand(streams, self._decode_moe(layer.mlp, h, token), post, comb)
         if self._boundaries:
             self._use_device(self.device)
+        if stop < cfg.num_layers:
+            return streams, token, pos
         h = self._hc_head(streams)
-        out = torch.mm(h, self._head_weight().t()).float()[0]
-        return out if out.device == first_token.device else out.to(first_token.device)
+        return (torch.mm(h, self._head_weight().t()).float()[0],)
 
     def set_length(self, length: int) -> None:
         """After decode_graphable steps: the cache now holds positions 0..length-1."""
@@ -1122,10 +1180,10 @@ class DeepseekV4Model(nn.Module):
         cos, sin = self._tables["main" if layer_type == SLIDING else "compress"]
         turn = _turn(cos.index_select(0, pos), sin.index_select(0, pos))  # [1, r / 2]
 
-        q_res = _rms_norm(x @ attn.q_a_proj.weight.t(), attn.q_a_norm.weight, eps)
-        q = (q_res @ attn.q_b_proj.weight.t()).view(heads, dim)
+        q_res = _rms_norm(_linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
+        q = _linear(q_res, attn.q_b_proj).view(heads, dim)
         q = _norm_rope(q, None, eps, turn)  # [H, d]
-        kv = _norm_rope(x @ attn.kv_proj.weight.t(), attn.kv_norm.weight, eps, turn)
+        kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
 
         # Write first, then attend over the whole ring in physical order: slot s holds the latest
         # position ≡ s (mod W), which is in this query's window, or was never written by this
@@ -1150,7 +1208,7 @@ class DeepseekV4Model(nn.Module):
         groups = cfg.o_groups
         o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
         low = torch.bmm(out.view(groups, 1, -1), o_a.transpose(1, 2)).view(1, -1)  # heads are grouped
-        return low @ attn.o_b_proj.weight.t()
+        return _linear(low, attn.o_b_proj)
 
     def _decode_compressed(
         self,
@@ -1259,7 +1317,7 @@ class DeepseekV4Model(nn.Module):
         and attention masks them)."""
         cfg = self.config
         heads, dim = cfg.index_heads, cfg.index_head_dim
-        q = _rope_((q_res @ indexer.q_b_proj.weight.t()).view(heads, dim).float(), turn)  # [Hi, di]
+        q = _rope_(_linear(q_res, indexer.q_b_proj).view(heads, dim).float(), turn)  # [Hi, di]
         weights = _index_weights(x, indexer, heads, dim)  # [1, Hi]
         part = torch.relu_(torch.mm(q, keys.float().t()))  # [Hi, rows]
         scores = torch.where(visible, torch.mm(weights, part), -math.inf)  # [1, rows]
@@ -1282,6 +1340,13 @@ class DeepseekV4Model(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
 
         experts = moe.experts
+        if experts.gate_up_proj.dtype == torch.uint8:  # packed FP4: the kernel reads the picked experts
+            picked = chosen.view(-1)
+            gate_up = fp4_experts_gemv(x, picked, experts.gate_up_proj, experts.gate_up_proj_scale)
+            hidden = _swiglu(*gate_up.chunk(2, dim=-1), cfg.swiglu_limit)  # [k, I]
+            y = fp4_experts_gemv(hidden, picked, experts.down_proj, experts.down_proj_scale)  # [k, D]
+            routed = torch.matmul(weights, y.float()).to(x.dtype)
+            return routed + _shared_expert(moe.shared_experts, x, cfg.swiglu_limit)
         dense = self.graph_dense_moe
         if dense is None:
             dense = cfg.num_experts <= 3 * cfg.experts_per_token
@@ -1296,9 +1361,7 @@ class DeepseekV4Model(nn.Module):
         hidden = _swiglu(*torch.matmul(gate_up, vector).chunk(2, dim=-1), cfg.swiglu_limit)  # [E or k, I]
         y = torch.bmm(down, hidden.unsqueeze(-1)).squeeze(-1)  # [E or k, D]
         routed = torch.matmul(weights, y.float()).to(x.dtype)  # [1, D]
-        shared = moe.shared_experts
-        act = _swiglu(x @ shared.gate_proj.weight.t(), x @ shared.up_proj.weight.t(), cfg.swiglu_limit)
-        return routed + act @ shared.down_proj.weight.t()
+        return routed + _shared_expert(moe.shared_experts, x, cfg.swiglu_limit)
 
 
 @dataclass(slots=True)
@@ -1381,6 +1444,37 @@ def _expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: to
     [Cᵀ | post] @ [X; y]."""
     mix = torch.cat([comb.transpose(1, 2), post.unsqueeze(-1)], dim=-1).to(streams.dtype)  # [T, m, m + 1]
     return torch.bmm(mix, torch.cat([streams, y.unsqueeze(1)], dim=1))
+
+
+def _linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
+    """x @ Wᵀ for a _Weight or an _Fp8Weight (which never leaves FP8: the kernel dequantizes)."""
+    weight = holder.weight
+    if weight.dtype == torch.float8_e4m3fn:
+        return fp8_linear(x, weight, holder.weight_scale_inv)
+    return x @ weight.t()
+
+
+def _shared_expert(shared: _SharedExpert, x: torch.Tensor, limit: float) -> torch.Tensor:
+    act = _swiglu(_linear(x, shared.gate_proj), _linear(x, shared.up_proj), limit)
+    return _linear(act, shared.down_proj)
+
+
+def _expert_pair(experts: _Experts, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One routed expert's (gate_up [2I, D], down [D, I]) as dense matrices; packed FP4 experts are
+    dequantized one at a time, so a prefill never holds more than one expert's dense copy."""
+    if experts.gate_up_proj.dtype != torch.uint8:
+        return experts.gate_up_proj[expert], experts.down_proj[expert]
+    return (
+        fp4_dequantize(experts.gate_up_proj[expert], experts.gate_up_proj_scale[expert], dtype),
+        fp4_dequantize(experts.down_proj[expert], experts.down_proj_scale[expert], dtype),
+    )
+
+
+def _dequantize_experts(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every expert of a packed [E, N, K/2] stack as [E, N, K] in one pass (rows are independent)."""
+    experts, rows, half = packed.shape
+    flat = fp4_dequantize(packed.reshape(experts * rows, half), scale.reshape(experts * rows, -1), dtype)
+    return flat.view(experts, rows, 2 * half)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.models import decode_attention as fused_decode
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
@@ -351,8 +352,10 @@ class DenseModel(nn.Module):
     # fused kernel instead of four (and rounds once instead of twice, a hair more precise than the
     # reference's cast-then-scale). Set by finish_loading.
     one_pass_norm = True
-    # How decode_graphable attends: "matmul" (baddbmm + softmax + bmm) or "sdpa" (one fused call).
-    decode_attention = "matmul"
+    # How decode_graphable attends: "triton" (a split-K kernel pair, models/decode_attention.py, where
+    # it can run: NVIDIA CUDA with Triton; elsewhere the "matmul" math), "matmul" (baddbmm + softmax +
+    # bmm) or "sdpa" (one fused call).
+    decode_attention = "triton"
 
     def __init__(self, config: DenseConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -624,8 +627,10 @@ class DenseModel(nn.Module):
             assert cos_table is not None and sin_table is not None and keys_at is not None
             cos, sin = cos_table.index_select(0, here), sin_table.index_select(0, here)  # [1, D]
             keys_at = keys_at[:span]
+            fused = self.decode_attention == "triton" and fused_decode.available(shard.device)
             biases: dict[int | None, torch.Tensor] = {}  # 0 where a key may be read, -inf elsewhere
-            for window in {plan.window for plan in shard.plans}:
+            windows = set() if fused else {plan.window for plan in shard.plans}  # the kernel masks itself
+            for window in windows:
                 allowed = keys_at <= here
                 if window is not None:
                     allowed = allowed & (keys_at > here - window)
@@ -642,7 +647,12 @@ class DenseModel(nn.Module):
                 src = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
                 torch.addcmul(src * cos, torch.index_select(src, 1, shard.half_swap), sin, out=qk)
                 plan.kv_cache.index_copy_(2, here, qkv[0, q_width:].view(2, kv_heads, 1, dim))
-                if self.decode_attention == "sdpa":
+                if fused:  # the kernel masks by `here` itself, on the device
+                    q = qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
+                    attn = fused_decode.decode_attention(
+                        q, plan.keys[0, :, :span], plan.values[0, :, :span], here, scale, plan.window
+                    )
+                elif self.decode_attention == "sdpa":
                     q = qkv[0, :q_width].view(1, kv_heads, heads // kv_heads, dim)
                     attn = F.scaled_dot_product_attention(
                         q, plan.keys[:, :, :span], plan.values[:, :, :span], attn_mask=biases[plan.window]

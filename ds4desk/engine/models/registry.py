@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
-from ds4desk.engine.loading.quantized import ShardReader, copy_tensor_into
+from ds4desk.engine.loading.quantized import ShardReader, copy_packed_into, copy_tensor_into
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
@@ -75,18 +75,63 @@ class LoadedModel:
 @dataclass(slots=True, frozen=True)
 class _Family:
     name: str
-    build: Callable[[dict[str, Any], torch.dtype], DenseModel]
+    build: Callable[..., DenseModel]  # (config, dtype, quantized=False)
 
 
-def _dense_builder(family: str) -> Callable[[dict[str, Any], torch.dtype], DenseModel]:
-    def build(config: dict[str, Any], dtype: torch.dtype) -> DenseModel:
+def _dense_builder(family: str) -> Callable[..., DenseModel]:
+    def build(config: dict[str, Any], dtype: torch.dtype, quantized: bool = False) -> DenseModel:
+        if quantized:
+            raise _fail(f"the {family} family does not keep weights quantized")
         return DenseModel(DenseConfig.from_hf(config, family), dtype)
 
     return build
 
 
-def _build_deepseek_v4(config: dict[str, Any], dtype: torch.dtype) -> DeepseekV4Model:
-    return DeepseekV4Model(DeepseekV4Config.from_hf(config), dtype)
+def _build_deepseek_v4(
+    config: dict[str, Any], dtype: torch.dtype, quantized: bool = False
+) -> DeepseekV4Model:
+    return DeepseekV4Model(DeepseekV4Config.from_hf(config), dtype, quantized)
+
+
+# None: keep a DeepSeek-V4 checkpoint's FP8 / FP4 weights packed where keeps_quantized finds it pays;
+# True / False force it (tests run the packed path on the CPU, whose kernels dequantize on the fly).
+KEEP_QUANTIZED: bool | None = None
+
+
+def keeps_quantized(source: ModelSource, devices: list[torch.device]) -> bool:
+    """Whether `source`'s FP8 linears and packed FP4 experts stay as stored on `devices`: on NVIDIA
+    GPUs from Hopper on, where FP8 matrix units run prefill and a decode step reads a quarter of
+    bf16's expert bytes (and where full-size Flash only fits that way). Elsewhere they are
+    dequantized at load. Only a checkpoint whose every weight the quantized model keeps packed is
+    stored packed qualifies (an `--expert-dtype fp8` conversion does not)."""
+    if source.architecture not in ARCHITECTURES or family_for(source.architecture) != "deepseek_v4":
+        return False
+    with torch.device("meta"):
+        model = ARCHITECTURES[source.architecture].build(source.config, torch.bfloat16, True)
+    for name, meta in model.named_parameters():
+        if _is_scale(name, meta):
+            continue
+        want = {torch.float8_e4m3fn: "fp8_block128", torch.uint8: "fp4_block32"}.get(meta.dtype)
+        entry = source.tensors.get(name)
+        if want is not None and (entry is None or entry.encoding != want):
+            return False
+    if KEEP_QUANTIZED is not None:
+        return KEEP_QUANTIZED
+    return all(
+        d.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(d) >= (9, 0)
+        for d in devices
+    )
+
+
+def _is_scale(name: str, meta: torch.Tensor) -> bool:
+    """A quantized weight's scale: loaded with its weight, not a checkpoint tensor of its own."""
+    return name.endswith("weight_scale_inv") or (meta.dtype == torch.uint8 and name.endswith("_scale"))
+
+
+def _scale_of(name: str, params: dict[str, nn.Parameter]) -> nn.Parameter:
+    if params[name].dtype == torch.float8_e4m3fn:
+        return params[name.removesuffix("weight") + "weight_scale_inv"]
+    return params[name + "_scale"]
 
 
 ARCHITECTURES: dict[str, _Family] = {
@@ -103,6 +148,7 @@ ARCHITECTURES.update(
 # safetensors dtypes that are plain floating point; anything else needs a dequantising path.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _INT_DTYPES = {"I64", "I32", "I16", "U8", "I8"}
+_PACKED = (torch.float8_e4m3fn, torch.uint8)  # parameters a quantized model keeps as stored
 
 
 def _fail(detail: str) -> EngineFailure:
@@ -118,24 +164,32 @@ def family_for(architecture: str) -> str:
 
 
 def check_tensors(
-    source: ModelSource, dtype: torch.dtype = torch.float32
+    source: ModelSource, dtype: torch.dtype = torch.float32, quantized: bool = False
 ) -> tuple[DenseModel, dict[Path, list[str]]]:
-    """Build `source`'s model on the meta device and check every tensor it needs against the
-    headers (name, shape, dtype) before any memory is taken. Returns the meta model and, per file,
-    the names to read from it."""
+    """Build `source`'s model on the meta device (`quantized`: keeping FP8 / FP4 weights packed, see
+    keeps_quantized) and check every tensor it needs against the headers (name, shape, dtype) before
+    any memory is taken. Returns the meta model and, per file, the names to read from it."""
     family_for(source.architecture)  # a clear error for an architecture we don't run
     with torch.device("meta"):
-        model = ARCHITECTURES[source.architecture].build(source.config, dtype)
+        model = ARCHITECTURES[source.architecture].build(source.config, dtype, quantized)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, meta in model.named_parameters():
+        if _is_scale(name, meta):
+            continue
         entry = source.tensors.get(name)
         if entry is None:
             raise _fail(f"checkpoint has no tensor '{name}'")
-        if tuple(entry.shape) != tuple(meta.shape):
-            raise _fail(f"tensor {name} has shape {list(entry.shape)}, config says {list(meta.shape)}")
+        packed = meta.dtype == torch.uint8  # FP4 pairs: the logical rows are twice as long
+        logical = (*meta.shape[:-1], 2 * meta.shape[-1]) if packed else tuple(meta.shape)
+        if tuple(entry.shape) != logical:
+            raise _fail(f"tensor {name} has shape {list(entry.shape)}, config says {list(logical)}")
         # Quantized (or multi-part) entries are decoded by loading.quantized, which checks them.
         stored_ok = entry.encoding != "plain" or entry.parts or entry.dtype in _FLOAT_DTYPES
-        if not meta.is_floating_point():  # an integer table (DeepSeek-V4's tid2eid)
+        if packed:
+            stored_ok = entry.encoding == "fp4_block32"
+        elif meta.dtype == torch.float8_e4m3fn:
+            stored_ok = entry.encoding == "fp8_block128"
+        elif not meta.is_floating_point():  # an integer table (DeepSeek-V4's tid2eid)
             stored_ok = entry.encoding == "plain" and entry.dtype in _INT_DTYPES
         if not stored_ok:
             raise _fail(f"tensor {name} has dtype {entry.dtype}; this family loads {sorted(_FLOAT_DTYPES)}")
@@ -149,12 +203,13 @@ def load_model(
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
     split: ShardPlan | None = None,
+    quantized: bool = False,
 ) -> LoadedModel:
     """Build the model for `source` and fill it from its safetensors files on `device` in `dtype`
     (or, with `split`, each layer on its shard's device; see ds4desk.engine.split).
     `progress(done, total)` runs after each tensor; an exception it raises stops the load there."""
     family = family_for(source.architecture)
-    model, by_file = check_tensors(source, dtype)
+    model, by_file = check_tensors(source, dtype, quantized)
     total = sum(len(names) for names in by_file.values())
     done = 0
 
@@ -204,7 +259,12 @@ def _copy_from_file(
         with safe_open(str(file), framework="pt", device="cpu") as handle, ShardReader() as reader:
             for name in names:
                 entry = tensors.get(name)
-                if entry is not None and (entry.key is not None or entry.parts or entry.encoding != "plain"):
+                target = params[name]
+                if entry is not None and entry.encoding != "plain" and target.dtype in _PACKED:
+                    copy_packed_into(reader, name, entry, target, _scale_of(name, params))
+                elif entry is not None and (
+                    entry.key is not None or entry.parts or entry.encoding != "plain"
+                ):
                     # Renamed, quantized or split (official DeepSeek layout): decoded one tensor at a time.
                     copy_tensor_into(reader, name, entry, params[name])
                 else:

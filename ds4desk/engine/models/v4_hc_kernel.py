@@ -125,7 +125,18 @@ def _triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
         return None
 
     @triton.jit
-    def kernel(z, scale, base, gates_out, comb_out, count, eps, iters, M: tl.constexpr, BLOCK: tl.constexpr):
+    def kernel(
+        z,
+        scale,
+        base,
+        gates_out,
+        comb_out,
+        count,
+        eps,
+        ITERS: tl.constexpr,
+        M: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         rows = (2 + M) * M
         t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # the block's tokens
         live = t < count
@@ -145,7 +156,7 @@ def _triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
         e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
         c = e / tl.sum(e, axis=2)[:, :, None] + eps
         c = c / (tl.sum(c, axis=1)[:, None, :] + eps)  # columns first
-        for _ in range(iters - 1):
+        for _ in range(ITERS - 1):
             c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
             c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
         tl.store(comb_out + t[:, None, None] * (M * M) + cell[None, :, :], c, mask=live[:, None, None])
@@ -158,7 +169,7 @@ def _triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
         comb = torch.empty((count, mult, mult), device=z.device, dtype=torch.float32)
         block = 16
         kernel[(triton.cdiv(count, block),)](
-            z, scale, base, gates, comb, count, eps, iters, M=mult, BLOCK=block
+            z, scale, base, gates, comb, count, eps, ITERS=iters, M=mult, BLOCK=block
         )
         return gates, comb
 

@@ -1,0 +1,365 @@
+"""The quantized matmul kernels of ds4desk/engine/models/quant_kernels.py on one NVIDIA GPU.
+
+    PYTHONPATH=. python3 bench/quant_kernels.py [--sweep] [--out bench/results/quant_kernels.json]
+
+For DeepSeek-V4-Flash's FP8 linear shapes: fp8_linear at 1 row (the Triton GEMV) and at 512 / 4096
+rows (torch._scaled_mm with block-quantized activations) against bf16 `x @ w.t()` on the dequantized
+weight; fp4_experts_gemv (6 of 256 experts, the batch-1 MoE) against six bf16 GEMVs on dense
+experts; fp4_dequantize (one expert, prefill) against the torch form. These are captured in a CUDA
+graph of back-to-back calls that cycle through enough weight copies to overflow the L2 cache (so a
+GEMV reads its weights from HBM, as in a decode step), timed with CUDA events. GB/s is bytes of
+weights read (FP8 + scales, packed FP4 + scales, or bf16) over the time; fp4_dequantize also counts
+the bf16 it writes. Then fp4_grouped_matmul (a 4096-token prefill through 6 of 256 experts, eager)
+against per-expert fp4_dequantize + bf16 matmul, in TFLOP/s. Every case reports its error against
+the dequantized reference.
+
+--sweep also times the FP8 GEMV and the FP4 GEMV under alternative launch settings
+(quant_kernels.OVERRIDES) and reports the best per shape, to tune fp8_config / fp4_config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ds4desk.engine.models import quant_kernels as qk
+
+# (N, K) of the FP8 linears: wkv, wq_a, wo_b / shared experts, wo_a-ish, wq_b, indexer.wq_b, ...
+FP8_SHAPES = [
+    (512, 4096),
+    (1024, 4096),
+    (4096, 4096),
+    (8192, 4096),
+    (32768, 4096),
+    (32768, 1024),
+    (8192, 1024),
+    (4096, 2048),
+]
+FP8_ROWS = (1, 512, 4096)
+# (N, K) of one routed expert: down (D x I) and gate+up (2I x D).
+FP4_SHAPES = [(4096, 2048), (4096, 4096)]
+EXPERTS, ACTIVE = 256, 6
+PREFILL_TOKENS = 4096
+L2_FLUSH_BYTES = 256 << 20  # copies cycled per graph: well over the H200's 50 MB L2
+CALLS_PER_GRAPH = 64
+
+
+def time_graph(fn: Callable[[int], object], copies: int, replays: int = 5) -> float:
+    """Seconds per call of fn(i) (i cycling over the copies), from CUDA graph replays."""
+    for i in range(min(copies, 3)):  # compile and warm up outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in range(CALLS_PER_GRAPH):
+            fn(call % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000 / CALLS_PER_GRAPH)
+    return best
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def fp8_weights(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, device="cuda") * 64).to(torch.float8_e4m3fn)
+        scale = torch.exp2(torch.randint(-12, -4, (n // 128, k // 128), device="cuda").float())
+        out.append((w, scale))
+    return out
+
+
+def bench_fp8(n: int, k: int, results: list[dict[str, Any]]) -> None:
+    fp8_bytes = n * k + 4 * (n // 128) * (k // 128)
+    copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / fp8_bytes)))
+    weights = fp8_weights(n, k, copies)
+    dense_copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / (2 * n * k))))
+    dense = [qk.fp8_dequantize(w, s, torch.bfloat16) for w, s in weights[:dense_copies]]
+    for m in FP8_ROWS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        path = "triton_gemv" if m <= qk.GEMV_MAX_ROWS else "scaled_mm"
+        got = qk.fp8_linear(x, *weights[0])
+        err = rel_error(got, x.float() @ dense[0].float().t())
+        ours = time_graph(lambda i, x=x: qk.fp8_linear(x, *weights[i]), copies)
+        base = time_graph(lambda i, x=x: x @ dense[i].t(), dense_copies)
+        flops = 2 * m * n * k
+        row = {
+            "op": "fp8_linear", "path": path, "rows": m, "n": n, "k": k,
+            "us": ours * 1e6, "gbps": fp8_bytes / ours / 1e9, "tflops": flops / ours / 1e12,
+            "bf16_us": base * 1e6, "bf16_gbps": 2 * n * k / base / 1e9, "bf16_tflops": flops / base / 1e12,
+            "speedup": base / ours, "rel_error": err,
+        }  # fmt: skip
+        results.append(row)
+        print(
+            f"fp8_linear {path:11s} M={m:5d} N={n:6d} K={k:5d}: {ours * 1e6:8.1f} us {row['gbps']:7.0f} GB/s "
+            f"{row['tflops']:7.1f} TF/s | bf16 {base * 1e6:8.1f} us {row['bf16_gbps']:7.0f} GB/s "
+            f"{row['bf16_tflops']:7.1f} TF/s | x{row['speedup']:.2f} err {err:.1e}",
+            flush=True,
+        )
+
+
+def fp4_experts(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    packed = torch.randint(0, 256, (EXPERTS, n, k // 2), device="cuda", dtype=torch.uint8)
+    scale = torch.randint(118, 127, (EXPERTS, n, k // 32), device="cuda", dtype=torch.uint8)
+    return packed, scale
+
+
+def bench_fp4(n: int, k: int, results: list[dict[str, Any]]) -> None:
+    packed, scale = fp4_experts(n, k)
+    gen = torch.Generator().manual_seed(0)
+    picks = [torch.randperm(EXPERTS, generator=gen)[:ACTIVE] for _ in range(CALLS_PER_GRAPH)]
+    ids = [p.cuda() for p in picks]
+    expert_bytes = n * k // 2 + n * k // 32
+    for shared in (True, False):
+        x = torch.randn(1 if shared else ACTIVE, k, device="cuda", dtype=torch.bfloat16)
+        got = qk.fp4_experts_gemv(x, ids[0], packed, scale)
+        dense0 = qk.fp4_dequantize_many(
+            packed.index_select(0, ids[0]), scale.index_select(0, ids[0]), torch.float32
+        )
+        want = torch.bmm(dense0, x.float().expand(ACTIVE, k).unsqueeze(-1)).squeeze(-1)
+        err = rel_error(got, want)
+        ours = time_graph(lambda i, x=x: qk.fp4_experts_gemv(x, ids[i], packed, scale), len(ids))
+        row = {
+            "op": "fp4_experts_gemv", "shared_x": shared, "experts": ACTIVE, "n": n, "k": k,
+            "us": ours * 1e6, "gbps": ACTIVE * expert_bytes / ours / 1e9,
+            "tflops": 2 * ACTIVE * n * k / ours / 1e12, "rel_error": err,
+        }  # fmt: skip
+        results.append(row)
+        print(
+            f"fp4_experts_gemv shared={shared!s:5s} N={n} K={k}: {ours * 1e6:7.1f} us "
+            f"{row['gbps']:6.0f} GB/s err {err:.1e}",
+            flush=True,
+        )
+    # The bf16 floor: six GEMVs on dense experts (a dense copy of 32 experts, cycled: 6 x 32 x 2 N K
+    # bytes, over the L2 cache).
+    pool = min(32, EXPERTS)
+    dense = qk.fp4_dequantize_many(packed[:pool], scale[:pool], torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    base = time_graph(lambda i: [x @ dense[(i * ACTIVE + j) % pool].t() for j in range(ACTIVE)], 64)
+    results.append(
+        {"op": "bf16_6_gemv", "n": n, "k": k, "us": base * 1e6, "gbps": ACTIVE * 2 * n * k / base / 1e9}
+    )
+    print(f"bf16 6 GEMVs N={n} K={k}: {base * 1e6:7.1f} us {results[-1]['gbps']:6.0f} GB/s", flush=True)
+
+    # fp4_dequantize: one expert to bf16 (prefill), against the torch form.
+    copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / (expert_bytes + 2 * n * k))))
+    got = qk.fp4_dequantize(packed[0], scale[0], torch.bfloat16)
+    err = rel_error(got, qk.fp4_dequantize_many(packed[:1], scale[:1], torch.float32)[0])
+    ours = time_graph(lambda i: qk.fp4_dequantize(packed[i], scale[i], torch.bfloat16), copies)
+    torch_form = time_graph(
+        lambda i: qk.fp4_dequantize_many(packed[i : i + 1], scale[i : i + 1], torch.bfloat16), copies
+    )
+    traffic = expert_bytes + 2 * n * k
+    row = {
+        "op": "fp4_dequantize", "n": n, "k": k, "us": ours * 1e6, "gbps": traffic / ours / 1e9,
+        "torch_us": torch_form * 1e6, "speedup": torch_form / ours, "rel_error": err,
+    }  # fmt: skip
+    results.append(row)
+    print(
+        f"fp4_dequantize N={n} K={k}: {ours * 1e6:7.1f} us {row['gbps']:6.0f} GB/s (read + write) | "
+        f"torch {torch_form * 1e6:7.1f} us | x{row['speedup']:.1f} err {err:.1e}",
+        flush=True,
+    )
+
+
+def bench_grouped(n: int, k: int, results: list[dict[str, Any]]) -> None:
+    """Prefill through the experts: 4096 tokens x 6 experts of 256 (about 96 rows each), the grouped
+    kernel against per-expert fp4_dequantize + bf16 matmul."""
+    packed, scale = fp4_experts(n, k)
+    gen = torch.Generator().manual_seed(2)
+    picks = torch.randint(0, EXPERTS, (PREFILL_TOKENS * ACTIVE,), generator=gen)
+    sizes = torch.bincount(picks, minlength=EXPERTS).tolist()
+    x = torch.randn(sum(sizes), k, device="cuda", dtype=torch.bfloat16)
+    got = qk.fp4_grouped_matmul(x, sizes, packed, scale)
+    first = sizes[0]
+    dense0 = qk.fp4_dequantize_many(packed[:1], scale[:1], torch.float32)[0]
+    err = rel_error(got[:first], x[:first].float() @ dense0.t())
+
+    def per_expert() -> torch.Tensor:
+        out = x.new_empty((x.shape[0], n))
+        start = 0
+        for expert, size in enumerate(sizes):
+            weight = qk.fp4_dequantize(packed[expert], scale[expert], torch.bfloat16)
+            torch.matmul(x[start : start + size], weight.t(), out=out[start : start + size])
+            start += size
+        return out
+
+    ours = _time_eager(lambda: qk.fp4_grouped_matmul(x, sizes, packed, scale))
+    base = _time_eager(per_expert)
+    flops = 2 * x.shape[0] * n * k
+    row = {
+        "op": "fp4_grouped_matmul", "rows": x.shape[0], "n": n, "k": k, "ms": ours * 1e3,
+        "tflops": flops / ours / 1e12, "per_expert_ms": base * 1e3, "per_expert_tflops": flops / base / 1e12,
+        "speedup": base / ours, "rel_error": err,
+    }  # fmt: skip
+    results.append(row)
+    print(
+        f"fp4_grouped_matmul R={x.shape[0]} N={n} K={k}: {ours * 1e3:7.2f} ms {row['tflops']:6.1f} TF/s | "
+        f"per-expert dequantize + matmul {base * 1e3:7.2f} ms {row['per_expert_tflops']:6.1f} TF/s | "
+        f"x{row['speedup']:.2f} err {err:.1e}",
+        flush=True,
+    )
+
+
+def _time_eager(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return best
+
+
+def sweep(results: list[dict[str, Any]]) -> None:
+    """Time alternative launch settings of the two GEMVs; the best per shape is what to put in
+    fp8_config / fp4_config."""
+    for n, k in FP8_SHAPES:
+        results.append(sweep_fp8(n, k))
+    for n, k in FP4_SHAPES:
+        results.append(sweep_fp4(n, k))
+
+
+def sweep_fp8(n: int, k: int) -> dict[str, Any]:
+    copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / (n * k))))
+    weights = fp8_weights(n, k, copies)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def call(i: int) -> object:
+        return qk.fp8_linear(x, *weights[i])
+
+    settings = [
+        (block_n, split, warps, stages)
+        for block_n in (16, 32)
+        for split in (1, 2, 4, 8)
+        for warps in (4, 8)
+        for stages in (2, 4)
+        if n % block_n == 0 and (k // 128) % split == 0
+    ]
+    best_t, best = _best(settings, "fp8", call, copies)
+    default = time_graph(call, copies, replays=3)
+    print(
+        f"sweep fp8 N={n} K={k}: best {best} {best_t * 1e6:.1f} us vs default {default * 1e6:.1f} us",
+        flush=True,
+    )
+    return {
+        "op": "sweep_fp8_gemv", "n": n, "k": k, "best": best, "best_us": best_t * 1e6,
+        "best_gbps": n * k / best_t / 1e9, "default": qk.fp8_config(1, n, k, _sms()),
+        "default_us": default * 1e6,
+    }  # fmt: skip
+
+
+def sweep_fp4(n: int, k: int) -> dict[str, Any]:
+    packed, scale = fp4_experts(n, k)
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randperm(EXPERTS, generator=gen)[:ACTIVE].cuda() for _ in range(CALLS_PER_GRAPH)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def call(i: int) -> object:
+        return qk.fp4_experts_gemv(x, ids[i], packed, scale)
+
+    settings = [
+        (block_n, block_k, warps, stages)
+        for block_n in (16, 32, 64)
+        for block_k in (128, 256, 512)
+        for warps in (4, 8)
+        for stages in (2, 3)
+    ]
+    best_t, best = _best(settings, "fp4", call, len(ids))
+    default = time_graph(call, len(ids), replays=3)
+    moved = ACTIVE * (n * k // 2 + n * k // 32)
+    print(
+        f"sweep fp4 N={n} K={k}: best {best} {best_t * 1e6:.1f} us vs default {default * 1e6:.1f} us",
+        flush=True,
+    )
+    return {
+        "op": "sweep_fp4_gemv", "n": n, "k": k, "best": best, "best_us": best_t * 1e6,
+        "best_gbps": moved / best_t / 1e9, "default": qk.fp4_config(ACTIVE, n, k, _sms()),
+        "default_us": default * 1e6,
+    }  # fmt: skip
+
+
+def _best(
+    settings: list[tuple[int, int, int, int]], kind: str, call: Callable[[int], object], copies: int
+) -> tuple[float, tuple[int, int, int, int]]:
+    timings = []
+    try:
+        for setting in settings:
+            qk.OVERRIDES[kind] = setting
+            try:
+                timings.append((time_graph(call, copies, replays=3), setting))
+            except Exception as exc:  # a setting the compiler rejects: skip it
+                print(f"  {kind} {setting} failed: {exc}", flush=True)
+    finally:
+        qk.OVERRIDES[kind] = None
+    return min(timings)
+
+
+def _sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sweep", action="store_true", help="also time alternative GEMV launch settings")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "quant_kernels.json"
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        raise SystemExit("needs an NVIDIA GPU")
+    import triton
+
+    torch.manual_seed(0)
+    results: list[dict[str, Any]] = []
+    for n, k in FP8_SHAPES:
+        bench_fp8(n, k, results)
+    for n, k in FP4_SHAPES:
+        bench_fp4(n, k, results)
+    for n, k in FP4_SHAPES:
+        bench_grouped(n, k, results)
+    if args.sweep:
+        sweep(results)
+    report = {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
