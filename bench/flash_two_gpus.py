@@ -98,12 +98,36 @@ def run(runtime: Runtime, prompt: list[int], new: int) -> dict[str, float]:
     }
 
 
+def profile(model, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """torch.profiler tables (CUDA time per op, both GPUs) for one 4k prefill and 16 decode steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    runtime = Runtime(model, torch.device("cuda:0"), context=8192, chunk=4096, graphs=True)
+    try:
+        run(runtime, prompt[:256], 4)  # warm-up
+        for what, ids, new in (
+            ("prefill 4096", prompt, 1),
+            ("8 prompt tokens + 16 decode steps", prompt[:8], 17),
+        ):
+            with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run(runtime, ids, new)
+                sync()
+            table = prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=28, max_name_column_width=70
+            )
+            print(f"== {what}\n{table}", flush=True)
+    finally:
+        runtime.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--chunks", default="2048,4096")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--split", default="22,21")
     parser.add_argument("--out", type=Path, default=Path("bench/results/flash_two_gpus.json"))
+    parser.add_argument("--profile", action="store_true", help="where a 4k prefill and a decode step spend")
     args = parser.parse_args()
 
     config = flash_config()
@@ -143,6 +167,9 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(1)
     prompts = {n: torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (1024, 8192)}
+    if args.profile:
+        profile(model, prompts[8192][:4096])
+        return
     runs = []
     for chunk in (int(c) for c in args.chunks.split(",")):
         runtime = Runtime(

@@ -80,7 +80,7 @@ def test_the_quantized_model_keeps_fp8_and_packed_fp4_weights() -> None:
     assert all(len(set(row)) == len(row) for row in table.tolist()[:50])
 
 
-@pytest.mark.parametrize("length", [13, 48])  # 48: the prefill MoE takes its all-experts path
+@pytest.mark.parametrize("length", [13, 48])
 def test_quantized_logits_equal_the_dense_model_with_the_dequantized_weights(length: int) -> None:
     model = quantized()
     dense = dense_twin(model)

@@ -36,7 +36,7 @@ from torch import nn
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
 from ds4desk.engine.models.llama import LogitsMode
-from ds4desk.engine.models.quant_kernels import fp4_dequantize, fp4_experts_gemv, fp8_linear
+from ds4desk.engine.models.quant_kernels import fp4_experts_gemv, fp4_grouped_matmul, fp8_linear
 from ds4desk.engine.models.v4_hc_kernel import hc_weights
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
@@ -875,45 +875,43 @@ class DeepseekV4Model(nn.Module):
         q = _norm_rope(q, None, eps, turn.unsqueeze(1))
         kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
 
-        # Raw keys: the ring's rows before this chunk (logical order) then the chunk's own, each
-        # query masked to its window [t - W + 1, t]. The chunk goes into the ring only after the
-        # old rows were gathered, so early queries still see keys a wrapped chunk overwrites.
+        # Raw keys: each query t sees exactly the W positions t - W + 1 .. t, so every query gets
+        # a window of its own, [T, d, W] as one strided view of [padding | ring rows before this
+        # chunk, in logical order | the chunk's keys]: W scores a query instead of the chunk's
+        # whole length. The chunk goes into the ring only after the old rows were gathered, so
+        # early queries still see keys a wrapped chunk overwrites.
         old = min(start, window - 1)
+        pad = window - 1 - old  # slots before position 0: never visible
         device = x.device
-        key_pos = torch.arange(start - old, start + count, device=device)
-        keys = torch.cat([state.ring.index_select(0, key_pos[:old] % window), kv])
-        query_pos = torch.arange(start, start + count, device=device)
-        distance = query_pos.unsqueeze(1) - key_pos.unsqueeze(0)
-        allowed = (distance >= 0) & (distance < window)
-        bias = torch.zeros(allowed.shape, device=device, dtype=torch.float32)
-        bias.masked_fill_(~allowed, -math.inf)
+        ring_rows = state.ring.index_select(0, torch.arange(start - old, start, device=device) % window)
+        keys = torch.cat([kv.new_zeros((pad, dim)), ring_rows, kv])  # [W - 1 + T, d]
+        windows = keys.unfold(0, window, 1)  # [T, d, W]
         kept = min(count, window)
-        state.ring.index_copy_(0, key_pos[-kept:] % window, kv[-kept:])
+        state.ring.index_copy_(
+            0, torch.arange(start + count - kept, start + count, device=device) % window, kv[-kept:]
+        )
 
         scale = dim**-0.5
-        q_heads = q.transpose(0, 1)  # [H, T, d]
-        scores = [torch.add(bias, torch.matmul(q_heads, keys.t()), alpha=scale)]  # [H, T, raw] float32
+        scores = [torch.bmm(q, windows).float().mul_(scale)]  # [T, H, W] float32
+        if pad:
+            slots = torch.arange(count, device=device).unsqueeze(1) + torch.arange(window, device=device)
+            scores[0].masked_fill_((slots < pad).unsqueeze(1), -math.inf)
         extra: torch.Tensor | None = None
         if attn.compressor is not None:
             extra, extra_bias = self._compressed_keys(layer_type, attn.compressor, state, x, q_res, start)
             if extra.dim() == 2:  # [E, d]: every query scores the same entries (HCA)
-                extra_scores = torch.matmul(q_heads, extra.t())
+                extra_scores = torch.matmul(q, extra.t())
             else:  # [T, k, d]: each query its own indexer picks (CSA)
-                extra_scores = torch.einsum("htd,tkd->htk", q_heads, extra)
-            scores.append(torch.add(extra_bias, extra_scores, alpha=scale))
+                extra_scores = torch.bmm(q, extra.transpose(1, 2))
+            scores.append(torch.add(extra_bias.unsqueeze(1), extra_scores, alpha=scale))  # [T, H, E or k]
 
         # One softmax over raw keys, compressed keys and the per-head sink logit (no value).
-        sink = attn.sinks.view(heads, 1, 1).expand(heads, count, 1)
+        sink = attn.sinks.view(1, heads, 1).expand(count, heads, 1)
         probs = torch.softmax(torch.cat([*scores, sink], dim=-1), dim=-1).to(keys.dtype)
-        raw = keys.shape[0]
-        out = torch.matmul(probs[..., :raw], keys)  # [H, T, d]
+        out = torch.bmm(probs[..., :window], windows.transpose(1, 2))  # [T, H, d]
         if extra is not None:
-            weights = probs[..., raw:-1]
-            if extra.dim() == 2:
-                out = out + torch.matmul(weights, extra)
-            else:
-                out = out + torch.einsum("htk,tkd->htd", weights, extra)
-        out = out.transpose(0, 1)  # [T, H, d]
+            weights = probs[..., window:-1]
+            out = out + (torch.matmul(weights, extra) if extra.dim() == 2 else torch.bmm(weights, extra))
         # V = K carries the key's rotation; rotating back by the query's angle leaves relative ones.
         out = _rope_(out, torch.conj_physical(turn).unsqueeze(1))
 
@@ -1061,32 +1059,31 @@ class DeepseekV4Model(nn.Module):
         inputs = x.index_select(0, order // k)  # [T k, D]
         experts, limit = moe.experts, cfg.swiglu_limit
         largest, width = max(host_sizes), inputs.shape[1]
-        if cfg.num_experts * largest <= 2 * count * k:
+        if experts.gate_up_proj.dtype == torch.uint8:
+            # Packed FP4: one grouped kernel a projection widens the weight tiles in registers (no
+            # bf16 copy of an expert, one launch for all of them).
+            gate_up = fp4_grouped_matmul(inputs, host_sizes, experts.gate_up_proj, experts.gate_up_proj_scale)
+            hidden = _swiglu(*gate_up.chunk(2, dim=-1), limit)
+            grouped = fp4_grouped_matmul(hidden, host_sizes, experts.down_proj, experts.down_proj_scale)
+        elif cfg.num_experts * largest <= 2 * count * k:
             # Balanced enough (so most experts have tokens: their weights are read anyway): two
             # batched GEMMs over all experts, each group padded with zero rows to the largest, at
-            # most twice the rows (and memory) of the pairs themselves. Packed FP4 experts are
-            # dequantized for it in one pass each (a layer's worth of bf16, freed after).
-            gate_up_w, down_w = experts.gate_up_proj, experts.down_proj
-            if gate_up_w.dtype == torch.uint8:
-                gate_up_w = _dequantize_experts(gate_up_w, experts.gate_up_proj_scale, x.dtype)
-                down_w = _dequantize_experts(down_w, experts.down_proj_scale, x.dtype)
+            # most twice the rows (and memory) of the pairs themselves.
             ranked = flat.index_select(0, order)  # the expert of each sorted pair
             starts = (torch.cumsum(sizes, 0) - sizes).index_select(0, ranked)
             offset = torch.arange(count * k, device=x.device) - starts  # rank within its group
             slots = ranked * largest + offset  # each sorted pair's row in the padded [E, largest] layout
             padded = inputs.new_zeros((cfg.num_experts * largest, width)).index_copy_(0, slots, inputs)
             padded = padded.view(cfg.num_experts, largest, width)
-            hidden = _swiglu(*torch.bmm(padded, gate_up_w.transpose(1, 2)).chunk(2, dim=-1), limit)
-            del gate_up_w
-            ys = torch.bmm(hidden, down_w.transpose(1, 2)).view(-1, width)
+            hidden = _swiglu(*torch.bmm(padded, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1), limit)
+            ys = torch.bmm(hidden, experts.down_proj.transpose(1, 2)).view(-1, width)
             grouped = ys.index_select(0, slots)
         else:  # one GEMM pair per expert that has tokens
             parts, first = [], 0
             for expert, size in enumerate(host_sizes):
                 if size:
-                    gate_up_w, down_w = _expert_pair(experts, expert, x.dtype)
-                    gate_up = inputs[first : first + size] @ gate_up_w.t()
-                    parts.append(_swiglu(*gate_up.chunk(2, dim=-1), limit) @ down_w.t())
+                    gate_up = inputs[first : first + size] @ experts.gate_up_proj[expert].t()
+                    parts.append(_swiglu(*gate_up.chunk(2, dim=-1), limit) @ experts.down_proj[expert].t())
                     first += size
             grouped = torch.cat(parts)
         by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)  # back to (token, slot) order
@@ -1291,7 +1288,8 @@ class DeepseekV4Model(nn.Module):
                 prev_gate = torch.where(at.first, -math.inf, state.prev_gate)
                 pool_kv = torch.cat([state.prev_kv, win_kv[:, dim:]])  # [2 rate, dim]
                 pool_gate = torch.cat([prev_gate, win_gate[:, dim:]])
-            pooled = (pool_kv * torch.softmax(pool_gate, dim=0)).sum(dim=0, keepdim=True)
+            # Softmax over the last dim: over dim 0 CUDA runs a kernel 10x slower for this shape.
+            pooled = (pool_kv.t() * torch.softmax(pool_gate.t(), dim=-1)).sum(dim=-1).unsqueeze(0)
             entry = _norm_rope(pooled, comp.kv_norm.weight, self.config.rms_norm_eps, at.turn, rows.dtype)
             window = at.window
             rows.index_copy_(0, window, torch.where(closing, entry, rows.index_select(0, window)))
@@ -1457,24 +1455,6 @@ def _linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
 def _shared_expert(shared: _SharedExpert, x: torch.Tensor, limit: float) -> torch.Tensor:
     act = _swiglu(_linear(x, shared.gate_proj), _linear(x, shared.up_proj), limit)
     return _linear(act, shared.down_proj)
-
-
-def _expert_pair(experts: _Experts, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One routed expert's (gate_up [2I, D], down [D, I]) as dense matrices; packed FP4 experts are
-    dequantized one at a time, so a prefill never holds more than one expert's dense copy."""
-    if experts.gate_up_proj.dtype != torch.uint8:
-        return experts.gate_up_proj[expert], experts.down_proj[expert]
-    return (
-        fp4_dequantize(experts.gate_up_proj[expert], experts.gate_up_proj_scale[expert], dtype),
-        fp4_dequantize(experts.down_proj[expert], experts.down_proj_scale[expert], dtype),
-    )
-
-
-def _dequantize_experts(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Every expert of a packed [E, N, K/2] stack as [E, N, K] in one pass (rows are independent)."""
-    experts, rows, half = packed.shape
-    flat = fp4_dequantize(packed.reshape(experts * rows, half), scale.reshape(experts * rows, -1), dtype)
-    return flat.view(experts, rows, 2 * half)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -343,32 +343,31 @@ OVERRIDES: dict[str, tuple[int, ...] | None] = {"fp8": None, "fp4": None}
 
 
 def fp8_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, SPLIT_K, num_warps, num_stages) for the FP8 GEMV: enough programs to fill the GPU
-    (two per SM) with tiles of 16-32 rows by 128 columns; split K for weights with few rows."""
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages) for the FP8 GEMV. The H200 sweep (bench/quant_kernels.py
+    --sweep, docs/BENCHMARKS.md) was fastest with about four programs per SM: tiles of 32 rows where
+    that leaves 64 tiles or more, else 16 (with 8 warps), and K split into parts of at least four
+    128-column blocks until there are that many programs."""
     if OVERRIDES["fp8"] is not None:
         return tuple(OVERRIDES["fp8"])  # type: ignore[return-value]
-    block_n = 32
-    while block_n > 16 and n // block_n < 2 * sms:
-        block_n //= 2
+    block_n = 32 if n // 32 >= 64 else 16
     while n % block_n:
         block_n //= 2
     programs = n // block_n
     split = 1
-    # Split only below one program per SM (the partial sums cost a second kernel), into parts of at
-    # least 4 of the 128-column blocks, so their loads still pipeline.
-    while programs * split < sms and k // (FP8_BLOCK * 2 * split) >= 4:
+    while programs * split < 4 * sms and k // (FP8_BLOCK * 2 * split) >= 4:
         split *= 2
-    return block_n, split, 4, 4
+    return block_n, split, 8 if block_n <= 16 else 4, 4
 
 
 def fp4_config(slots: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for the FP4 experts GEMV: 16 rows by 256 values (16
-    bytes a thread; 1536 programs for Flash's 6 experts x 4096 rows). The decode is ALU work (~12
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for the FP4 experts GEMV: 32 rows by 256 values (768
+    programs for Flash's 6 experts x 4096 rows). The decode is ALU work (~12
     integer ops a byte), so few values a thread leave registers for the pipelined loads. One setting
     for the Flash shapes (the arguments are for a shape-dependent one; bench --sweep tells)."""
     if OVERRIDES["fp4"] is not None:
         return tuple(OVERRIDES["fp4"])  # type: ignore[return-value]
-    return 16, 256 if k % 256 == 0 else 64, 4, 3
+    block_n = 32 if slots * (n // 32) >= 2 * sms else 16  # 32: the H200 sweep's best for Flash's shapes
+    return block_n, 256 if k % 256 == 0 else 64, 4, 3
 
 
 def _device_sms(t: torch.Tensor) -> int:
