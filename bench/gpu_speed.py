@@ -323,6 +323,8 @@ def run(args: argparse.Namespace) -> None:
     if args.llama_bench:
         engines.append(("llama.cpp", lambda: bench_llama_cpp(args.llama_bench, work / "dense.gguf")))
     for name, bench in engines:
+        if name in args.skip:
+            continue
         try:
             rows.append(bench())
         except Exception as exc:  # one engine failing must not lose the others' numbers
@@ -393,6 +395,12 @@ def main() -> None:
     go.add_argument("--vocab", type=Path, required=True)
     go.add_argument("--llama-bench", type=Path)
     go.add_argument("--v4", action="store_true")
+    go.add_argument(
+        "--skip",
+        default="",
+        type=lambda text: set(filter(None, text.split(","))),
+        help="engines to leave out",
+    )
     go.add_argument("--work", type=Path, help="where to write the models (default: a temporary folder)")
     go.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
