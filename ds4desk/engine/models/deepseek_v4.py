@@ -885,7 +885,8 @@ class DeepseekV4Model(nn.Module):
         device = x.device
         ring_rows = state.ring.index_select(0, torch.arange(start - old, start, device=device) % window)
         keys = torch.cat([kv.new_zeros((pad, dim)), ring_rows, kv])  # [W - 1 + T, d]
-        windows = keys.unfold(0, window, 1)  # [T, d, W]
+        # [T, d, W]; a copy, because cuBLAS takes no overlapping batches (the view ran 5x slower).
+        windows = keys.unfold(0, window, 1).contiguous()
         kept = min(count, window)
         state.ring.index_copy_(
             0, torch.arange(start + count - kept, start + count, device=device) % window, kv[-kept:]
@@ -1024,12 +1025,13 @@ class DeepseekV4Model(nn.Module):
         q = _linear(q_res, indexer.q_b_proj).view(count, heads, dim)
         q = _rope_(q.float(), _turn(cos[start : start + count], sin[start : start + count]).unsqueeze(1))
         weights = _index_weights(x, indexer, heads, dim).unsqueeze(1)  # [T, 1, Hi]
-        keys32 = keys.float().t()
+        # The q·k products in the model's dtype (tensor cores for bf16), summed in float32.
+        q, keys_t = q.to(keys.dtype), keys.t()
         total = keys.shape[0]
         scores = torch.zeros((count, total), device=x.device, dtype=torch.float32)
         step = max(1, _INDEXER_BLOCK // max(1, count * total))  # heads per block, to bound memory
         for h in range(0, heads, step):
-            part = torch.relu_(torch.matmul(q[:, h : h + step], keys32))  # [T, h, E]
+            part = torch.relu_(torch.matmul(q[:, h : h + step], keys_t).float())  # [T, h, E]
             scores.unsqueeze(1).baddbmm_(weights[:, :, h : h + step], part)  # += Σ_h w_h part_h
         scores.masked_fill_(~visible, -math.inf)
         picks = scores.topk(min(cfg.index_topk, total), dim=-1).indices
