@@ -410,6 +410,34 @@ def test_the_engine_splits_deepseek_v4(engine: Engine, tmp_path: Path) -> None:
     assert greedy_tokens(engine, split) == unsplit
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_the_engine_runs_deepseek_v4_over_two_gpus_with_a_graph_per_shard(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """Through the engine on two GPUs: one captured graph per shard decodes what the unsplit model's
+    graph decodes, a snapshot taken on the split model is reused, and park / unpark recapture."""
+    folder = tmp_path / "v4"
+    make_tiny("deepseek_v4", folder, seed=3)
+    common = {"path": str(folder), "dtype": "float32", "context": CONTEXT, "chunk": 5, "cuda_graphs": True}
+    unsplit = greedy_tokens(engine, LoadRequest(device="cuda:0", **common))
+    split = LoadRequest(devices=("cuda:0", "cuda:1"), layer_split=(2, 2), **common)
+    assert greedy_tokens(engine, split) == unsplit
+    runtime = engine._loaded.runtime  # type: ignore[union-attr]
+    assert runtime.graphs is not None and len(runtime.graphs.devices) == 2
+    saved = engine.generate(
+        GenerateRequest(
+            prompt_tokens=PROMPT, max_new_tokens=12, stop_tokens=[], save_snapshot=SaveSnapshot(at=15)
+        )
+    )
+    assert saved.ok and saved.tokens == unsplit
+    again = engine.generate(GenerateRequest(prompt_tokens=PROMPT, max_new_tokens=12, stop_tokens=[]))
+    assert again.ok and again.stats.reused_tokens == 15 and again.tokens == unsplit
+    assert engine.park().ok and engine.unpark().ok
+    after = engine.generate(GenerateRequest(prompt_tokens=PROMPT, max_new_tokens=12, stop_tokens=[]))
+    assert after.ok and after.tokens == unsplit
+    assert engine._loaded.runtime.graphs is not None  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("devices", "layer_split", "message"),
     [
