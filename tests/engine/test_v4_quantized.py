@@ -17,9 +17,9 @@ from ds4desk.engine.loading.detect import inspect_folder
 from ds4desk.engine.loading.quantized import ShardReader
 from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny
 from ds4desk.engine.models import registry
-from ds4desk.engine.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model, _Fp8Weight
+from ds4desk.engine.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
 from ds4desk.engine.models.registry import keeps_quantized, load_model
-from ds4desk.engine.models.v4_synthetic import _copy_dequantized, build_quantized, dense_layer
+from ds4desk.engine.models.v4_synthetic import build_quantized, copy_dequantized, dense_layer
 from ds4desk.engine.split import ShardPlan
 
 # Tiny, but FP8 blocks partial (64 is not a multiple of 128) and FP4 rows whole (multiples of 32).
@@ -38,7 +38,7 @@ def dense_twin(model: DeepseekV4Model) -> DeepseekV4Model:
         dense = DeepseekV4Model(CONFIG, torch.float32)
     dense.materialize(torch.device("cpu"))
     with torch.inference_mode():
-        _copy_dequantized(model, dense, torch.float32)
+        copy_dequantized(model, dense, torch.float32)
     dense.finish_loading()
     dense.allocate_cache(CONTEXT)
     return dense
@@ -67,7 +67,7 @@ def run(model: DeepseekV4Model, prompt: torch.Tensor, steps: int, graphable: boo
 def test_the_quantized_model_keeps_fp8_and_packed_fp4_weights() -> None:
     model = quantized()
     attn = model.model.layers[1].self_attn
-    assert isinstance(attn.q_b_proj, _Fp8Weight) and attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    assert attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
     # q_b_proj is [8 heads x 32, 32]: two 128-row blocks, one (partial) column block.
     assert attn.q_b_proj.weight_scale_inv.shape == (2, 1)
     experts = model.model.layers[0].mlp.experts

@@ -168,7 +168,7 @@ def dense_layer(model: DeepseekV4Model, index: int, dtype: torch.dtype) -> Deeps
         reference = DeepseekV4Model(one, dtype)
     reference.materialize(device)
     with torch.inference_mode():
-        _copy_dequantized(layer, reference.model.layers[0], dtype)
+        copy_dequantized(layer, reference.model.layers[0], dtype)
         for name in ("embed_tokens", "norm", "hc_head"):
             for target, source in zip(
                 getattr(reference.model, name).parameters(),
@@ -182,7 +182,9 @@ def dense_layer(model: DeepseekV4Model, index: int, dtype: torch.dtype) -> Deeps
     return reference
 
 
-def _copy_dequantized(source: nn.Module, target: nn.Module, dtype: torch.dtype) -> None:
+def copy_dequantized(source: nn.Module, target: nn.Module, dtype: torch.dtype) -> None:
+    """Fill `target` (a dense model or module) from `source` (its quantized twin), dequantizing
+    FP8 weights and packed FP4 experts; every other parameter is copied as it is."""
     wanted = dict(target.named_parameters())
     given = dict(source.named_parameters())
     for name, param in wanted.items():
