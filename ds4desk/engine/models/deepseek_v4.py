@@ -876,16 +876,16 @@ class DeepseekV4Model(nn.Module):
         kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
 
         # Raw keys: each query t sees exactly the W positions t - W + 1 .. t, so every query gets
-        # a window of its own, [T, d, W] as one strided view of [padding | ring rows before this
-        # chunk, in logical order | the chunk's keys]: W scores a query instead of the chunk's
-        # whole length. The chunk goes into the ring only after the old rows were gathered, so
-        # early queries still see keys a wrapped chunk overwrites.
+        # a window of its own, [T, d, W], cut from [padding | ring rows before this chunk, in
+        # logical order | the chunk's keys]: W scores a query instead of the chunk's whole length.
+        # The chunk goes into the ring only after the old rows were gathered, so early queries
+        # still see keys a wrapped chunk overwrites.
         old = min(start, window - 1)
         pad = window - 1 - old  # slots before position 0: never visible
         device = x.device
         ring_rows = state.ring.index_select(0, torch.arange(start - old, start, device=device) % window)
         keys = torch.cat([kv.new_zeros((pad, dim)), ring_rows, kv])  # [W - 1 + T, d]
-        # [T, d, W]; a copy, because cuBLAS takes no overlapping batches (the view ran 5x slower).
+        # A copy: cuBLAS takes no overlapping batches (on the strided view the products ran 5x slower).
         windows = keys.unfold(0, window, 1).contiguous()
         kept = min(count, window)
         state.ring.index_copy_(
