@@ -27,6 +27,9 @@ from typing import TypeVar
 
 import torch
 
+from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
+from ds4desk.engine.loading.quantized import E2M1_VALUES
+
 # None: the Triton kernels where they can run (NVIDIA CUDA tensors, Triton importable, shapes they
 # take); False: never; True: whenever the shapes allow, whatever the device (with TRITON_INTERPRET=1
 # Triton's interpreter runs them on CPU tensors: what the tests use without a GPU).
@@ -37,11 +40,9 @@ SCALED_MM: bool | None = None
 
 GEMV_MAX_ROWS = 16
 _T = TypeVar("_T")
-FP8_BLOCK = 128
-FP4_BLOCK = 32
 _E4M3_MAX = 448.0
 # The e2m1 values of the 16 nibbles: bits 0-2 index the magnitudes, bit 3 is the sign.
-_E2M1_SIGNED = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_E2M1_SIGNED = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
 
 
 @functools.cache
