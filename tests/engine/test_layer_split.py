@@ -170,8 +170,8 @@ def test_the_hand_off_copies_at_every_boundary_and_never_aliases(
         assert out.data_ptr() != x.data_ptr()  # a copy into the next shard's own tensor
     hand_overs.clear()
     graph_step(model, torch.tensor([5]), 9)
-    # Graphable V4 also hands over the position tensor (dense: only when the device changes).
-    assert len(hand_overs) == (2 * 3 if v4 else 2)
+    # The graphable step also hands over the position tensor: each shard's graph has its own.
+    assert len(hand_overs) == (2 * 3 if v4 else 2 * 2)
     assert all(out.data_ptr() != x.data_ptr() for x, out in hand_overs)
 
 
@@ -411,16 +411,19 @@ def test_the_engine_splits_deepseek_v4(engine: Engine, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_the_engine_runs_deepseek_v4_over_two_gpus_with_a_graph_per_shard(
-    engine: Engine, tmp_path: Path
+@pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
+def test_the_engine_runs_a_split_over_two_gpus_with_a_graph_per_shard(
+    engine: Engine, llama_folder: Path, tmp_path: Path, family: str
 ) -> None:
     """Through the engine on two GPUs: one captured graph per shard decodes what the unsplit model's
     graph decodes, a snapshot taken on the split model is reused, and park / unpark recapture."""
-    folder = tmp_path / "v4"
-    make_tiny("deepseek_v4", folder, seed=3)
+    folder, layer_split = llama_folder, (2, 1)
+    if family == "deepseek_v4":
+        folder, layer_split = tmp_path / "v4", (2, 2)
+        make_tiny("deepseek_v4", folder, seed=3)
     common = {"path": str(folder), "dtype": "float32", "context": CONTEXT, "chunk": 5, "cuda_graphs": True}
     unsplit = greedy_tokens(engine, LoadRequest(device="cuda:0", **common))
-    split = LoadRequest(devices=("cuda:0", "cuda:1"), layer_split=(2, 2), **common)
+    split = LoadRequest(devices=("cuda:0", "cuda:1"), layer_split=layer_split, **common)
     assert greedy_tokens(engine, split) == unsplit
     runtime = engine._loaded.runtime  # type: ignore[union-attr]
     assert runtime.graphs is not None and len(runtime.graphs.devices) == 2

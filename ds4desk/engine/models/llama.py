@@ -610,6 +610,24 @@ class DenseModel(nn.Module):
         first `span` cache rows (pos < span <= context) under a mask, because the number of valid
         rows must not be a shape. Returns float32 logits [V], like forward(token, pos, "last").
         """
+        carry: tuple[torch.Tensor, ...] = (token, pos)
+        for index, device in enumerate(self.decode_devices()):
+            if index:
+                carry = tuple(_hand_over(t, device) for t in carry)
+            carry = self.decode_shard(index, carry, span)
+        logits = carry[0]
+        return logits if logits.device == token.device else logits.to(token.device)
+
+    def decode_devices(self) -> list[torch.device]:
+        """The device of every shard a decode step runs through, in order (one when unsplit)."""
+        return [shard.device for shard in self._shards]
+
+    def decode_shard(
+        self, index: int, inputs: tuple[torch.Tensor, ...], span: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Shard `index`'s part of decode_graphable, all on its own device (so each shard can be a
+        graph of its own): the first shard takes (token, pos), every later one the previous one's
+        (hidden, pos) copied to its device; the last returns (logits,), the others (hidden, pos)."""
         cfg = self.config
         assert self._cos is not None and self._sin is not None and self._key_positions is not None
         if not 0 < span <= self._context:
@@ -620,69 +638,68 @@ class DenseModel(nn.Module):
         q_width = heads * dim
         qk_width = (heads + kv_heads) * dim
         scale = dim**-0.5
-        here = pos
+        shard = self._shards[index]
+        if index == 0:
+            token, here = inputs
+            x = F.embedding(token, self.model.embed_tokens.weight)  # [1, hidden]
+        else:
+            x, here = inputs
+        cos_table, sin_table, keys_at = shard.cos, shard.sin, shard.key_positions
+        assert cos_table is not None and sin_table is not None and keys_at is not None
+        cos, sin = cos_table.index_select(0, here), sin_table.index_select(0, here)  # [1, D]
+        keys_at = keys_at[:span]
+        fused = self.decode_attention == "triton" and fused_decode.available(shard.device)
+        biases: dict[int | None, torch.Tensor] = {}  # 0 where a key may be read, -inf elsewhere
+        windows = set() if fused else {plan.window for plan in shard.plans}  # the kernel masks itself
+        for window in windows:
+            allowed = keys_at <= here
+            if window is not None:
+                allowed = allowed & (keys_at > here - window)
+            bias = torch.zeros(span, dtype=self.dtype, device=keys_at.device).masked_fill_(
+                ~allowed, -torch.inf
+            )
+            biases[window] = bias.expand(kv_heads, heads // kv_heads, span)
 
-        x = F.embedding(token, self.model.embed_tokens.weight)  # [1, hidden]
-        for shard in self._shards:
-            if not shard.first:
-                x = _hand_over(x, shard.device)
-                if here.device != shard.device:
-                    here = _hand_over(here, shard.device)
-            cos_table, sin_table, keys_at = shard.cos, shard.sin, shard.key_positions
-            assert cos_table is not None and sin_table is not None and keys_at is not None
-            cos, sin = cos_table.index_select(0, here), sin_table.index_select(0, here)  # [1, D]
-            keys_at = keys_at[:span]
-            fused = self.decode_attention == "triton" and fused_decode.available(shard.device)
-            biases: dict[int | None, torch.Tensor] = {}  # 0 where a key may be read, -inf elsewhere
-            windows = set() if fused else {plan.window for plan in shard.plans}  # the kernel masks itself
-            for window in windows:
-                allowed = keys_at <= here
-                if window is not None:
-                    allowed = allowed & (keys_at > here - window)
-                bias = torch.zeros(span, dtype=self.dtype, device=keys_at.device).masked_fill_(
-                    ~allowed, -torch.inf
+        for plan in shard.plans:
+            assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
+            h = _rms_norm(x, plan.ln1, eps, exact)
+            qkv = _project(h, plan.qkv_w_t, plan.qkv_b)
+            qk = qkv[0, :qk_width].view(heads + kv_heads, dim)
+            src = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
+            torch.addcmul(src * cos, torch.index_select(src, 1, shard.half_swap), sin, out=qk)
+            plan.kv_cache.index_copy_(2, here, qkv[0, q_width:].view(2, kv_heads, 1, dim))
+            if fused:  # the kernel masks by `here` itself, on the device
+                q = qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
+                attn = fused_decode.decode_attention(
+                    q, plan.keys[0, :, :span], plan.values[0, :, :span], here, scale, plan.window
                 )
-                biases[window] = bias.expand(kv_heads, heads // kv_heads, span)
-
-            for plan in shard.plans:
-                assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
-                h = _rms_norm(x, plan.ln1, eps, exact)
-                qkv = _project(h, plan.qkv_w_t, plan.qkv_b)
-                qk = qkv[0, :qk_width].view(heads + kv_heads, dim)
-                src = qk if plan.qk_norm is None else _rms_norm(qk, None, eps, exact) * plan.qk_norm
-                torch.addcmul(src * cos, torch.index_select(src, 1, shard.half_swap), sin, out=qk)
-                plan.kv_cache.index_copy_(2, here, qkv[0, q_width:].view(2, kv_heads, 1, dim))
-                if fused:  # the kernel masks by `here` itself, on the device
-                    q = qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
-                    attn = fused_decode.decode_attention(
-                        q, plan.keys[0, :, :span], plan.values[0, :, :span], here, scale, plan.window
-                    )
-                elif self.decode_attention == "sdpa":
-                    q = qkv[0, :q_width].view(1, kv_heads, heads // kv_heads, dim)
-                    attn = F.scaled_dot_product_attention(
-                        q, plan.keys[:, :, :span], plan.values[:, :, :span], attn_mask=biases[plan.window]
-                    )
-                else:
-                    # Two batched matmuls over the span: a fused attention kernel gives each kv head
-                    # one thread block, which leaves most of the GPU idle on a long cache.
-                    q = qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
-                    scores = torch.baddbmm(
-                        biases[plan.window], q, plan.keys[0, :, :span].transpose(1, 2), alpha=scale
-                    )  # [KV, G, span]
-                    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-                    attn = torch.bmm(probs, plan.values[0, :, :span])  # [KV, G, D]
-                x = torch.addmm(x, attn.reshape(1, q_width), plan.o_w_t)
-                if plan.o_b is not None:
-                    x = x + plan.o_b
-                h = _rms_norm(x, plan.ln2, eps, exact)
-                gate_up = _project(h, plan.gu_w_t, plan.gu_b)
-                width = gate_up.shape[1] // 2
-                x = torch.addmm(x, F.silu(gate_up[:, :width]) * gate_up[:, width:], plan.down_w_t)
-                if plan.down_b is not None:
-                    x = x + plan.down_b
+            elif self.decode_attention == "sdpa":
+                q = qkv[0, :q_width].view(1, kv_heads, heads // kv_heads, dim)
+                attn = F.scaled_dot_product_attention(
+                    q, plan.keys[:, :, :span], plan.values[:, :, :span], attn_mask=biases[plan.window]
+                )
+            else:
+                # Two batched matmuls over the span: a fused attention kernel gives each kv head
+                # one thread block, which leaves most of the GPU idle on a long cache.
+                q = qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
+                scores = torch.baddbmm(
+                    biases[plan.window], q, plan.keys[0, :, :span].transpose(1, 2), alpha=scale
+                )  # [KV, G, span]
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                attn = torch.bmm(probs, plan.values[0, :, :span])  # [KV, G, D]
+            x = torch.addmm(x, attn.reshape(1, q_width), plan.o_w_t)
+            if plan.o_b is not None:
+                x = x + plan.o_b
+            h = _rms_norm(x, plan.ln2, eps, exact)
+            gate_up = _project(h, plan.gu_w_t, plan.gu_b)
+            width = gate_up.shape[1] // 2
+            x = torch.addmm(x, F.silu(gate_up[:, :width]) * gate_up[:, width:], plan.down_w_t)
+            if plan.down_b is not None:
+                x = x + plan.down_b
+        if index + 1 < len(self._shards):
+            return x, here
         x = _rms_norm(x, self.model.norm.weight, eps, exact)
-        out = torch.mm(x, self._head().t()).float()[0]
-        return out if out.device == token.device else out.to(token.device)
+        return (torch.mm(x, self._head().t()).float()[0],)
 
     def _decode_step(self, input_ids: torch.Tensor, pos: int) -> torch.Tensor:
         """One token through every layer; returns the final hidden state [1, hidden] (unnormed).
