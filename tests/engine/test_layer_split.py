@@ -19,12 +19,13 @@ import torch
 from ds4desk.cli import build_parser
 from ds4desk.cli import main as cli_main
 from ds4desk.engine import Engine, ErrorCode, GenerateRequest, LoadRequest, SaveSnapshot
-from ds4desk.engine.api import EngineFailure
+from ds4desk.engine.api import EngineFailure, FinishReason, SamplingParams, ThinkingBudget
 from ds4desk.engine.graphs import graphs_wanted
 from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models import deepseek_v4, llama
 from ds4desk.engine.models.registry import check_tensors, load_model
+from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import (
     ShardPlan,
     explicit_plan,
@@ -211,6 +212,25 @@ def test_a_snapshot_of_the_split_model_restores_and_continues_exactly(source: Mo
         assert all(
             torch.equal(a, b) for a, b in zip(greedy(target, logits, ids.shape[0], 6), expected, strict=True)
         )
+
+
+def test_cancel_and_the_thinking_budget_act_on_a_split_model_as_on_one_device(source: ModelSource) -> None:
+    """Runtime-level: a cancel mid-decode keeps the same partial tokens, and a thinking budget forces
+    its close tokens at the same step, split or not."""
+    ids = prompt(source, 12, seed=4).tolist()
+    greedy = SamplingParams()
+    outcomes = []
+    for split in (None, plans_for(source)[1]):
+        runtime = Runtime(load(source, split), CPU, CONTEXT, chunk=5)
+        seen: list[int] = []
+        cancelled = runtime.generate(ids, greedy, 20, set(), seen.append, lambda seen=seen: len(seen) >= 3)
+        assert cancelled.finish_reason == FinishReason.CANCELLED and cancelled.tokens == seen
+        budget = ThinkingBudget(max_tokens=3, close_tokens=[7, 8])
+        forced = runtime.generate(ids, greedy, 10, set(), lambda _t: None, lambda: False, budget)
+        outcomes.append((cancelled.tokens, forced.tokens, forced.budget_forced_close))
+        runtime.close()
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][2] and outcomes[0][1][3:5] == [7, 8]  # forced after 3 thinking tokens
 
 
 def test_place_needs_the_layer_count_and_a_model_not_materialized_yet(source: ModelSource) -> None:
