@@ -98,8 +98,9 @@ class GraphedDecode:
                 self._captured.append(self._capture(span))
 
     def step(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `token` (a device tensor of one element) at position `pos`. Returns float32 logits
-        [V] and the greedy pick (float64 [2]: token, logprob), in buffers the next step overwrites."""
+        """Run `token` (a tensor of one element on any device) at position `pos`. Returns float32
+        logits [V] (on the last shard's device) and the greedy pick (float64 [2]: token, logprob), in
+        buffers the next step overwrites."""
         self.token.copy_(token.view(1))
         self.pos.fill_(pos)
         captured = self._captured[bisect.bisect_right(self.spans, pos)]
@@ -112,8 +113,9 @@ class GraphedDecode:
                     dst.copy_(src)
         if self._set_length is not None:
             self._set_length(pos + 1)  # a model that tracks its length on the host learns it here
-        logits = captured.outputs[-1][0]
-        return (logits if logits.device == self.device else logits.to(self.device)), captured.greedy
+        # On the last shard's device: sampling runs wherever the logits are, and a greedy step
+        # reads only the pick, so no step copies the vocabulary's logits between GPUs.
+        return captured.outputs[-1][0], captured.greedy
 
     def close(self) -> None:
         self._captured.clear()

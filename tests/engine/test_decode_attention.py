@@ -4,9 +4,6 @@ row by row; the dense model's graphable decode step gives the same results throu
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from ds4desk.engine.models import decode_attention as da
 from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import Runtime
 from tests.engine.tiny_dense import save_tiny
+from tests.engine.triton_check import run_triton_check
 
 KV, G, D, SPAN, CONTEXT = 2, 4, 16, 40, 50
 
@@ -161,17 +159,8 @@ print("triton ok", cases)
 def test_the_triton_kernel_equals_the_fallback() -> None:
     """On CUDA the real kernel; without a GPU, Triton's interpreter (the same kernel source, run by
     numpy). Skipped where Triton is not installed."""
-    pytest.importorskip("triton")
-    env = {**os.environ}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "triton ok 63" in done.stdout
+    stdout = run_triton_check(_TRITON_CHECK)
+    assert "triton ok 63" in stdout
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,6 @@ prefill path (to activation-quantization tolerance) and CUDA graph replays."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,6 +26,7 @@ from ds4desk.engine.models.quant_kernels import (
     fp8_linear,
     quantize_activation,
 )
+from tests.engine.triton_check import run_triton_check
 
 
 def fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -293,17 +289,8 @@ print("triton ok")
 def test_the_triton_kernels_equal_the_reference() -> None:
     """On CUDA the real kernels; without a GPU, Triton's interpreter (the same kernel source, run by
     numpy). Skipped where Triton is not installed."""
-    pytest.importorskip("triton")
-    env = {**os.environ}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "triton ok" in done.stdout
+    stdout = run_triton_check(_TRITON_CHECK)
+    assert "triton ok" in stdout
 
 
 # --- on an NVIDIA GPU (the lead runs these on the H200) ---------------------------------------------

@@ -4,16 +4,12 @@ installed) all equal the spelled-out math of the fact sheet."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.models import v4_hc_kernel
+from tests.engine.triton_check import run_triton_check
 
 M, ITERS, EPS = 4, 20, 1e-6
 
@@ -107,14 +103,5 @@ print("triton ok")
 def test_the_triton_kernel_equals_the_spelled_out_math() -> None:
     """On CUDA the real kernel; without a GPU, Triton's interpreter (the same kernel source, run by
     numpy). Skipped where Triton is not installed."""
-    pytest.importorskip("triton")
-    env = {**os.environ}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _TRITON_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "triton ok" in done.stdout
+    stdout = run_triton_check(_TRITON_CHECK)
+    assert "triton ok" in stdout

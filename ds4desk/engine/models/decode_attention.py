@@ -14,11 +14,12 @@ counter (bench/count_ops.py) see one op whatever runs inside.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 
 import torch
+
+from ds4desk.engine.models.triton_launch import on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
 # eager ops); True: always through the custom op (on the CPU its body is the eager math).
@@ -275,50 +276,48 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         # float32 stays float32 (no TF32), like the eager matmuls; Triton's CPU interpreter multiplies
         # bfloat16 tiles wrongly (numpy has no bfloat16), so there they are widened too.
         f32 = q.dtype == torch.float32 or (not q.is_cuda and q.dtype == torch.bfloat16)
-        # Triton launches on the current device: a layer split puts shards on other GPUs.
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            split_kernel[(kv_heads, splits)](
-                q,
-                keys,
-                values,
-                pos,
-                part_max,
-                part_sum,
-                part_acc,
-                scale * 1.4426950408889634,
-                span,
-                0 if window is None else window,
-                chunk,
-                splits,
-                q.stride(0),
-                q.stride(1),
-                keys.stride(0),
-                keys.stride(1),
-                values.stride(0),
-                values.stride(1),
-                GROUP=group,
-                DIM=dim,
-                BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot's smallest tile
-                BLOCK_D=block_d,
-                BLOCK=block,
-                TILES=chunk // block,
-                WINDOWED=window is not None,
-                F32=f32,
-                # Pipelined float32 tiles take up to 140 KB of shared memory at head size 128: more
-                # than consumer GPUs have (~100 KB). Unpipelined: 45 KB. (bf16 takes <= 41 KB anyway.)
-                **({"num_stages": 1} if f32 else {}),
-            )
-            combine_kernel[(kv_heads, group)](
-                part_max,
-                part_sum,
-                part_acc,
-                out,
-                splits,
-                GROUP=group,
-                DIM=dim,
-                BLOCK_S=max(2, triton.next_power_of_2(splits)),
-                BLOCK_D=block_d,
-            )
+        split_kernel[(kv_heads, splits)](
+            q,
+            keys,
+            values,
+            pos,
+            part_max,
+            part_sum,
+            part_acc,
+            scale * 1.4426950408889634,
+            span,
+            0 if window is None else window,
+            chunk,
+            splits,
+            q.stride(0),
+            q.stride(1),
+            keys.stride(0),
+            keys.stride(1),
+            values.stride(0),
+            values.stride(1),
+            GROUP=group,
+            DIM=dim,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot's smallest tile
+            BLOCK_D=block_d,
+            BLOCK=block,
+            TILES=chunk // block,
+            WINDOWED=window is not None,
+            F32=f32,
+            # Pipelined float32 tiles take up to 140 KB of shared memory at head size 128: more
+            # than consumer GPUs have (~100 KB). Unpipelined: 45 KB. (bf16 takes <= 41 KB anyway.)
+            **({"num_stages": 1} if f32 else {}),
+        )
+        combine_kernel[(kv_heads, group)](
+            part_max,
+            part_sum,
+            part_acc,
+            out,
+            splits,
+            GROUP=group,
+            DIM=dim,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_D=block_d,
+        )
         return out
 
-    return launch
+    return on_its_device(launch)

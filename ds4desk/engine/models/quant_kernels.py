@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
 from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
 from ds4desk.engine.loading.quantized import E2M1_VALUES
+from ds4desk.engine.models.triton_launch import on_its_device
 
 # None: the Triton kernels where they can run (NVIDIA CUDA tensors, Triton importable, shapes they
 # take); False: never; True: whenever the shapes allow, whatever the device (with TRITON_INTERPRET=1
@@ -39,7 +39,6 @@ TRITON: bool | None = None
 SCALED_MM: bool | None = None
 
 GEMV_MAX_ROWS = 16
-_T = TypeVar("_T")
 _E4M3_MAX = 448.0
 # The e2m1 values of the 16 nibbles: bits 0-2 index the magnitudes, bit 3 is the sign.
 _E2M1_SIGNED = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
@@ -685,17 +684,3 @@ def _kernels() -> _Kernels | None:
     kernels.act_quant = on_its_device(act_quant)
     kernels.fp4_grouped = on_its_device(fp4_grouped)
     return kernels
-
-
-def on_its_device(launch: Callable[..., _T]) -> Callable[..., _T]:
-    """Run a Triton launcher with its first tensor's GPU as the current device: Triton launches on
-    the current device, and a layer split puts layers (and their tensors) on other GPUs."""
-
-    @functools.wraps(launch)
-    def run(first: torch.Tensor, *args: object, **kwargs: object) -> _T:
-        if not first.is_cuda:
-            return launch(first, *args, **kwargs)
-        with torch.cuda.device(first.device):
-            return launch(first, *args, **kwargs)
-
-    return run

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ds4desk.engine.models.quant_kernels import on_its_device
+from ds4desk.engine.models.triton_launch import on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power of 2);
 # False: never (the eager ops); True: always through the custom op (on the CPU its body is the eager

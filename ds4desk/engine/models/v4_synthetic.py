@@ -9,6 +9,7 @@ build such a model here, and check it against `dense_layer`, one layer at a time
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -73,6 +74,8 @@ FLASH_CONFIG: dict[str, Any] = {
 
 _STD = 0.02  # weights; the FP4 experts get the nearest power-of-two scale to it
 _E2M1_RMS = 2.93  # root mean square of the 16 e2m1 codes, uniformly drawn
+# The UE8M0 byte (2^(s-127) per 32 values) drawn around: a spread of ~0.02 like the other weights.
+_FP4_EXPONENT = 127 + round(math.log2(_STD / _E2M1_RMS))
 
 
 def flash_config(**overrides: Any) -> DeepseekV4Config:
@@ -114,11 +117,8 @@ def fill_random_(model: DeepseekV4Model, seed: int = 0) -> None:
             if param.dtype == torch.float8_e4m3fn:
                 _quantize_fp8_into(param, module.weight_scale_inv, _normal(param.shape, gen, param.device))
             elif param.dtype == torch.uint8 and name.endswith("_scale"):
-                # 2^(s-127) per 32 values: spread ~0.02 when drawn around the matching exponent.
-                centre = 127 + round(torch.log2(torch.tensor(_STD / _E2M1_RMS)).item())
-                param.copy_(
-                    torch.randint(centre - 1, centre + 2, param.shape, generator=gen, device=param.device)
-                )
+                low, high = _FP4_EXPONENT - 1, _FP4_EXPONENT + 2
+                param.copy_(torch.randint(low, high, param.shape, generator=gen, device=param.device))
             elif param.dtype == torch.uint8:
                 param.copy_(torch.randint(0, 256, param.shape, generator=gen, device=param.device))
             elif name == "tid2eid":
