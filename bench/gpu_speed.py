@@ -204,9 +204,12 @@ def prompt_ids(count: int, vocab: int) -> list[int]:
 
 
 def bench_ds4desk_dense(
-    folder: Path, graphs: bool, chunk: int = 4096, decode_attention: str = "triton"
+    folder: Path, graphs: bool, chunk: int = 4096, decode_attention: str = "triton", kernels: bool = True
 ) -> dict[str, object]:
     from ds4desk.engine.loading.detect import inspect_model
+    from ds4desk.engine.models import dense_decode_kernels
+
+    dense_decode_kernels.FUSED = None if kernels else False
 
     device = torch.device("cuda")
     source = inspect_model(folder, folder.parent / "cache")
@@ -217,7 +220,14 @@ def bench_ds4desk_dense(
     name = "ds4desk" if graphs else "ds4desk-eager"
     if decode_attention != "triton":
         name += f"-{decode_attention}"
-    row: dict[str, object] = {"engine": name, "graphs": graphs, "decode_attention": decode_attention}
+    if not kernels:
+        name += "-cublas"
+    row: dict[str, object] = {
+        "engine": name,
+        "graphs": graphs,
+        "decode_attention": decode_attention,
+        "fused_decode_kernels": kernels,
+    }
     greedy = SamplingParams(temperature=0.0)
     with torch.inference_mode():
         for count in PROMPTS:
@@ -240,6 +250,7 @@ def bench_ds4desk_dense(
                     lambda ids=ids: runtime.prefill_logits(ids)
                 )
     runtime.close()
+    dense_decode_kernels.FUSED = None
     gc.collect()
     torch.cuda.empty_cache()
     return row
@@ -316,6 +327,7 @@ def run(args: argparse.Namespace) -> None:
     rows = []
     engines: list[tuple[str, Callable[[], dict[str, object]]]] = [
         ("ds4desk", lambda: bench_ds4desk_dense(work / "dense", graphs=True)),
+        ("ds4desk-cublas", lambda: bench_ds4desk_dense(work / "dense", True, kernels=False)),
         ("ds4desk-matmul", lambda: bench_ds4desk_dense(work / "dense", True, decode_attention="matmul")),
         ("ds4desk-eager", lambda: bench_ds4desk_dense(work / "dense", graphs=False)),
         ("transformers", lambda: bench_transformers_dense(work / "dense")),

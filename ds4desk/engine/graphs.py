@@ -92,17 +92,27 @@ class GraphedDecode:
         self._pools = {d: torch.cuda.graph_pool_handle() for d in self.devices}
         # One side stream per device for every capture: cuBLAS keeps a workspace per stream.
         self._streams = {d: torch.cuda.Stream(d) for d in self.devices}
+        # One device: each replay ends by writing its greedy pick into `token` and pos + 1 into
+        # `pos`, so a greedy step launches nothing but the replay. (A split's pick is on another
+        # GPU than `token`; a graph captured on one device does not copy to another.)
+        self._chained = len(self.devices) == 1
         self._captured: list[_Captured] = []
         with torch.inference_mode():
             for span in self.spans:
                 self._captured.append(self._capture(span))
+        self._next_pos: int | None = None  # what `pos` holds on the device after the last replay
 
-    def step(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `token` (a tensor of one element on any device) at position `pos`. Returns float32
-        logits [V] (on the last shard's device) and the greedy pick (float64 [2]: token, logprob), in
+    def step(self, token: torch.Tensor | None, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `token` (a tensor of one element on any device) at position `pos`; None: the greedy
+        pick of the previous step, at the position after it (see `chains`). Returns float32 logits
+        [V] (on the last shard's device) and the greedy pick (float64 [2]: token, logprob), in
         buffers the next step overwrites."""
-        self.token.copy_(token.view(1))
-        self.pos.fill_(pos)
+        if token is not None:
+            self.token.copy_(token.view(1))
+        elif not self.chains(pos):
+            raise RuntimeError(f"no greedy pick from the step before position {pos} to chain from")
+        if self._next_pos != pos:
+            self.pos.fill_(pos)
         captured = self._captured[bisect.bisect_right(self.spans, pos)]
         last = len(self.devices) - 1
         for shard, (graph, device) in enumerate(zip(captured.graphs, self.devices, strict=True)):
@@ -111,11 +121,16 @@ class GraphedDecode:
             if shard < last:
                 for dst, src in zip(self._inputs[shard + 1], captured.outputs[shard], strict=True):
                     dst.copy_(src)
+        self._next_pos = pos + 1 if self._chained else None
         if self._set_length is not None:
             self._set_length(pos + 1)  # a model that tracks its length on the host learns it here
         # On the last shard's device: sampling runs wherever the logits are, and a greedy step
         # reads only the pick, so no step copies the vocabulary's logits between GPUs.
         return captured.outputs[-1][0], captured.greedy
+
+    def chains(self, pos: int) -> bool:
+        """Whether step(None, pos) may run: the last replay was at pos - 1 and left its pick in place."""
+        return self._chained and self._next_pos == pos
 
     def close(self) -> None:
         self._captured.clear()
@@ -146,6 +161,9 @@ class GraphedDecode:
                         logits = out[0]
                         top, best = logits.max(0)
                         greedy = torch.stack((best.double(), (top - torch.logsumexp(logits, 0)).double()))
+                        if self._chained:
+                            self.token.copy_(best.view(1))
+                            self.pos.add_(1)
             graphs.append(graph)
             outputs.append(out)
             if shard + 1 < len(self.devices) and len(self._inputs) == shard + 1:

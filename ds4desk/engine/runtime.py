@@ -78,10 +78,12 @@ class Runtime:
             self.graphs = None
         self.model.free_cache()
 
-    def _decode(self, token: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits after `token` at `pos`, and from a graph also its greedy pick (see GraphedDecode)."""
+    def _decode(self, token: torch.Tensor | None, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits after `token` at `pos`, and from a graph also its greedy pick (see GraphedDecode;
+        token None: that pick, chained on the device)."""
         if self.graphs is not None:
             return self.graphs.step(token, pos)
+        assert token is not None
         logits = self.model.forward(token.view(1), pos, "last")
         assert logits is not None
         return logits, None
@@ -168,9 +170,12 @@ class Runtime:
             while True:
                 try:
                     forced = gate.forced_token() if gate is not None else None
+                    token_t: torch.Tensor | None
                     if forced is None and greedy_pick is not None and sampling.greedy:
                         pick = greedy_pick  # already chosen inside the captured graph
-                        token_t = pick[0].long()
+                        # None: the graph feeds its own pick to the next step, with no launch here.
+                        assert self.graphs is not None
+                        token_t = None if self.graphs.chains(pos) else pick[0].long()
                     else:
                         if forced is None:
                             token_t, logprob_t = sample(logits, sampling, generator)

@@ -93,6 +93,30 @@ def test_replayed_graphs_give_the_eager_tokens(tmp_path: Path) -> None:
     assert max(abs(a - b) for a, b in zip(graph_logprobs, eager_logprobs, strict=True)) < 1e-3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_greedy_step_chains_its_pick_on_the_device(tmp_path: Path) -> None:
+    """step(None, pos) feeds the previous replay's greedy pick at the next position with no launch
+    from the host: the same logits as feeding that pick explicitly; anywhere else it refuses."""
+    source = save_tiny("llama", tmp_path / "llama", max_position_embeddings=512)[1]
+    device = torch.device("cuda")
+    runtime = Runtime(load_model(source, device, torch.float32).model, device, context=512, graphs=True)
+    graphs = runtime.graphs
+    assert graphs is not None
+    prompt = list(range(3, 60))
+    with torch.inference_mode():
+        runtime.prefill_logits(prompt)
+        at = len(prompt)
+        _, pick = graphs.step(torch.tensor([7], device=device), at)
+        picked = int(pick[0].item())
+        assert graphs.chains(at + 1) and not graphs.chains(at) and not graphs.chains(at + 2)
+        chained = graphs.step(None, at + 1)[0].clone()
+        explicit = graphs.step(torch.tensor([picked], device=device), at + 1)[0]
+        torch.testing.assert_close(chained, explicit, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="no greedy pick"):
+            graphs.step(None, 5)
+    runtime.close()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fused_prefill_attention_equals_the_cpu_layout(sources, family: str) -> None:
     """The GPU's flash-shaped prefill attention (switched on here on the CPU) gives the logits of

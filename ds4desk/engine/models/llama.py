@@ -29,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models import decode_attention as fused_decode
+from ds4desk.engine.models import dense_decode_kernels as kernels
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
@@ -644,11 +645,13 @@ class DenseModel(nn.Module):
             x = F.embedding(token, self.model.embed_tokens.weight)  # [1, hidden]
         else:
             x, here = inputs
+        fused = self.decode_attention == "triton" and fused_decode.available(shard.device)
+        if fused and self._kernels_fit(shard):
+            return self._decode_shard_kernels(index, shard, x, here, span)
         cos_table, sin_table, keys_at = shard.cos, shard.sin, shard.key_positions
         assert cos_table is not None and sin_table is not None and keys_at is not None
         cos, sin = cos_table.index_select(0, here), sin_table.index_select(0, here)  # [1, D]
         keys_at = keys_at[:span]
-        fused = self.decode_attention == "triton" and fused_decode.available(shard.device)
         biases: dict[int | None, torch.Tensor] = {}  # 0 where a key may be read, -inf elsewhere
         windows = set() if fused else {plan.window for plan in shard.plans}  # the kernel masks itself
         for window in windows:
@@ -700,6 +703,45 @@ class DenseModel(nn.Module):
             return x, here
         x = _rms_norm(x, self.model.norm.weight, eps, exact)
         return (torch.mm(x, self._head().t()).float()[0],)
+
+    def _kernels_fit(self, shard: _Shard) -> bool:
+        """Whether the shard's graphed step can run on dense_decode_kernels (see there)."""
+        if not kernels.available(shard.device) or not kernels.fits_heads(self.config.head_dim):
+            return False
+        weights = [self._head()] if shard is self._shards[-1] else []
+        for plan in shard.plans:
+            weights += [plan.qkv_w_t.t(), plan.o_w_t.t(), plan.gu_w_t.t(), plan.down_w_t.t()]
+        return all(kernels.fits(w) for w in weights)
+
+    def _decode_shard_kernels(
+        self, index: int, shard: _Shard, x: torch.Tensor, here: torch.Tensor, span: int
+    ) -> tuple[torch.Tensor, ...]:
+        """decode_shard on the fused kernels: seven a layer (norm+qkv, rope+cache write, attention
+        pair, o + residual, norm+gate/up, SiLU·up + down + residual)."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_width = heads * dim
+        buffers, cos, sin = shard.decode, shard.cos, shard.sin
+        assert buffers is not None and cos is not None and sin is not None
+        if index:
+            x = x.clone()  # the residual is updated in place: never in the graph's input buffer
+        for plan in shard.plans:
+            assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
+            kernels.norm_gemv(x, plan.ln1, plan.qkv_w_t.t(), plan.qkv_b, eps, out=buffers.qkv)
+            kernels.rope_write(buffers.qkv, cos, sin, here, plan.kv_cache, heads, plan.qk_norm, eps)
+            q = buffers.qkv[0, :q_width].view(kv_heads, heads // kv_heads, dim)
+            attn = fused_decode.decode_attention(
+                q, plan.keys[0, :, :span], plan.values[0, :, :span], here, dim**-0.5, plan.window
+            )
+            kernels.gemv_add_(x, attn.view(1, q_width), plan.o_w_t.t(), plan.o_b, silu=False)
+            kernels.norm_gemv(x, plan.ln2, plan.gu_w_t.t(), plan.gu_b, eps, out=buffers.gate_up)
+            kernels.gemv_add_(x, buffers.gate_up, plan.down_w_t.t(), plan.down_b, silu=True)
+        if index + 1 < len(self._shards):
+            return x, here
+        head = self._head()
+        logits = torch.empty((1, head.shape[0]), device=x.device, dtype=torch.float32)
+        return (kernels.norm_gemv(x, self.model.norm.weight, head, None, eps, out=logits)[0],)
 
     def _decode_step(self, input_ids: torch.Tensor, pos: int) -> torch.Tensor:
         """One token through every layer; returns the final hidden state [1, hidden] (unnormed).

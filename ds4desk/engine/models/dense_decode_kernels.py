@@ -1,0 +1,321 @@
+"""Fused kernels for the dense family's graphed decode step (batch 1, one token).
+
+A layer of the step was ~17 kernels: four weight GEMVs (cuBLAS), two RMSNorms, three for the
+rotary embedding, the cache write, SiLU and the product, the residual copies of two addmm, and the
+attention pair. Inside a captured graph each costs ~2-3 µs of launch and tail however little it
+does, which at 16 layers was a third of the step. Here a layer is seven kernels:
+
+- `norm_gemv`: RMSNorm folded into the GEMV that reads its output (every program re-reads the 4-16 KB
+  input row from L2 and computes the norm itself, so the normed row never exists in memory);
+- `rope_write`: RoPE (and Qwen3's per-head norm) on the queries in place and on the keys, which go
+  straight into the cache at the position read on the device, with the values;
+- `gemv_add_`: a GEMV whose result is added into the residual in place, optionally reading SiLU(g)·u
+  from the gate/up row as its input (the MLP's activation is never stored either).
+
+The GEMVs stream the weight rows at close to the copy bandwidth; tiles never cross a row end (K a
+multiple of BLOCK_K, N of BLOCK_N), which every checkpoint this app runs satisfies; `available`
+says where the kernels run (NVIDIA GPUs with Triton) and the model keeps its torch form elsewhere.
+`reference_*` are the same math in torch, for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds4desk.engine.models.triton_launch import on_its_device
+
+# None: the kernels where they can run; False: never (the torch form); True: always (the tests, on
+# Triton's interpreter).
+FUSED: bool | None = None
+
+# (BLOCK_N, BLOCK_K, num_warps) forced for every shape: what the sweep tries settings with.
+OVERRIDE: tuple[int, int, int] | None = None
+
+
+def available(device: torch.device) -> bool:
+    if FUSED is not None:
+        return FUSED
+    return device.type == "cuda" and torch.version.hip is None and _kernels() is not None
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether a [N, K] weight can take the GEMV kernels (rows contiguous, tiles that divide it)."""
+    n, k = weight.shape
+    return weight.stride(1) == 1 and n % 4 == 0 and k % 64 == 0
+
+
+def fits_heads(head_dim: int) -> bool:
+    """rope_write holds a head in one power-of-two block."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps). The H200 sweep (`python3 bench/dense_decode_kernels.py --sweep`,
+    docs/BENCHMARKS.md) was fastest on every shape of the 1.07B model with 4 rows by 1024 columns a
+    tile: many small programs, each a long contiguous run per row; 8 warps for the long rows of the
+    down projection. Wide tiles were up to 12x slower on the 49,152-row head."""
+    if OVERRIDE is not None:
+        return OVERRIDE
+    block_k = next(size for size in (1024, 512, 256, 128, 64) if k % size == 0)
+    return 4, block_k, 8 if k >= 8192 else 4
+
+
+# --- torch forms (the tests' reference) -----------------------------------------------------------
+
+
+def reference_norm_gemv(
+    x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    h = F.rms_norm(x, (x.shape[-1],), norm, eps)
+    return F.linear(h, weight, bias)
+
+
+def reference_gemv_add_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool
+) -> torch.Tensor:
+    if silu:
+        width = x.shape[-1] // 2
+        x = F.silu(x[..., :width]) * x[..., width:]
+    return residual.add_(F.linear(x, weight, bias))
+
+
+def reference_rope_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    cache: torch.Tensor,
+    heads: int,
+    qk_norm: torch.Tensor | None,
+    eps: float,
+) -> None:
+    kv_heads, dim = cache.shape[1], cache.shape[3]
+    rows = qkv.view(heads + 2 * kv_heads, dim)
+    qk = rows[: heads + kv_heads]
+    src = qk.float()
+    if qk_norm is not None:
+        src = F.rms_norm(src, (dim,), None, eps).to(qkv.dtype).float() * qk_norm.float()
+    swap = torch.arange(dim, device=qkv.device).roll(dim // 2)
+    c, s = cos.index_select(0, pos).float(), sin.index_select(0, pos).float()
+    qk.copy_(src * c + src[:, swap] * s)
+    cache.index_copy_(2, pos, rows[heads:].view(2, kv_heads, 1, dim))
+
+
+# --- the kernels ----------------------------------------------------------------------------------
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out [1, N] = RMSNorm(x [1, K]; norm) @ weightᵀ (+ bias), in out's dtype (float32 for logits)."""
+    kernels = _kernels()
+    assert kernels is not None
+    kernels.gemv(x, weight, out, bias, norm, eps, with_norm=True, silu=False, residual=False)
+    return out
+
+
+def gemv_add_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool
+) -> torch.Tensor:
+    """residual [1, N] += x @ weightᵀ (+ bias), rounded once; silu: x is [1, 2K] gate | up and the
+    input is SiLU(gate) · up."""
+    kernels = _kernels()
+    assert kernels is not None
+    kernels.gemv(x, weight, residual, bias, None, 0.0, with_norm=False, silu=silu, residual=True)
+    return residual
+
+
+def rope_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    cache: torch.Tensor,
+    heads: int,
+    qk_norm: torch.Tensor | None,
+    eps: float,
+) -> None:
+    """Rotate the queries of qkv [1, (H + 2 KV) D] in place and write the rotated keys and the values
+    into cache [2, KV, context, D] at the position in pos (int64 [1]); cos / sin [context, D] are the
+    model's tables (the sign of rotate_half folded into sin)."""
+    kernels = _kernels()
+    assert kernels is not None
+    kernels.rope_write(qkv, cos, sin, pos, cache, heads, qk_norm, eps)
+
+
+@dataclass(slots=True)
+class _Kernels:
+    gemv: Callable[..., None]
+    rope_write: Callable[..., None]
+
+
+@functools.cache
+def _kernels() -> _Kernels | None:
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # no Triton: the torch form runs
+        return None
+
+    @triton.jit
+    def gemv_kernel(
+        x,
+        w,
+        out,
+        bias,
+        norm,
+        stride_w,
+        eps,
+        K: tl.constexpr,
+        NORM: tl.constexpr,
+        SILU: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        rstd = 1.0
+        if NORM:  # the row is a few KB and hot in L2: every program computes its norm
+            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                v = tl.load(x + k0 + kk).to(tl.float32)
+                squares += v * v
+            rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        rows = w + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if SILU:
+                g = tl.load(x + k0 + kk).to(tl.float32)
+                u = tl.load(x + K + k0 + kk).to(tl.float32)
+                v = (g * tl.sigmoid(g) * u).to(w.dtype.element_ty).to(tl.float32)
+            elif NORM:
+                v = tl.load(x + k0 + kk).to(tl.float32) * rstd
+                v = (v * tl.load(norm + k0 + kk).to(tl.float32)).to(w.dtype.element_ty).to(tl.float32)
+            else:
+                v = tl.load(x + k0 + kk).to(tl.float32)
+            acc += tl.load(rows + k0).to(tl.float32) * v[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(bias + n).to(tl.float32)
+        if RESIDUAL:
+            y += tl.load(out + n).to(tl.float32)
+        tl.store(out + n, y.to(out.dtype.element_ty))
+
+    @triton.jit
+    def rope_write_kernel(
+        qkv,
+        cos,
+        sin,
+        pos_ptr,
+        cache,
+        qk_norm,
+        eps,
+        stride_table,
+        stride_kind,
+        stride_head,
+        stride_pos,
+        HEADS: tl.constexpr,
+        KV: tl.constexpr,
+        D: tl.constexpr,
+        QK_NORM: tl.constexpr,
+    ):
+        head = tl.program_id(0)  # queries, then keys, then values
+        pos = tl.load(pos_ptr)
+        d = tl.arange(0, D)
+        row = qkv + head * D
+        v = tl.load(row + d).to(tl.float32)
+        if head < HEADS + KV:
+            partner = tl.load(row + (d + D // 2) % D).to(tl.float32)
+            if QK_NORM:  # the normed row is rounded to the model dtype before its weight, as in torch
+                rstd = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+                weight = tl.load(qk_norm + head * D + d).to(tl.float32)
+                weight_partner = tl.load(qk_norm + head * D + (d + D // 2) % D).to(tl.float32)
+                v = (v * rstd).to(qkv.dtype.element_ty).to(tl.float32) * weight
+                partner = (partner * rstd).to(qkv.dtype.element_ty).to(tl.float32) * weight_partner
+            c = tl.load(cos + pos * stride_table + d).to(tl.float32)
+            s = tl.load(sin + pos * stride_table + d).to(tl.float32)
+            v = v * c + partner * s
+            if head < HEADS:
+                tl.store(row + d, v.to(qkv.dtype.element_ty))
+            else:
+                at = cache + (head - HEADS) * stride_head + pos * stride_pos
+                tl.store(at + d, v.to(cache.dtype.element_ty))
+        else:
+            at = cache + stride_kind + (head - HEADS - KV) * stride_head + pos * stride_pos
+            tl.store(at + d, v.to(cache.dtype.element_ty))
+
+    def gemv(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm: torch.Tensor | None,
+        eps: float,
+        *,
+        with_norm: bool,
+        silu: bool,
+        residual: bool,
+    ) -> None:
+        n, k = weight.shape
+        block_n, block_k, warps = gemv_config(n, k)
+        gemv_kernel[(n // block_n,)](
+            x,
+            weight,
+            out,
+            bias if bias is not None else out,
+            norm if norm is not None else x,
+            weight.stride(0),
+            eps,
+            K=k,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            NORM=with_norm,
+            SILU=silu,
+            RESIDUAL=residual,
+            num_warps=warps,
+        )
+
+    def rope(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pos: torch.Tensor,
+        cache: torch.Tensor,
+        heads: int,
+        qk_norm: torch.Tensor | None,
+        eps: float,
+    ) -> None:
+        kv_heads, dim = cache.shape[1], cache.shape[3]
+        rope_write_kernel[(heads + 2 * kv_heads,)](
+            qkv,
+            cos,
+            sin,
+            pos,
+            cache,
+            qk_norm if qk_norm is not None else qkv,
+            eps,
+            cos.stride(0),
+            cache.stride(0),
+            cache.stride(1),
+            cache.stride(2),
+            HEADS=heads,
+            KV=kv_heads,
+            D=dim,
+            QK_NORM=qk_norm is not None,
+            num_warps=1 if dim <= 128 else 2,
+        )
+
+    return _Kernels(on_its_device(gemv), on_its_device(rope))
