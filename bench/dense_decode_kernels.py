@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.models import dense_decode_kernels as kd
+from ds4desk.engine.models import triton_launch
 
 HIDDEN, FFN, QKV, VOCAB = 2048, 8192, 3072, 49152
 # (name, N, K, kind): kind says what the torch side and the kernel do.
@@ -97,6 +98,9 @@ def bench_shape(name: str, n: int, k: int, kind: str, configs: list[tuple[int, i
     kd.OVERRIDE = None
     row["default_config"] = list(kd.gemv_config(n, k))
     row["kernel_us"] = graph_time(kernel_side, copies) * 1e6
+    triton_launch.PDL = False
+    row["kernel_no_pdl_us"] = graph_time(kernel_side, copies) * 1e6
+    triton_launch.PDL = None
     row["kernel_tb_s"] = size / row["kernel_us"] / 1e6
     row["torch_tb_s"] = size / row["torch_us"] / 1e6
     if configs:
@@ -136,7 +140,11 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1))
     total_torch = sum(r["torch_us"] for r in rows)
     total_kernel = sum(r["kernel_us"] for r in rows)
-    print(f"sum over the five shapes: torch {total_torch:.1f} us, kernels {total_kernel:.1f} us")
+    no_pdl = sum(r["kernel_no_pdl_us"] for r in rows)
+    print(
+        f"sum over the five shapes: torch {total_torch:.1f} us, kernels {total_kernel:.1f} us "
+        f"({no_pdl:.1f} us without programmatic dependent launch)"
+    )
 
 
 if __name__ == "__main__":

@@ -204,12 +204,18 @@ def prompt_ids(count: int, vocab: int) -> list[int]:
 
 
 def bench_ds4desk_dense(
-    folder: Path, graphs: bool, chunk: int = 4096, decode_attention: str = "triton", kernels: bool = True
+    folder: Path,
+    graphs: bool,
+    chunk: int = 4096,
+    decode_attention: str = "triton",
+    kernels: bool = True,
+    pdl: bool = True,
 ) -> dict[str, object]:
     from ds4desk.engine.loading.detect import inspect_model
-    from ds4desk.engine.models import dense_decode_kernels
+    from ds4desk.engine.models import dense_decode_kernels, triton_launch
 
     dense_decode_kernels.FUSED = None if kernels else False
+    triton_launch.PDL = None if pdl else False
 
     device = torch.device("cuda")
     source = inspect_model(folder, folder.parent / "cache")
@@ -222,11 +228,14 @@ def bench_ds4desk_dense(
         name += f"-{decode_attention}"
     if not kernels:
         name += "-cublas"
+    if not pdl:
+        name += "-nopdl"
     row: dict[str, object] = {
         "engine": name,
         "graphs": graphs,
         "decode_attention": decode_attention,
         "fused_decode_kernels": kernels,
+        "programmatic_dependent_launch": pdl,
     }
     greedy = SamplingParams(temperature=0.0)
     with torch.inference_mode():
@@ -250,7 +259,7 @@ def bench_ds4desk_dense(
                     lambda ids=ids: runtime.prefill_logits(ids)
                 )
     runtime.close()
-    dense_decode_kernels.FUSED = None
+    dense_decode_kernels.FUSED = triton_launch.PDL = None
     gc.collect()
     torch.cuda.empty_cache()
     return row
@@ -327,6 +336,7 @@ def run(args: argparse.Namespace) -> None:
     rows = []
     engines: list[tuple[str, Callable[[], dict[str, object]]]] = [
         ("ds4desk", lambda: bench_ds4desk_dense(work / "dense", graphs=True)),
+        ("ds4desk-nopdl", lambda: bench_ds4desk_dense(work / "dense", True, pdl=False)),
         ("ds4desk-cublas", lambda: bench_ds4desk_dense(work / "dense", True, kernels=False)),
         ("ds4desk-matmul", lambda: bench_ds4desk_dense(work / "dense", True, decode_attention="matmul")),
         ("ds4desk-eager", lambda: bench_ds4desk_dense(work / "dense", graphs=False)),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.models.triton_launch import on_its_device
+from ds4desk.engine.models.triton_launch import on_its_device, pdl
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
 # eager ops); True: always through the custom op (on the CPU its body is the eager math).
@@ -160,7 +160,11 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         TILES: tl.constexpr,
         WINDOWED: tl.constexpr,
         F32: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # launched early (triton_launch.PDL): the cache row at pos comes from the kernel before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         head = tl.program_id(0)
         split = tl.program_id(1)
         pos = tl.load(pos_ptr).to(tl.int32)
@@ -233,7 +237,11 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         DIM: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         head = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.arange(0, BLOCK_S)
@@ -276,6 +284,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         # float32 stays float32 (no TF32), like the eager matmuls; Triton's CPU interpreter multiplies
         # bfloat16 tiles wrongly (numpy has no bfloat16), so there they are widened too.
         f32 = q.dtype == torch.float32 or (not q.is_cuda and q.dtype == torch.bfloat16)
+        use_pdl = pdl(q)
         split_kernel[(kv_heads, splits)](
             q,
             keys,
@@ -303,6 +312,8 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             TILES=chunk // block,
             WINDOWED=window is not None,
             F32=f32,
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
             # Pipelined float32 tiles take up to 140 KB of shared memory at head size 128: more
             # than consumer GPUs have (~100 KB). Unpipelined: 45 KB. (bf16 takes <= 41 KB anyway.)
             **({"num_stages": 1} if f32 else {}),
@@ -317,6 +328,8 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             DIM=dim,
             BLOCK_S=max(2, triton.next_power_of_2(splits)),
             BLOCK_D=block_d,
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
         )
         return out
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.models.triton_launch import on_its_device
+from ds4desk.engine.models.triton_launch import on_its_device, pdl
 
 # None: the kernels where they can run; False: never (the torch form); True: always (the tests, on
 # Triton's interpreter).
@@ -183,9 +183,16 @@ def _kernels() -> _Kernels | None:
         HAS_BIAS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
+        rows = w + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
+        # No earlier kernel writes the weights: the first tile streams in while that kernel ends.
+        tile = tl.load(rows)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rstd = 1.0
         if NORM:  # the row is a few KB and hot in L2: every program computes its norm
             squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -193,9 +200,10 @@ def _kernels() -> _Kernels | None:
                 v = tl.load(x + k0 + kk).to(tl.float32)
                 squares += v * v
             rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        rows = w + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
+            # The input row's columns, rounded to the weight dtype as torch's normed or activated
+            # row would be.
             if SILU:
                 g = tl.load(x + k0 + kk).to(tl.float32)
                 u = tl.load(x + K + k0 + kk).to(tl.float32)
@@ -205,7 +213,8 @@ def _kernels() -> _Kernels | None:
                 v = (v * tl.load(norm + k0 + kk).to(tl.float32)).to(w.dtype.element_ty).to(tl.float32)
             else:
                 v = tl.load(x + k0 + kk).to(tl.float32)
-            acc += tl.load(rows + k0).to(tl.float32) * v[None, :]
+            acc += tile.to(tl.float32) * v[None, :]
+            tile = tl.load(rows + k0 + BLOCK_K, mask=k0 + BLOCK_K < K, other=0.0)
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(bias + n).to(tl.float32)
@@ -230,7 +239,11 @@ def _kernels() -> _Kernels | None:
         KV: tl.constexpr,
         D: tl.constexpr,
         QK_NORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         head = tl.program_id(0)  # queries, then keys, then values
         pos = tl.load(pos_ptr)
         d = tl.arange(0, D)
@@ -270,6 +283,7 @@ def _kernels() -> _Kernels | None:
     ) -> None:
         n, k = weight.shape
         block_n, block_k, warps = gemv_config(n, k)
+        use_pdl = pdl(x)
         gemv_kernel[(n // block_n,)](
             x,
             weight,
@@ -285,7 +299,9 @@ def _kernels() -> _Kernels | None:
             NORM=with_norm,
             SILU=silu,
             RESIDUAL=residual,
+            PDL=use_pdl,
             num_warps=warps,
+            launch_pdl=use_pdl,
         )
 
     def rope(
@@ -299,6 +315,7 @@ def _kernels() -> _Kernels | None:
         eps: float,
     ) -> None:
         kv_heads, dim = cache.shape[1], cache.shape[3]
+        use_pdl = pdl(qkv)
         rope_write_kernel[(heads + 2 * kv_heads,)](
             qkv,
             cos,
@@ -315,7 +332,9 @@ def _kernels() -> _Kernels | None:
             KV=kv_heads,
             D=dim,
             QK_NORM=qk_norm is not None,
+            PDL=use_pdl,
             num_warps=1 if dim <= 128 else 2,
+            launch_pdl=use_pdl,
         )
 
     return _Kernels(on_its_device(gemv), on_its_device(rope))

@@ -6,6 +6,7 @@ GPUs than the current one: every launcher goes through `on_its_device`."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -25,3 +26,24 @@ def on_its_device(launch: Callable[..., _T]) -> Callable[..., _T]:
             return launch(first, *args, **kwargs)
 
     return run
+
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
+# kernel before it finishes, and waits for that kernel's results in `griddepcontrol.wait`; the decode
+# kernels stream weights that no earlier kernel writes before that wait, which hides the gap between
+# two small kernels. None: on where it exists (CUDA capability 9+, not Triton's interpreter).
+PDL: bool | None = None
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels for `t` launch with programmatic dependent launch (see PDL)."""
+    if PDL is not None:
+        return PDL and t.is_cuda
+    if not t.is_cuda or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capability(t.device.index or 0) >= 9
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
