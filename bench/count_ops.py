@@ -10,10 +10,13 @@ bench/gpu_deepseek_v4.py's Flash-shaped config, only narrower (op counts do not 
 Composite ops are counted by the kernels they decompose into; views, allocations and other ops that
 launch nothing are not counted. Counts are printed twice: with the hyper-connection weights as the
 eager ops (CPU, or a GPU without Triton) and as the one Triton kernel they are on an NVIDIA GPU.
+In the fused count a decode step's hyper-connection sites are also fused (v4_hc_fused): one op each,
+which is two Triton kernels on the GPU (split-K expand + mix, then weights + collapse + norm).
 
 Measured with it (bf16, views excluded; 2026-11-30):
 - before (the first graphable decode step): decode 2,030 ops, prefill chunk 2,403.
 - after: decode 542 fused (1,214 eager), prefill chunk 672 fused (1,344 eager).
+- with the fused hc sites (--prompt 200 --chunk 64): decode 458 ops (hc: 13, the 8 sites one op each).
 
 --cuda builds the full-width model on the GPU and reports the kernels a decode step launches (from
 the profiler), the CUDA-graph decode time, eager decode time and prefill tok/s, for this version and
@@ -39,7 +42,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.make_tiny import TINY_CONFIG, random_state
 from ds4desk.engine.models import deepseek_v4 as v4
-from ds4desk.engine.models import v4_hc_kernel
+from ds4desk.engine.models import (
+    v4_compress_step,
+    v4_decode_attention,
+    v4_hc_fused,
+    v4_hc_kernel,
+    v4_prefill_attention,
+)
+
+# Every fused op of the model (a custom op: one op here, its kernels on the GPU).
+FUSED_MODULES = (v4_hc_kernel, v4_hc_fused, v4_decode_attention, v4_compress_step, v4_prefill_attention)
 
 # bench/gpu_deepseek_v4.py's FLASH_SHAPES with the widths cut (heads, experts, top-k, window and
 # rates kept: they decide loops and op counts).
@@ -135,7 +147,7 @@ def _label_methods(model: v4.DeepseekV4Model, counter: OpCounter) -> None:
 
         setattr(model, name, labelled)
 
-    for name in ("_hc_site", "_hc_weights", "_hc_pre", "_hc_post"):
+    for name in ("_hc_site", "_hc_weights", "_hc_pre", "_hc_post", "_hc_site_fused", "_hc_head_fused"):
         wrap(name, lambda *a: "hc")
     for name in ("_attention", "_decode_attention"):
         wrap(name, lambda index, *a: f"attn:{types[index].split('_')[0]}")
@@ -367,13 +379,16 @@ def main() -> None:
     counter = OpCounter()
     _label_methods(model, counter)
     results = {}
-    # The hyper-connection weights are one Triton kernel on CUDA and ~85 ops elsewhere; count both.
-    modes = ((False, "eager hc weights (CPU, or no Triton)"), (True, "fused hc weights (CUDA + Triton)"))
+    # Each fused op (hyper-connection weights and sites, decode and prefill attention, the compressor
+    # step) is one custom op on CUDA + Triton and the eager ops elsewhere: count both.
+    modes = ((False, "eager ops (CPU, or no Triton)"), (True, "fused ops (CUDA + Triton)"))
     for fused, what in modes:
         print(f"\n=== {what} ===")
-        v4_hc_kernel.FUSED = fused
+        for module in FUSED_MODULES:
+            module.FUSED = fused
         results["fused" if fused else "eager"] = count(model, counter, args)
-    v4_hc_kernel.FUSED = None
+    for module in FUSED_MODULES:
+        module.FUSED = None
     if args.json:
         print(json.dumps({"dtype": args.dtype, **results}))
 

@@ -212,9 +212,9 @@ def bench_ds4desk_dense(
     pdl: bool = True,
 ) -> dict[str, object]:
     from ds4desk.engine.loading.detect import inspect_model
-    from ds4desk.engine.models import dense_decode_kernels, triton_launch
+    from ds4desk.engine.models import decode_kernels, triton_launch
 
-    dense_decode_kernels.FUSED = None if kernels else False
+    decode_kernels.FUSED = None if kernels else False
     triton_launch.PDL = None if pdl else False
 
     device = torch.device("cuda")
@@ -259,7 +259,7 @@ def bench_ds4desk_dense(
                     lambda ids=ids: runtime.prefill_logits(ids)
                 )
     runtime.close()
-    dense_decode_kernels.FUSED = triton_launch.PDL = None
+    decode_kernels.FUSED = triton_launch.PDL = None
     gc.collect()
     torch.cuda.empty_cache()
     return row
@@ -373,6 +373,8 @@ def run(args: argparse.Namespace) -> None:
                 ),
                 ("transformers", lambda c=count: v4.bench_transformers(folder, c, NEW_TOKENS, 1)),
             ):
+                if f"v4:{name}" in args.skip:
+                    continue
                 try:
                     prefill, decode = fn()
                     v4_rows.append(
@@ -421,7 +423,7 @@ def main() -> None:
         "--skip",
         default="",
         type=lambda text: set(filter(None, text.split(","))),
-        help="engines to leave out",
+        help="engines to leave out (v4:NAME for a DeepSeek-V4 row)",
     )
     go.add_argument("--work", type=Path, help="where to write the models (default: a temporary folder)")
     go.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

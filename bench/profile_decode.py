@@ -1,10 +1,11 @@
 """Where a decode step's time goes on the GPU (the dense model of bench/gpu_speed.py).
 
-    python3 bench/profile_decode.py --model DIR [--depth 512]
+    python3 bench/profile_decode.py --model DIR [--depth 512] [--prefill 4096]
 
 Prints: the time of one replayed graph step with nothing else around it (the GPU's share), the
 time of a full Runtime decode step (graph + sampling + the host's share), and torch.profiler's
-kernel table for the same step run eagerly, so each kernel's GPU time can be read off.
+kernel table for the same step run eagerly, so each kernel's GPU time can be read off. --prefill N
+adds the kernel table of one N-token prefill (one chunk).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--depth", type=int, default=512)
+    parser.add_argument("--prefill", type=int, default=0, help="also profile a prefill of this many tokens")
     args = parser.parse_args()
     device = torch.device("cuda")
     source = inspect_model(args.model, args.model.parent / "cache")
     model = load_model(source, device, torch.bfloat16).model
-    runtime = Runtime(model, device, context=args.depth + 300, chunk=4096, graphs=True)
+    context = max(args.depth + 300, args.prefill)
+    runtime = Runtime(model, device, context=context, chunk=max(4096, args.prefill), graphs=True)
     graphs = runtime.graphs
     assert graphs is not None
     ids = [(i * 7919 + 13) % 49000 + 100 for i in range(args.depth)]
@@ -66,6 +69,18 @@ def main() -> None:
     gpu_us = sum(e.self_device_time_total for e in events) / 10
     kernels = sum(e.count for e in events) / 10
     print(f"eager step: {gpu_us:.0f} us of kernel time in {kernels:.0f} kernels per step")
+    if args.prefill:
+        prompt = [(i * 7919 + 13) % 49000 + 100 for i in range(args.prefill)]
+        with torch.inference_mode():
+            runtime.prefill_logits(prompt)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    runtime.prefill_logits(prompt)
+                torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        prefill_ms = sum(e.self_device_time_total for e in events) / 3e3
+        print(f"prefill of {args.prefill}: {prefill_ms:.2f} ms of kernels")
 
 
 if __name__ == "__main__":

@@ -82,8 +82,8 @@ class Stepper:
 
     def __init__(self, model: DeepseekV4Model) -> None:
         self.model = model
-        self.token = torch.zeros(1, dtype=torch.int64)
-        self.pos = torch.zeros(1, dtype=torch.int64)
+        self.token = torch.zeros(1, dtype=torch.int64, device=model.device)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=model.device)
 
     def step(self, token: int, pos: int, span: int) -> torch.Tensor:
         self.token.fill_(token)

@@ -35,9 +35,12 @@ from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
+from ds4desk.engine.models import decode_kernels, v4_compress_step, v4_hc_fused
 from ds4desk.engine.models.llama import LogitsMode
 from ds4desk.engine.models.quant_kernels import fp4_experts_gemv, fp4_grouped_matmul, fp8_linear
+from ds4desk.engine.models.v4_decode_attention import decode_attention
 from ds4desk.engine.models.v4_hc_kernel import hc_weights
+from ds4desk.engine.models.v4_prefill_attention import prefill_attention
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
 SLIDING = "sliding_attention"
@@ -614,7 +617,12 @@ class DeepseekV4Model(nn.Module):
         """Give every parameter real (uninitialised) storage on `device` (or where the split puts
         it), keeping its dtype."""
         split = self._split
+        # The compressors the loader fills: kv_proj and gate_proj become the row halves of one
+        # tensor, so a decode step projects once (v4_compress_step.projections).
+        fresh = [m for m in self.modules() if isinstance(m, _Compressor) and m.kv_proj.weight.is_meta]
         materialize_parameters(self, device, split)
+        for comp in fresh:
+            v4_compress_step.fuse_projections(comp)
 
     def finish_loading(self) -> None:
         """After the weights are in: check the hash tables and derive the rope frequencies."""
@@ -876,7 +884,7 @@ class DeepseekV4Model(nn.Module):
         kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
 
         # Raw keys: each query t sees exactly the W positions t - W + 1 .. t, so every query gets
-        # a window of its own, [T, d, W], cut from [padding | ring rows before this chunk, in
+        # a window of its own, rows t .. t + W - 1 of [padding | ring rows before this chunk, in
         # logical order | the chunk's keys]: W scores a query instead of the chunk's whole length.
         # The chunk goes into the ring only after the old rows were gathered, so early queries
         # still see keys a wrapped chunk overwrites.
@@ -885,34 +893,21 @@ class DeepseekV4Model(nn.Module):
         device = x.device
         ring_rows = state.ring.index_select(0, torch.arange(start - old, start, device=device) % window)
         keys = torch.cat([kv.new_zeros((pad, dim)), ring_rows, kv])  # [W - 1 + T, d]
-        # A copy: cuBLAS takes no overlapping batches (on the strided view the products ran 5x slower).
-        windows = keys.unfold(0, window, 1).contiguous()
         kept = min(count, window)
         state.ring.index_copy_(
             0, torch.arange(start + count - kept, start + count, device=device) % window, kv[-kept:]
         )
 
-        scale = dim**-0.5
-        scores = [torch.bmm(q, windows).float().mul_(scale)]  # [T, H, W] float32
-        if pad:
-            slots = torch.arange(count, device=device).unsqueeze(1) + torch.arange(window, device=device)
-            scores[0].masked_fill_((slots < pad).unsqueeze(1), -math.inf)
-        extra: torch.Tensor | None = None
+        entries: torch.Tensor | None = None
+        picks: torch.Tensor | None = None
+        extra_bias: torch.Tensor | None = None
         if attn.compressor is not None:
-            extra, extra_bias = self._compressed_keys(layer_type, attn.compressor, state, x, q_res, start)
-            if extra.dim() == 2:  # [E, d]: every query scores the same entries (HCA)
-                extra_scores = torch.matmul(q, extra.t())
-            else:  # [T, k, d]: each query its own indexer picks (CSA)
-                extra_scores = torch.bmm(q, extra.transpose(1, 2))
-            scores.append(torch.add(extra_bias.unsqueeze(1), extra_scores, alpha=scale))  # [T, H, E or k]
-
-        # One softmax over raw keys, compressed keys and the per-head sink logit (no value).
-        sink = attn.sinks.view(1, heads, 1).expand(count, heads, 1)
-        probs = torch.softmax(torch.cat([*scores, sink], dim=-1), dim=-1).to(keys.dtype)
-        out = torch.bmm(probs[..., :window], windows.transpose(1, 2))  # [T, H, d]
-        if extra is not None:
-            weights = probs[..., window:-1]
-            out = out + (torch.matmul(weights, extra) if extra.dim() == 2 else torch.bmm(weights, extra))
+            entries, picks, extra_bias = self._compressed_keys(
+                layer_type, attn.compressor, state, x, q_res, start
+            )
+        # One softmax over raw keys, compressed keys and the per-head sink logit (no value); fused
+        # on NVIDIA GPUs (v4_prefill_attention), where picked entries are read in place.
+        out = prefill_attention(q, keys, pad, entries, picks, extra_bias, attn.sinks, dim**-0.5)
         # V = K carries the key's rotation; rotating back by the query's angle leaves relative ones.
         out = _rope_(out, torch.conj_physical(turn).unsqueeze(1))
 
@@ -930,11 +925,12 @@ class DeepseekV4Model(nn.Module):
         x: torch.Tensor,
         q_res: torch.Tensor,
         start: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Feed the chunk to the layer's compressor(s) and return the compressed keys the chunk's
-        queries score with their float32 bias (0 = visible, -inf = not): HCA every entry so far,
-        [E, d] and [T, E]; CSA each query's indexer picks, [T, k, d] and [T, k], so attention
-        never scores the thousands of entries a long context has."""
+        queries score, the picks among them and the float32 bias (0 = visible, -inf = not): HCA
+        every entry so far, [E, d], None and [T, E]; CSA the entries [E, d] with each query's
+        indexer picks [T, k] and [T, k], so attention never scores the thousands of entries a long
+        context has (no picks while no entry exists)."""
         cfg = self.config
         rate = cfg.rate(layer_type)
         assert state.entries is not None and state.compressor is not None
@@ -946,6 +942,7 @@ class DeepseekV4Model(nn.Module):
         # Entry w pools tokens up to (w + 1) rate - 1: visible from that token on.
         ready = ((query_pos + 1) // rate).unsqueeze(1)
         visible = torch.arange(available, device=x.device).unsqueeze(0) < ready
+        picks: torch.Tensor | None = None
         if layer_type == CSA:
             indexer = comp.indexer
             assert isinstance(indexer, _Indexer)
@@ -954,9 +951,8 @@ class DeepseekV4Model(nn.Module):
             if available:
                 keys = state.index_entries[:available]
                 picks, visible = self._index_select(indexer, keys, x, q_res, start, visible)
-                entries = entries[picks]  # [T, k, d]
         bias = torch.zeros(visible.shape, device=x.device, dtype=torch.float32)
-        return entries, bias.masked_fill_(~visible, -math.inf)
+        return entries, picks, bias.masked_fill_(~visible, -math.inf)
 
     def _compress(
         self,
@@ -1145,19 +1141,75 @@ class DeepseekV4Model(nn.Module):
             streams, token, pos = inputs
         if self._boundaries:
             self._use_device(streams.device)
-        for index in range(first, stop):
-            layer = self.model.layers[index]
-            h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
-            y = self._decode_attention(index, layer.self_attn, h, pos, span)
-            streams = _expand(streams, y, post, comb)
-            h, post, comb = self._hc_site(streams, layer.ffn_hc, layer.post_attention_layernorm.weight)
-            streams = _expand(streams, self._decode_moe(layer.mlp, h, token), post, comb)
+        if v4_hc_fused.enabled(streams, cfg.hc_mult):
+            streams, last = self._decode_layers_fused(first, stop, streams, token, pos, span)
+        else:
+            last = None
+            for index in range(first, stop):
+                layer = self.model.layers[index]
+                h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
+                y = self._decode_attention(index, layer.self_attn, h, pos, span)
+                streams = _expand(streams, y, post, comb)
+                h, post, comb = self._hc_site(streams, layer.ffn_hc, layer.post_attention_layernorm.weight)
+                streams = _expand(streams, self._decode_moe(layer.mlp, h, token), post, comb)
         if self._boundaries:
             self._use_device(self.device)
         if stop < cfg.num_layers:
-            return streams, token, pos
-        h = self._hc_head(streams)
-        return (torch.mm(h, self._head_weight().t()).float()[0],)
+            return (streams if last is None else _expand(streams, *last)), token, pos
+        h = self._hc_head(streams) if last is None else self._hc_head_fused(streams, last)
+        head = self._head_weight()
+        if _one_row_gemv(h, head):
+            return (decode_kernels.gemv(h, head, h.new_empty((1, head.shape[0]), dtype=torch.float32))[0],)
+        return (torch.mm(h, head.t()).float()[0],)
+
+    def _decode_layers_fused(
+        self, first: int, stop: int, streams: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, span: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """decode_shard's layers with each hyper-connection site as two kernels (v4_hc_fused): a block's
+        expand happens inside the next site, so this returns the streams before the last block's
+        expand and that block's (y, post, comb) (None when there were no layers)."""
+        last = None
+        for index in range(first, stop):
+            layer = self.model.layers[index]
+            streams, h, post, comb = self._hc_site_fused(streams, last, layer.attn_hc, layer.input_layernorm)
+            y = self._decode_attention(index, layer.self_attn, h, pos, span)
+            streams, h, post, comb = self._hc_site_fused(
+                streams, (y, post, comb), layer.ffn_hc, layer.post_attention_layernorm
+            )
+            last = (self._decode_moe(layer.mlp, h, token), post, comb)
+        return streams, last
+
+    def _hc_site_fused(
+        self,
+        streams: torch.Tensor,
+        previous: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        site: _HyperConnection,
+        norm: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """_expand of `previous` (when given) then _hc_site, fused: (streams, h, post, comb)."""
+        cfg = self.config
+        return v4_hc_fused.site(
+            streams,
+            previous,
+            site.fn,
+            site.scale,
+            site.base,
+            norm.weight,
+            cfg.hc_mult,
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        )
+
+    def _hc_head_fused(
+        self, streams: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """_expand of the last block then _hc_head, with the fused expand + mix and collapse + norm."""
+        cfg, head = self.config, self.model.hc_head
+        streams, z = v4_hc_fused.expand_mix(streams, *previous, head.hc_fn, cfg.rms_norm_eps)
+        pre = torch.sigmoid(torch.addcmul(head.hc_base, z, head.hc_scale)) + cfg.hc_eps
+        weight = self.model.norm.weight
+        return v4_hc_fused.collapse_norm(streams, pre, weight, cfg.rms_norm_eps, streams.dtype)
 
     def set_length(self, length: int) -> None:
         """After decode_graphable steps: the cache now holds positions 0..length-1."""
@@ -1189,20 +1241,16 @@ class DeepseekV4Model(nn.Module):
         # request while pos < W - 1 (slots above pos: masked).
         ring = state.ring
         ring.index_copy_(0, pos % window, kv)
-        keys, ready = ring, steps[:window]  # every key with the position from which it is visible
+        extra = extra_ready = picks = None
         if attn.compressor is not None:
-            extra, extra_ready = self._decode_compressed(
+            extra, extra_ready, picks = self._decode_compressed(
                 layer_type, attn.compressor, state, x, q_res, pos, span, turn
             )
-            if extra is not None and extra_ready is not None:
-                keys, ready = torch.cat([ring, extra]), torch.cat([ready, extra_ready])
-        bias = torch.where(ready <= pos, 0.0, -math.inf)  # [keys]
-
-        # One softmax over raw and compressed keys and the per-head sink logit (no value).
-        logits = torch.add(bias, torch.mm(q, keys.t()), alpha=dim**-0.5)  # [H, keys] float32
-        probs = torch.softmax(torch.cat([logits, attn.sinks.unsqueeze(1)], dim=1), dim=-1)
-        out = torch.mm(probs[:, :-1].to(keys.dtype), keys)  # [H, d]
-        out = _rope_(out, torch.conj_physical(turn))
+        # One softmax over raw and compressed keys (each with the position from which it is
+        # visible) and the per-head sink logit (no value), the rope dims rotated back: [H, d].
+        out = decode_attention(
+            q, ring, steps[:window], extra, extra_ready, picks, attn.sinks, pos, dim**-0.5, turn
+        )
 
         groups = cfg.o_groups
         o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
@@ -1219,10 +1267,11 @@ class DeepseekV4Model(nn.Module):
         pos: torch.Tensor,
         span: int,
         turn: torch.Tensor,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Feed the token to the compressor(s) and return the compressed keys with the positions
-        from which each is visible: HCA the first span // rate rows [rows, d] and [rows]; CSA the
-        indexer's picks among them, [k, d] and [k]. (None, None) when the span holds no whole
+        from which each is visible, the first span // rate rows [rows, d] and [rows], and which of
+        them attention scores: HCA every one (None), CSA the indexer's picks [k] (indices: the
+        attention kernel gathers the rows itself). (None, None, None) when the span holds no whole
         window."""
         cfg, steps = self.config, self._steps
         assert steps is not None
@@ -1238,21 +1287,23 @@ class DeepseekV4Model(nn.Module):
             self._decode_compress(indexer, state.indexer, state.index_entries, x, at, True)
         rows = span // rate
         if rows == 0:  # pos < span <= rate - 1: no window has closed yet
-            return None, None
+            return None, None, None
         # Entry w pools tokens up to (w + 1) rate - 1: visible from that token on.
         ready = steps[rate - 1 : rows * rate : rate]  # [rows]
         entries = state.entries[:rows]
         if isinstance(indexer, _Indexer):
             assert state.index_entries is not None
             picks = self._decode_index(indexer, state.index_entries[:rows], x, q_res, turn, ready <= pos)
-            return entries.index_select(0, picks), ready.index_select(0, picks)  # [k, d], [k]
-        return entries, ready
+            return entries, ready, picks
+        return entries, ready, None
 
     def _window_step(self, pos: torch.Tensor, rate: int, rows: int, overlap: bool) -> _WindowStep:
         steps = self._steps
         assert steps is not None
+        if v4_compress_step.use_fused(pos):
+            return _WindowStep(pos)  # the fused step derives its window from pos on the device
         slot = pos % rate  # [1]
-        step = _WindowStep(slot, (steps[:rate] == slot).unsqueeze(1), slot == rate - 1)
+        step = _WindowStep(pos, slot, (steps[:rate] == slot).unsqueeze(1), slot == rate - 1)
         if rows:
             # Closing implies pos // rate < rows; otherwise the clamped row is rewritten unchanged.
             step.window = torch.clamp(torch.div(pos, rate, rounding_mode="floor"), max=rows - 1)
@@ -1273,7 +1324,25 @@ class DeepseekV4Model(nn.Module):
     ) -> None:
         """_compress for one token without branches: the entry of the window holding pos is pooled
         every step and written back unchanged unless pos closes it; the open window takes the token
-        unless it closes (as _compress, which keeps only a closed window's first halves, for CSA)."""
+        unless it closes (as _compress, which keeps only a closed window's first halves, for CSA).
+        Fused (v4_compress_step): the two projections, then one op for all the rest."""
+        if at.slot is None or at.here is None or at.closing is None:
+            cos, sin = self._tables["compress"]
+            v4_compress_step.compress_step(
+                *v4_compress_step.projections(comp, x),
+                comp.position_bias,
+                comp.kv_norm.weight,
+                state.kv,
+                state.gate,
+                state.prev_kv,
+                state.prev_gate,
+                rows,
+                at.pos,
+                cos,
+                sin,
+                self.config.rms_norm_eps,
+            )
+            return
         kv = (x @ comp.kv_proj.weight.t()).float()  # [1, width]
         bias = comp.position_bias.index_select(0, at.slot)
         gate = torch.add(bias, x @ comp.gate_proj.weight.t())  # float32, as the bias
@@ -1347,6 +1416,18 @@ class DeepseekV4Model(nn.Module):
             y = fp4_experts_gemv(hidden, picked, experts.down_proj, experts.down_proj_scale)  # [k, D]
             routed = torch.matmul(weights, y.float()).to(x.dtype)
             return routed + _shared_expert(moe.shared_experts, x, cfg.swiglu_limit)
+        if _one_row_gemv(x, experts.gate_up_proj.flatten(0, 1)) and decode_kernels.fits(
+            experts.down_proj.flatten(0, 1)
+        ):
+            # Only the picked experts' rows are read, by id on the device, and the clamped SwiGLU
+            # is the down projection's input: two kernels.
+            picked = chosen.view(-1)
+            gate_up = x.new_empty((picked.numel(), experts.gate_up_proj.shape[1]))
+            decode_kernels.experts_gemv(x, experts.gate_up_proj, picked, gate_up)
+            y = x.new_empty((picked.numel(), experts.down_proj.shape[1]))
+            decode_kernels.experts_gemv(gate_up, experts.down_proj, picked, y, cfg.swiglu_limit)
+            routed = torch.matmul(weights, y.float()).to(x.dtype)
+            return routed + _shared_expert(moe.shared_experts, x, cfg.swiglu_limit)
         dense = self.graph_dense_moe
         if dense is None:
             dense = cfg.num_experts <= 3 * cfg.experts_per_token
@@ -1368,9 +1449,11 @@ class DeepseekV4Model(nn.Module):
 class _WindowStep:
     """A decode step's place in its compression window (shared by a layer's compressors)."""
 
-    slot: torch.Tensor  # [1]: pos mod rate
-    here: torch.Tensor  # [rate, 1]: the open window's row that pos fills
-    closing: torch.Tensor  # [1]: pos ends its window
+    pos: torch.Tensor  # [1]: the step's position (all that the fused compressor step reads)
+    # The rest only for the eager step (None when v4_compress_step fuses it):
+    slot: torch.Tensor | None = None  # [1]: pos mod rate
+    here: torch.Tensor | None = None  # [rate, 1]: the open window's row that pos fills
+    closing: torch.Tensor | None = None  # [1]: pos ends its window
     window: torch.Tensor | None = None  # [1]: the row of pos's window (clamped to the last); None: no rows
     first: torch.Tensor | None = None  # [1]: pos is in window 0 (CSA: the overlap's predecessor)
     turn: torch.Tensor | None = None  # [1, r / 2]: the rotation at the window's start
@@ -1451,7 +1534,20 @@ def _linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
     weight = holder.weight
     if weight.dtype == torch.float8_e4m3fn:
         return fp8_linear(x, weight, holder.weight_scale_inv)
+    if _one_row_gemv(x, weight):
+        return decode_kernels.gemv(x, weight, x.new_empty((1, weight.shape[0])))
     return x @ weight.t()
+
+
+def _one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [1, K] @ weightᵀ runs on decode_kernels' GEMV (faster than cuBLAS at one row)."""
+    return (
+        x.shape[0] == 1
+        and x.is_contiguous()
+        and x.dtype == weight.dtype
+        and decode_kernels.available(x.device)
+        and decode_kernels.fits(weight)
+    )
 
 
 def _shared_expert(shared: _SharedExpert, x: torch.Tensor, limit: float) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models import decode_attention as fused_decode
-from ds4desk.engine.models import dense_decode_kernels as kernels
+from ds4desk.engine.models import decode_kernels as kernels
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
@@ -705,7 +705,7 @@ class DenseModel(nn.Module):
         return (torch.mm(x, self._head().t()).float()[0],)
 
     def _kernels_fit(self, shard: _Shard) -> bool:
-        """Whether the shard's graphed step can run on dense_decode_kernels (see there)."""
+        """Whether the shard's graphed step can run on decode_kernels (see there)."""
         if not kernels.available(shard.device) or not kernels.fits_heads(self.config.head_dim):
             return False
         weights = [self._head()] if shard is self._shards[-1] else []

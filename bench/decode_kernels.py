@@ -1,7 +1,7 @@
-"""Time the dense decode step's fused GEMVs (ds4desk/engine/models/dense_decode_kernels.py) against the
+"""Time the dense decode step's fused GEMVs (ds4desk/engine/models/decode_kernels.py) against the
 cuBLAS calls they replace, on the 1.07B benchmark model's shapes, inside CUDA graphs (as the step runs).
 
-    PYTHONPATH=. python3 bench/dense_decode_kernels.py [--sweep] [--out FILE.json]
+    PYTHONPATH=. python3 bench/decode_kernels.py [--sweep] [--out FILE.json]
 
 Each timing replays a graph of 40 calls that cycle through enough copies of the weight to exceed the
 L2 cache (a real step streams 2 GB of weights: nothing is L2-resident), median of 5 replays.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.models import dense_decode_kernels as kd
+from ds4desk.engine.models import decode_kernels as kd
 from ds4desk.engine.models import triton_launch
 
 HIDDEN, FFN, QKV, VOCAB = 2048, 8192, 3072, 49152
@@ -124,7 +124,7 @@ def bench_shape(name: str, n: int, k: int, kind: str, configs: list[tuple[int, i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/dense_decode_kernels.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/decode_kernels.json"))
     args = parser.parse_args()
     configs = None
     if args.sweep:

@@ -1,4 +1,4 @@
-"""The dense family's fused decode kernels (models/dense_decode_kernels.py): each kernel equals its torch
+"""The dense family's fused decode kernels (models/decode_kernels.py): each kernel equals its torch
 form, and the graphable decode step built on them gives the logits of the unfused step for every
 family switch (Llama's tied head and llama3 rope, Mistral's window, Qwen2's biases, Qwen3's per-head
 norms). On CUDA the real kernels run; without a GPU, Triton's CPU interpreter runs the same source."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4desk.engine.models import dense_decode_kernels as kernels
+from ds4desk.engine.models import decode_kernels as kernels
 from tests.engine.triton_check import run_triton_check
 
 
@@ -32,7 +32,7 @@ def test_the_default_tiles_divide_the_shape(n: int, k: int) -> None:
 
 _KERNEL_CHECK = """
 import torch
-from ds4desk.engine.models import dense_decode_kernels as kd
+from ds4desk.engine.models import decode_kernels as kd
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 gen = torch.Generator().manual_seed(0)
@@ -67,6 +67,24 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
             cases += 1
 kd.OVERRIDE = None
 
+# Plain GEMV, and the picked experts' rows with a shared input / a clamped SwiGLU input a pick.
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+    x, w = rand(1, 128).to(dtype), rand(96, 128, scale=0.05).to(dtype)
+    out = torch.empty(1, 96, device=device, dtype=dtype)
+    kd.gemv(x, w, out)
+    torch.testing.assert_close(out.float(), x.float() @ w.float().t(), rtol=tol, atol=tol)
+    experts = rand(5, 16, 128, scale=0.05).to(dtype)
+    ids = torch.tensor([3, 0, 3], device=device)
+    out = torch.empty(3, 16, device=device, dtype=dtype)
+    kd.experts_gemv(x, experts, ids, out)
+    expected = kd.reference_experts_gemv(x.float(), experts.float(), ids, None)
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    gate_up = rand(3, 256, scale=3.0).to(dtype)  # some beyond the limit
+    kd.experts_gemv(gate_up, experts, ids, out, swiglu_limit=2.5)
+    expected = kd.reference_experts_gemv(gate_up.float(), experts.float(), ids, 2.5)
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    cases += 3
+
 heads, kv, dim, context = 4, 2, 32, 20
 angles = torch.outer(torch.arange(context).float(), torch.rand(dim // 2, generator=gen))
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -92,14 +110,14 @@ print("kernels ok", cases)
 def test_each_kernel_equals_its_torch_form() -> None:
     """Norm + GEMV (with and without bias, bf16 and float32 out), GEMV + residual (plain and SiLU·up
     input), RoPE + cache write (with and without per-head norms, first and last position)."""
-    assert "kernels ok 36" in run_triton_check(_KERNEL_CHECK)
+    assert "kernels ok 42" in run_triton_check(_KERNEL_CHECK)
 
 
 _MODEL_CHECK = """
 import tempfile
 from pathlib import Path
 import torch
-from ds4desk.engine.models import dense_decode_kernels as kd
+from ds4desk.engine.models import decode_kernels as kd
 from ds4desk.engine.models import decode_attention as da
 from ds4desk.engine.models.registry import load_model
 from tests.engine.tiny_dense import save_tiny
@@ -139,3 +157,50 @@ def test_the_step_on_the_kernels_equals_the_unfused_step() -> None:
     stdout = run_triton_check(_MODEL_CHECK)
     for family in ("llama", "mistral", "qwen2", "qwen3"):
         assert f"{family} ok" in stdout
+
+
+_V4_CHECK = """
+import tempfile
+from pathlib import Path
+import torch
+from ds4desk.engine.models import decode_kernels as kd
+from ds4desk.engine.models.registry import load_model
+from tests.engine.test_v4_graphable import write_tiny
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+calls = {"gemv": 0, "experts_gemv": 0}
+for name in calls:
+    def counted(*args, _real=getattr(kd, name), _name=name, **kwargs):
+        calls[_name] += 1
+        return _real(*args, **kwargs)
+    setattr(kd, name, counted)
+# Widths the tiles divide (make_tiny's 32-wide ranks do not), score- and hash-routed layers.
+source = write_tiny(Path(tempfile.mkdtemp()), seed=4, moe_intermediate_size=64, q_lora_rank=64)
+models = [load_model(source, device, torch.float32).model for _ in range(2)]
+for model in models:
+    model.allocate_cache(96)
+prompt = torch.randint(0, 320, (21,), generator=torch.Generator().manual_seed(1)).to(device)
+token = torch.zeros(1, dtype=torch.long, device=device)
+at = torch.zeros(1, dtype=torch.long, device=device)
+with torch.inference_mode():
+    for model in models:
+        model.forward(prompt, 0, "none")
+    for pos in range(21, 29):  # across a CSA window boundary
+        token.fill_(pos * 11 % 320)
+        at.fill_(pos)
+        kd.FUSED = False
+        expected = models[0].decode_graphable(token, at, 64)
+        models[0].set_length(pos + 1)
+        kd.FUSED = True
+        got = models[1].decode_graphable(token, at, 64)
+        models[1].set_length(pos + 1)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+assert calls["experts_gemv"] == 8 * 2 * 4 and calls["gemv"] >= 8 * 4 * 4, calls
+print("v4 ok", calls)
+"""
+
+
+def test_the_deepseek_v4_step_on_the_gemv_kernels_equals_cublas() -> None:
+    """DeepSeek-V4's one-row linears, picked experts (by id on the device, clamped SwiGLU fused)
+    and head on the GEMV kernels give the logits of the torch step."""
+    assert "v4 ok" in run_triton_check(_V4_CHECK)

@@ -1,6 +1,6 @@
-"""Fused kernels for the dense family's graphed decode step (batch 1, one token).
+"""Fused kernels for the graphed decode step (batch 1, one token).
 
-A layer of the step was ~17 kernels: four weight GEMVs (cuBLAS), two RMSNorms, three for the
+A dense layer of the step was ~17 kernels: four weight GEMVs (cuBLAS), two RMSNorms, three for the
 rotary embedding, the cache write, SiLU and the product, the residual copies of two addmm, and the
 attention pair. Inside a captured graph each costs ~2-3 µs of launch and tail however little it
 does, which at 16 layers was a third of the step. Here a layer is seven kernels:
@@ -12,10 +12,15 @@ does, which at 16 layers was a third of the step. Here a layer is seven kernels:
 - `gemv_add_`: a GEMV whose result is added into the residual in place, optionally reading SiLU(g)·u
   from the gate/up row as its input (the MLP's activation is never stored either).
 
-The GEMVs stream the weight rows at close to the copy bandwidth; tiles never cross a row end (K a
-multiple of BLOCK_K, N of BLOCK_N), which every checkpoint this app runs satisfies; `available`
-says where the kernels run (NVIDIA GPUs with Triton) and the model keeps its torch form elsewhere.
-`reference_*` are the same math in torch, for the tests.
+DeepSeek-V4 uses the same GEMV for its bf16 one-row linears and head (`gemv`) and for its routed
+experts (`experts_gemv`: the picked experts' rows by id on the device, the clamped SwiGLU folded
+into the down projection's input).
+
+The GEMVs stream the weight rows at close to the copy bandwidth, and on Hopper they launch early
+(triton_launch.PDL) to stream their first tile while the kernel before them ends; tiles never cross
+a row end (K a multiple of BLOCK_K, N of BLOCK_N), which every checkpoint this app runs satisfies.
+`available` says where the kernels run (NVIDIA GPUs with Triton) and the models keep their torch
+form elsewhere. `reference_*` are the same math in torch, for the tests.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def fits_heads(head_dim: int) -> bool:
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps). The H200 sweep (`python3 bench/dense_decode_kernels.py --sweep`,
+    """(BLOCK_N, BLOCK_K, num_warps). The H200 sweep (`python3 bench/decode_kernels.py --sweep`,
     docs/BENCHMARKS.md) was fastest on every shape of the 1.07B model with 4 rows by 1024 columns a
     tile: many small programs, each a long contiguous run per row; 8 warps for the long rows of the
     down projection. Wide tiles were up to 12x slower on the 49,152-row head."""
@@ -82,6 +87,18 @@ def reference_gemv_add_(
         width = x.shape[-1] // 2
         x = F.silu(x[..., :width]) * x[..., width:]
     return residual.add_(F.linear(x, weight, bias))
+
+
+def reference_experts_gemv(
+    x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, swiglu_limit: float | None
+) -> torch.Tensor:
+    picked = weight.index_select(0, ids)  # [k, R, K]
+    if swiglu_limit is None:
+        inputs = x.expand(ids.numel(), -1)
+    else:
+        gate, up = x.chunk(2, dim=-1)
+        inputs = F.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)
+    return torch.einsum("erk,ek->er", picked, inputs)
 
 
 def reference_rope_write(
@@ -135,6 +152,46 @@ def gemv_add_(
     return residual
 
 
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [1, N] = x [1, K] @ weight [N, K]ᵀ, in out's dtype."""
+    kernels = _kernels()
+    assert kernels is not None
+    kernels.gemv(x, weight, out, None, None, 0.0, with_norm=False, silu=False, residual=False)
+    return out
+
+
+def experts_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """out [k, R] = row i: weight[ids[i]] [R, K] @ input_i, for a mixture of experts' picked experts
+    (ids int [k], read on the device: weight [E, R, K] is never gathered). Without swiglu_limit every
+    input_i is x [1, K]; with it, x is [k, 2K] (gate | up of each pick) and input_i is
+    SiLU(min(gate, limit)) · clamp(up, ±limit)."""
+    kernels = _kernels()
+    assert kernels is not None
+    experts, rows, _ = weight.shape
+    kernels.gemv(
+        x,
+        weight.view(experts * rows, -1),
+        out,
+        None,
+        None,
+        0.0,
+        with_norm=False,
+        silu=swiglu_limit is not None,
+        residual=False,
+        ids=ids,
+        group_rows=rows,
+        limit=swiglu_limit,
+        out_rows=ids.numel() * rows,
+    )
+    return out
+
+
 def rope_write(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -174,25 +231,42 @@ def _kernels() -> _Kernels | None:
         out,
         bias,
         norm,
+        ids,
         stride_w,
+        stride_x,
+        group_rows,
         eps,
+        limit,
         K: tl.constexpr,
         NORM: tl.constexpr,
         SILU: tl.constexpr,
         RESIDUAL: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        IDS: tl.constexpr,
+        LIMIT: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        first = tl.program_id(0) * BLOCK_N
+        n = first + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
-        rows = w + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
-        # No earlier kernel writes the weights: the first tile streams in while that kernel ends.
-        tile = tl.load(rows)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        if IDS:  # rows of the picked experts: the ids come from an earlier kernel, so wait first
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            slot = first // group_rows  # BLOCK_N divides group_rows: one pick a program
+            expert = tl.load(ids + slot).to(tl.int64)
+            rows = w + (expert * group_rows + n - slot * group_rows)[:, None] * stride_w + kk[None, :]
+            x += slot * stride_x
+            tile = tl.load(rows)
+        else:
+            rows = w + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
+            # No earlier kernel writes the weights: the first tile streams in while that kernel ends.
+            tile = tl.load(rows)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
         rstd = 1.0
         if NORM:  # the row is a few KB and hot in L2: every program computes its norm
             squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -207,6 +281,9 @@ def _kernels() -> _Kernels | None:
             if SILU:
                 g = tl.load(x + k0 + kk).to(tl.float32)
                 u = tl.load(x + K + k0 + kk).to(tl.float32)
+                if LIMIT:  # DeepSeek-V4's clamped SwiGLU
+                    g = tl.minimum(g, limit)
+                    u = tl.minimum(tl.maximum(u, -limit), limit)
                 v = (g * tl.sigmoid(g) * u).to(w.dtype.element_ty).to(tl.float32)
             elif NORM:
                 v = tl.load(x + k0 + kk).to(tl.float32) * rstd
@@ -280,20 +357,30 @@ def _kernels() -> _Kernels | None:
         with_norm: bool,
         silu: bool,
         residual: bool,
+        ids: torch.Tensor | None = None,
+        group_rows: int = 0,
+        limit: float | None = None,
+        out_rows: int | None = None,
     ) -> None:
         n, k = weight.shape
         block_n, block_k, warps = gemv_config(n, k)
         use_pdl = pdl(x)
-        gemv_kernel[(n // block_n,)](
+        gemv_kernel[((out_rows or n) // block_n,)](
             x,
             weight,
             out,
             bias if bias is not None else out,
             norm if norm is not None else x,
+            ids if ids is not None else x,
             weight.stride(0),
+            x.stride(0) if ids is not None and x.shape[0] > 1 else 0,  # an input row a pick
+            max(group_rows, 1),
             eps,
+            0.0 if limit is None else limit,
             K=k,
             HAS_BIAS=bias is not None,
+            IDS=ids is not None,
+            LIMIT=limit is not None,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             NORM=with_norm,

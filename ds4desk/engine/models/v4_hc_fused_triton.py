@@ -1,0 +1,165 @@
+"""The Triton kernels of v4_hc_fused (imported only where Triton is: v4_hc_fused._kernels).
+
+They live at module level because a kernel finds the @triton.jit helpers it calls among its module's
+globals."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mix_kernel(
+    x,
+    y,
+    post,
+    comb,
+    fn,
+    out,
+    part,
+    D,
+    post_stride,
+    EXPAND: tl.constexpr,
+    M: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Program (block b, token t): the new streams' [M, BD] slice (when EXPAND) and part[t, b] =
+    [its dot products with fn's R rows | its sum of squares at R | 0 ...] ([RP] float32)."""
+    blk = tl.program_id(0)
+    t = tl.program_id(1)
+    blocks = tl.num_programs(0)
+    c = tl.arange(0, M * BD)  # the slice flattened: stream k = c // BD, dim d
+    k = c // BD
+    d = blk * BD + c % BD
+    live = d < D
+    col = k * D + d  # the column of fn (and the offset in the token's flat streams)
+    row = t * M * D
+    if EXPAND:
+        # As _expand: the coefficients are rounded to the streams' dtype, the sum is float32, in
+        # bmm's order (the streams j, then y), and the result is rounded once.
+        acc = tl.zeros([M * BD], dtype=tl.float32)
+        for j in tl.static_range(M):
+            xj = tl.load(x + row + j * D + d, mask=live, other=0.0).to(tl.float32)
+            cjk = tl.load(comb + t * M * M + j * M + k).to(out.dtype.element_ty).to(tl.float32)
+            acc += cjk * xj
+        pk = tl.load(post + t * post_stride + k).to(out.dtype.element_ty).to(tl.float32)
+        yd = tl.load(y + t * D + d, mask=live, other=0.0).to(tl.float32)
+        acc += pk * yd
+        rounded = acc.to(out.dtype.element_ty)
+        tl.store(out + row + col, rounded, mask=live)
+        xk = rounded.to(tl.float32)
+    else:
+        xk = tl.load(x + row + col, mask=live, other=0.0).to(tl.float32)
+    r = tl.arange(0, RP)
+    w = tl.load(fn + r[:, None] * (M * D) + col[None, :], mask=(r[:, None] < R) & live[None, :], other=0.0)
+    dots = tl.sum(w * xk[None, :], axis=1)
+    dots = tl.where(r == R, tl.sum(xk * xk, axis=0), dots)
+    tl.store(part + (t * blocks + blk) * RP + r, dots)
+
+
+@triton.jit
+def _partial_sum(part, t, blocks, offsets, RP: tl.constexpr, NB: tl.constexpr):
+    """Σ over the blocks of part[t, b, offsets] for a 1-D `offsets`."""
+    b = tl.arange(0, NB)
+    values = tl.load(
+        part + (t * blocks + b[:, None]) * RP + offsets[None, :], mask=b[:, None] < blocks, other=0.0
+    )
+    return tl.sum(values, axis=0)
+
+
+@triton.jit
+def _inverse_rms(part, t, blocks, count, eps, R: tl.constexpr, RP: tl.constexpr, NB: tl.constexpr):
+    r = tl.arange(0, RP)
+    total = _partial_sum(part, t, blocks, r, RP, NB)
+    squares = tl.sum(tl.where(r == R, total, 0.0), axis=0)
+    return 1.0 / tl.sqrt(squares / count + eps)
+
+
+@triton.jit
+def finish_kernel(part, z, blocks, count, eps, R: tl.constexpr, RP: tl.constexpr, NB: tl.constexpr):
+    """Program t: z[t] = (Σ_b dots) · rsqrt(Σ_b squares / count + eps)."""
+    t = tl.program_id(0)
+    inv = _inverse_rms(part, t, blocks, count, eps, R, RP, NB)
+    r = tl.arange(0, RP)
+    total = _partial_sum(part, t, blocks, r, RP, NB)
+    tl.store(z + t * R + r, total * inv, mask=r < R)
+
+
+@triton.jit
+def _collapse_norm_row(x, pre, weight, h, D: tl.constexpr, eps, M: tl.constexpr, BD: tl.constexpr):
+    """h[:D] = rms_norm(Σ_j pre_j x[j, :D]) · weight, cast to h's dtype: two passes over D (the
+    sum of squares, then the output), the collapse recomputed rather than kept."""
+    i = tl.arange(0, M)
+    squares = tl.zeros([BD], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        xs = tl.load(x + i[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0).to(tl.float32)
+        acc = tl.sum(pre[:, None] * xs, axis=0)
+        squares += acc * acc
+    inv = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / D + eps)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        live = d < D
+        xs = tl.load(x + i[:, None] * D + d[None, :], mask=live[None, :], other=0.0).to(tl.float32)
+        acc = tl.sum(pre[:, None] * xs, axis=0)
+        wd = tl.load(weight + d, mask=live, other=0.0).to(tl.float32)
+        tl.store(h + d, (acc * inv * wd).to(h.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def collapse_kernel(x, pre, pre_stride, weight, h, D: tl.constexpr, eps, M: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0)
+    p = tl.load(pre + t * pre_stride + tl.arange(0, M)).to(tl.float32)
+    _collapse_norm_row(x + t * M * D, p, weight, h + t * D, D, eps, M, BD)
+
+
+@triton.jit
+def site_kernel(
+    part,
+    x,
+    scale,
+    base,
+    weight,
+    gates_out,
+    comb_out,
+    h,
+    blocks,
+    D: tl.constexpr,  # constexpr: the collapse loops over D (one compile per model width)
+    eps,
+    hc_eps,
+    ITERS: tl.constexpr,
+    M: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    NB: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Program t: z from the mix partials, [pre | post] and the Sinkhorn matrix as v4_hc_kernel
+    makes them, then h = rms_norm(Σ_j pre_j X_j) · weight."""
+    t = tl.program_id(0)
+    inv = _inverse_rms(part, t, blocks, M * D, eps, R, RP, NB)
+
+    g = tl.arange(0, 2 * M)
+    zg = _partial_sum(part, t, blocks, g, RP, NB) * inv
+    s = tl.sigmoid(zg * tl.load(scale + g // M) + tl.load(base + g))
+    tl.store(gates_out + t * (2 * M) + g, tl.where(g < M, s + hc_eps, 2.0 * s))
+
+    i = tl.arange(0, M)
+    cell = i[:, None] * M + i[None, :]  # [M, M], row-major
+    zc = tl.reshape(_partial_sum(part, t, blocks, 2 * M + tl.arange(0, M * M), RP, NB), (M, M)) * inv
+    logits = zc * tl.load(scale + 2) + tl.load(base + 2 * M + cell)
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    cm = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)  # columns first
+    for _ in range(ITERS - 1):
+        cm = cm / (tl.sum(cm, axis=1)[:, None] + hc_eps)
+        cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
+    tl.store(comb_out + t * (M * M) + cell, cm)
+
+    # pre again, as an [M] vector (the same ops as the gates' first M: the same values).
+    zp = _partial_sum(part, t, blocks, i, RP, NB) * inv
+    pre = tl.sigmoid(zp * tl.load(scale) + tl.load(base + i)) + hc_eps
+    _collapse_norm_row(x + t * M * D, pre, weight, h + t * D, D, eps, M, BD)
