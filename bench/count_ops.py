@@ -17,6 +17,7 @@ Measured with it (bf16, views excluded; 2026-11-30):
 - before (the first graphable decode step): decode 2,030 ops, prefill chunk 2,403.
 - after: decode 542 fused (1,214 eager), prefill chunk 672 fused (1,344 eager).
 - with the fused hc sites (--prompt 200 --chunk 64): decode 458 ops (hc: 13, the 8 sites one op each).
+- with the decode norm / rope as one op a use (v4_norm_rope; --prompt 200 --chunk 64): decode 232 -> 188.
 
 --cuda builds the full-width model on the GPU and reports the kernels a decode step launches (from
 the profiler), the CUDA-graph decode time, eager decode time and prefill tok/s, for this version and
@@ -47,11 +48,21 @@ from ds4desk.engine.models import (
     v4_decode_attention,
     v4_hc_fused,
     v4_hc_kernel,
+    v4_norm_rope,
     v4_prefill_attention,
+    v4_route,
 )
 
 # Every fused op of the model (a custom op: one op here, its kernels on the GPU).
-FUSED_MODULES = (v4_hc_kernel, v4_hc_fused, v4_decode_attention, v4_compress_step, v4_prefill_attention)
+FUSED_MODULES = (
+    v4_hc_kernel,
+    v4_hc_fused,
+    v4_decode_attention,
+    v4_compress_step,
+    v4_prefill_attention,
+    v4_route,
+    v4_norm_rope,
+)
 
 # bench/gpu_deepseek_v4.py's FLASH_SHAPES with the widths cut (heads, experts, top-k, window and
 # rates kept: they decide loops and op counts).

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ds4desk.engine.api import SamplingParams
+from ds4desk.engine.models import quant_kernels, v4_prefill_attention
 from ds4desk.engine.models.v4_synthetic import build_quantized, flash_config
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import explicit_plan
@@ -128,7 +129,13 @@ def main() -> None:
     parser.add_argument("--split", default="22,21")
     parser.add_argument("--out", type=Path, default=Path("bench/results/flash_two_gpus.json"))
     parser.add_argument("--profile", action="store_true", help="where a 4k prefill and a decode step spend")
+    parser.add_argument("--grouped-block", help="the FP4 prefill kernel's BLOCK_M,N,K,warps,stages")
+    parser.add_argument("--attention-config", help="the prefill attention kernel's launch settings (JSON)")
     args = parser.parse_args()
+    if args.grouped_block:
+        quant_kernels.GROUPED_BLOCK = tuple(int(v) for v in args.grouped_block.split(","))
+    if args.attention_config:
+        v4_prefill_attention.LAUNCH_CONFIG = json.loads(args.attention_config)
 
     config = flash_config()
     counts = tuple(int(c) for c in args.split.split(","))
@@ -151,6 +158,8 @@ def main() -> None:
         "parameters": params,
         "build_s": build_s,
         "weights_gib": {d: weights[d] / 2**30 for d in DEVICES},
+        "grouped_block": list(quant_kernels.GROUPED_BLOCK),
+        "prefill_attention_config": v4_prefill_attention.LAUNCH_CONFIG,
     }
     bandwidth, rate = copy_bandwidth(), matrix_rate()
     per_token = decode_bytes(model)

@@ -236,6 +236,62 @@ def _time_eager(fn: Callable[[], object], repeats: int = 5) -> float:
     return best
 
 
+GROUPED_CONFIGS = [
+    (64, 64, 64, 4, 3),
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 8, 3),
+    (128, 64, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (64, 64, 128, 4, 3),
+    (64, 128, 128, 8, 3),
+    (128, 128, 128, 8, 2),
+    (128, 256, 64, 8, 3),
+]
+
+
+def sweep_grouped(results: list[dict[str, Any]]) -> None:
+    """Time the grouped FP4 prefill kernel under each of GROUPED_CONFIGS (BLOCK_M, BLOCK_N, BLOCK_K,
+    warps, stages) at the Flash shapes; the best is what quant_kernels.GROUPED_BLOCK should hold."""
+    default = qk.GROUPED_BLOCK
+    gen = torch.Generator().manual_seed(2)
+    picks = torch.randint(0, EXPERTS, (PREFILL_TOKENS * ACTIVE,), generator=gen)
+    sizes = torch.bincount(picks, minlength=EXPERTS).tolist()
+    for n, k in FP4_SHAPES:
+        packed, scale = fp4_experts(n, k)
+        x = torch.randn(sum(sizes), k, device="cuda", dtype=torch.bfloat16)
+        qk.GROUPED_BLOCK = default
+        want = qk.fp4_grouped_matmul(x, sizes, packed, scale)
+        timed = []
+
+        def call(x: torch.Tensor = x, packed: torch.Tensor = packed, scale: torch.Tensor = scale) -> object:
+            return qk.fp4_grouped_matmul(x, sizes, packed, scale)
+
+        for config in GROUPED_CONFIGS:
+            qk.GROUPED_BLOCK = config
+            try:
+                err = rel_error(call(), want.float())
+                seconds = _time_eager(call)
+            except Exception as exc:  # a setting that does not compile or fit is skipped
+                print(f"  grouped {config}: {type(exc).__name__}", flush=True)
+                continue
+            timed.append((seconds, config, err))
+        qk.GROUPED_BLOCK = default
+        timed.sort()
+        flops = 2 * x.shape[0] * n * k
+        rows = [
+            {"config": list(c), "ms": t * 1e3, "tflops": flops / t / 1e12, "rel_error": e}
+            for t, c, e in timed
+        ]
+        row = {"op": "sweep_fp4_grouped", "n": n, "k": k, "results": rows}
+        results.append(row)
+        best = row["results"][0]
+        print(
+            f"sweep grouped N={n} K={k}: best {best['config']} {best['ms']:.2f} ms {best['tflops']:.0f} TF/s",
+            flush=True,
+        )
+
+
 def sweep(results: list[dict[str, Any]]) -> None:
     """Time alternative launch settings of the two GEMVs; the best per shape is what to put in
     fp8_config / fp4_config."""
@@ -329,6 +385,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sweep", action="store_true", help="also time alternative GEMV launch settings")
+    parser.add_argument("--grouped-only", action="store_true", help="only sweep the grouped prefill kernel")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "quant_kernels.json"
     )
@@ -339,6 +396,13 @@ def main() -> None:
 
     torch.manual_seed(0)
     results: list[dict[str, Any]] = []
+    if args.grouped_only:
+        sweep_grouped(results)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps({"device": torch.cuda.get_device_name(0), "results": results}, indent=1)
+        )
+        return
     for n, k in FP8_SHAPES:
         bench_fp8(n, k, results)
     for n, k in FP4_SHAPES:

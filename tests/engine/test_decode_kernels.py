@@ -168,7 +168,7 @@ from ds4desk.engine.models.registry import load_model
 from tests.engine.test_v4_graphable import write_tiny
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-calls = {"gemv": 0, "experts_gemv": 0}
+calls = {"gemv": 0, "experts_gemv": 0, "gemv_add_": 0}
 for name in calls:
     def counted(*args, _real=getattr(kd, name), _name=name, **kwargs):
         calls[_name] += 1
@@ -195,7 +195,9 @@ with torch.inference_mode():
         got = models[1].decode_graphable(token, at, 64)
         models[1].set_length(pos + 1)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-assert calls["experts_gemv"] == 8 * 2 * 4 and calls["gemv"] >= 8 * 4 * 4, calls
+# Per step and layer: 2 picked-expert GEMVs, the shared expert's down projection into the mix.
+assert calls["experts_gemv"] == 8 * 2 * 4 and calls["gemv_add_"] == 8 * 4, calls
+assert calls["gemv"] >= 8 * 4 * 4, calls
 print("v4 ok", calls)
 """
 

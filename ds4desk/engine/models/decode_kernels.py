@@ -81,11 +81,18 @@ def reference_norm_gemv(
 
 
 def reference_gemv_add_(
-    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     if silu:
-        width = x.shape[-1] // 2
-        x = F.silu(x[..., :width]) * x[..., width:]
+        gate, up = x.chunk(2, dim=-1)
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        x = F.silu(gate) * up
     return residual.add_(F.linear(x, weight, bias))
 
 
@@ -142,13 +149,20 @@ def norm_gemv(
 
 
 def gemv_add_(
-    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """residual [1, N] += x @ weightᵀ (+ bias), rounded once; silu: x is [1, 2K] gate | up and the
-    input is SiLU(gate) · up."""
+    input is SiLU(gate) · up (with swiglu_limit: SiLU(min(gate, limit)) · clamp(up, ±limit))."""
     kernels = _kernels()
     assert kernels is not None
-    kernels.gemv(x, weight, residual, bias, None, 0.0, with_norm=False, silu=silu, residual=True)
+    kernels.gemv(
+        x, weight, residual, bias, None, 0.0, with_norm=False, silu=silu, residual=True, limit=swiglu_limit
+    )
     return residual
 
 

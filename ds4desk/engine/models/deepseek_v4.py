@@ -35,11 +35,12 @@ from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
-from ds4desk.engine.models import decode_kernels, v4_compress_step, v4_hc_fused
+from ds4desk.engine.models import decode_kernels, v4_compress_step, v4_hc_fused, v4_norm_rope, v4_route
 from ds4desk.engine.models.llama import LogitsMode
 from ds4desk.engine.models.quant_kernels import fp4_experts_gemv, fp4_grouped_matmul, fp8_linear
 from ds4desk.engine.models.v4_decode_attention import decode_attention
 from ds4desk.engine.models.v4_hc_kernel import hc_weights
+from ds4desk.engine.models.v4_norm_rope import norm_rope
 from ds4desk.engine.models.v4_prefill_attention import prefill_attention
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
@@ -1231,10 +1232,20 @@ class DeepseekV4Model(nn.Module):
         cos, sin = self._tables["main" if layer_type == SLIDING else "compress"]
         turn = _turn(cos.index_select(0, pos), sin.index_select(0, pos))  # [1, r / 2]
 
-        q_res = _rms_norm(_linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
-        q = _linear(q_res, attn.q_b_proj).view(heads, dim)
-        q = _norm_rope(q, None, eps, turn)  # [H, d]
-        kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
+        if v4_norm_rope.enabled(x):
+            # One kernel each, reading the table rows at pos itself (turn is for attention's rotation).
+            rope = 2 * cos.shape[-1]
+            q_a = _linear(x, attn.q_a_proj)
+            q_res = norm_rope(q_a, attn.q_a_norm.weight, eps, cos, sin, pos, 0, q_a.dtype)
+            q = _linear(q_res, attn.q_b_proj).view(heads, dim)
+            q = norm_rope(q, None, eps, cos, sin, pos, rope, q.dtype)  # [H, d]
+            kv = _linear(x, attn.kv_proj)
+            kv = norm_rope(kv, attn.kv_norm.weight, eps, cos, sin, pos, rope, kv.dtype)
+        else:
+            q_res = _rms_norm(_linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
+            q = _linear(q_res, attn.q_b_proj).view(heads, dim)
+            q = _norm_rope(q, None, eps, turn)  # [H, d]
+            kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
 
         # Write first, then attend over the whole ring in physical order: slot s holds the latest
         # position ≡ s (mod W), which is in this query's window, or was never written by this
@@ -1293,7 +1304,7 @@ class DeepseekV4Model(nn.Module):
         entries = state.entries[:rows]
         if isinstance(indexer, _Indexer):
             assert state.index_entries is not None
-            picks = self._decode_index(indexer, state.index_entries[:rows], x, q_res, turn, ready <= pos)
+            picks = self._decode_index(indexer, state.index_entries[:rows], x, q_res, pos, turn, ready <= pos)
             return entries, ready, picks
         return entries, ready, None
 
@@ -1378,71 +1389,84 @@ class DeepseekV4Model(nn.Module):
         keys: torch.Tensor,
         x: torch.Tensor,
         q_res: torch.Tensor,
+        pos: torch.Tensor,
         turn: torch.Tensor,
         visible: torch.Tensor,
     ) -> torch.Tensor:
         """_index_select for one query over a fixed candidate count: the top min(index_topk, rows)
         by score [k], invisible candidates scored -inf (fewer visible than k: the rest are not,
-        and attention masks them)."""
+        and attention masks them). `turn` is the compress table's rotation at `pos`."""
         cfg = self.config
         heads, dim = cfg.index_heads, cfg.index_head_dim
-        q = _rope_(_linear(q_res, indexer.q_b_proj).view(heads, dim).float(), turn)  # [Hi, di]
+        q = _linear(q_res, indexer.q_b_proj).view(heads, dim)
+        if v4_norm_rope.enabled(q):  # the rotation as one kernel, float32 out
+            cos, sin = self._tables["compress"]
+            q = norm_rope(q, None, None, cos, sin, pos, 2 * turn.shape[-1], torch.float32)  # [Hi, di]
+        else:
+            q = _rope_(q.float(), turn)  # [Hi, di]
         weights = _index_weights(x, indexer, heads, dim)  # [1, Hi]
         part = torch.relu_(torch.mm(q, keys.float().t()))  # [Hi, rows]
         scores = torch.where(visible, torch.mm(weights, part), -math.inf)  # [1, rows]
         return scores.topk(min(cfg.index_topk, keys.shape[0]), dim=-1).indices.view(-1)
 
     def _decode_moe(self, moe: _Moe, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """_moe for one token without a host sync: the routed experts' weights are gathered by
-        index (what scales to 256 experts), or, when the active experts are a large share of all
-        (the cost of a gather is a copy plus a read of k experts), every expert runs and the
-        unchosen ones weigh zero."""
+        """_moe for one token without a host sync: the router is one op (v4_route), the picked
+        experts are read by id on the device (packed FP4, or bf16 on the GEMV kernels), their
+        outputs mixed in one op and the shared expert added in its down projection. Without those
+        kernels the routed experts' weights are gathered by index (what scales to 256 experts), or,
+        when the active experts are a large share of all (a gather is a copy plus a read of k
+        experts), every expert runs and the unchosen ones weigh zero."""
         cfg = self.config
         gate = moe.gate
-        scores = F.softplus((x @ gate.weight.t()).float()).sqrt()  # [1, E]
         tid2eid = getattr(gate, "tid2eid", None)
-        if tid2eid is not None:
-            chosen = tid2eid.index_select(0, token)  # [1, k]
-        else:
-            chosen = (scores + gate.e_score_correction_bias).topk(cfg.experts_per_token, dim=-1).indices
-        weights = scores.gather(1, chosen)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
-
-        experts = moe.experts
+        bias = None if tid2eid is not None else gate.e_score_correction_bias
+        picked, weights = v4_route.route(
+            _linear(x, gate), bias, tid2eid, token, cfg.experts_per_token, cfg.routed_scaling_factor
+        )  # [k], float32 [k]
+        experts, limit = moe.experts, cfg.swiglu_limit
         if experts.gate_up_proj.dtype == torch.uint8:  # packed FP4: the kernel reads the picked experts
-            picked = chosen.view(-1)
             gate_up = fp4_experts_gemv(x, picked, experts.gate_up_proj, experts.gate_up_proj_scale)
-            hidden = _swiglu(*gate_up.chunk(2, dim=-1), cfg.swiglu_limit)  # [k, I]
+            hidden = _swiglu(*gate_up.chunk(2, dim=-1), limit)  # [k, I]
             y = fp4_experts_gemv(hidden, picked, experts.down_proj, experts.down_proj_scale)  # [k, D]
-            routed = torch.matmul(weights, y.float()).to(x.dtype)
-            return routed + _shared_expert(moe.shared_experts, x, cfg.swiglu_limit)
+            return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
         if _one_row_gemv(x, experts.gate_up_proj.flatten(0, 1)) and decode_kernels.fits(
             experts.down_proj.flatten(0, 1)
         ):
-            # Only the picked experts' rows are read, by id on the device, and the clamped SwiGLU
-            # is the down projection's input: two kernels.
-            picked = chosen.view(-1)
+            # Only the picked experts' rows are read, and the clamped SwiGLU is the down
+            # projection's input: two kernels.
             gate_up = x.new_empty((picked.numel(), experts.gate_up_proj.shape[1]))
             decode_kernels.experts_gemv(x, experts.gate_up_proj, picked, gate_up)
             y = x.new_empty((picked.numel(), experts.down_proj.shape[1]))
-            decode_kernels.experts_gemv(gate_up, experts.down_proj, picked, y, cfg.swiglu_limit)
-            routed = torch.matmul(weights, y.float()).to(x.dtype)
-            return routed + _shared_expert(moe.shared_experts, x, cfg.swiglu_limit)
+            decode_kernels.experts_gemv(gate_up, experts.down_proj, picked, y, limit)
+            return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
         dense = self.graph_dense_moe
         if dense is None:
             dense = cfg.num_experts <= 3 * cfg.experts_per_token
         vector = x.view(-1)
         if dense:
             gate_up, down = experts.gate_up_proj, experts.down_proj
-            weights = torch.zeros_like(scores).scatter_(1, chosen, weights)  # [1, E]
+            weights = x.new_zeros((cfg.num_experts,), dtype=torch.float32).scatter_(0, picked, weights)
         else:
-            picked = chosen.view(-1)
             gate_up = experts.gate_up_proj.index_select(0, picked)  # [k, 2I, D]
             down = experts.down_proj.index_select(0, picked)  # [k, D, I]
-        hidden = _swiglu(*torch.matmul(gate_up, vector).chunk(2, dim=-1), cfg.swiglu_limit)  # [E or k, I]
+        hidden = _swiglu(*torch.matmul(gate_up, vector).chunk(2, dim=-1), limit)  # [E or k, I]
         y = torch.bmm(down, hidden.unsqueeze(-1)).squeeze(-1)  # [E or k, D]
-        routed = torch.matmul(weights, y.float()).to(x.dtype)  # [1, D]
-        return routed + _shared_expert(moe.shared_experts, x, cfg.swiglu_limit)
+        return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
+
+    def _add_shared_expert(
+        self, shared: _SharedExpert, x: torch.Tensor, routed: torch.Tensor
+    ) -> torch.Tensor:
+        """routed [1, D] plus the shared expert's output for x; on the GEMV kernels (bf16) three
+        kernels, the SwiGLU and the sum inside the down projection."""
+        limit = self.config.swiglu_limit
+        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        if _one_row_gemv(x, gate) and _one_row_gemv(x, up) and decode_kernels.fits(down):
+            width = gate.shape[0]
+            gate_up = x.new_empty((1, 2 * width))
+            decode_kernels.gemv(x, gate, gate_up[:, :width])
+            decode_kernels.gemv(x, up, gate_up[:, width:])
+            return decode_kernels.gemv_add_(routed, gate_up, down, None, silu=True, swiglu_limit=limit)
+        return routed + _shared_expert(shared, x, limit)
 
 
 @dataclass(slots=True)
