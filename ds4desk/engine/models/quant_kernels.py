@@ -303,8 +303,9 @@ def fp4_grouped_matmul(
     return out
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped kernel.
-GROUPED_BLOCK = (64, 64, 64, 4, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped kernel: the H200 sweep's best at
+# Flash's prefill shapes (`python3 bench/quant_kernels.py --grouped-only`: 1.35-1.46x the 64-wide tiles).
+GROUPED_BLOCK = (128, 128, 64, 8, 3)
 
 
 def _grouped_triton(
