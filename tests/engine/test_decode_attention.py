@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.models import decode_attention as da
 from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import Runtime
+from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import save_tiny
 from tests.engine.triton_check import run_triton_check
 
@@ -70,16 +70,6 @@ def test_bfloat16_stays_bfloat16_and_close() -> None:
     assert got.dtype == torch.bfloat16
     expected = spelled_out(q.float(), keys.float(), values.float(), 30, D**-0.5, 9)
     torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=3e-2)
-
-
-class OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_custom_op_is_one_op_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.loading.quantized import (
     E2M1_VALUES,
@@ -26,6 +25,7 @@ from ds4desk.engine.models.quant_kernels import (
     fp8_linear,
     quantize_activation,
 )
+from tests.engine.op_names import OpNames
 from tests.engine.triton_check import run_triton_check
 
 
@@ -54,16 +54,6 @@ def fp4_experts(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.
     scale = torch.stack([s.view(torch.uint8) for _, s in parts])
     reference = torch.stack([dequantize_fp4_block32(p, s) for p, s in parts])
     return packed, scale, reference
-
-
-class OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models import v4_compress_step
 from ds4desk.engine.models.deepseek_v4 import CSA, HCA, CompressorState, DeepseekV4Model
 from ds4desk.engine.models.registry import load_model
+from tests.engine.op_names import OpNames
 from tests.engine.test_v4_graphable import Stepper, assert_same_state, relative_error, tokens, write_tiny
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.triton_check import run_triton_check
@@ -186,16 +186,6 @@ def test_the_reference_steps_equal_one_prefill(tmp_path: Path, case: str, prefil
     stop = min(comp.x.shape[0], prefill + 3 * comp.rate + 2 if comp.rate < 100 else 2 * comp.rate + 5)
     ours, rows = run_steps(comp, prefill, stop, v4_compress_step.reference)
     equals_one_prefill(comp, ours, rows, stop)
-
-
-class OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_custom_op_is_one_op_with_the_reference_result(tmp_path: Path) -> None:

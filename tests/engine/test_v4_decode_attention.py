@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.models import v4_decode_attention
+from tests.engine.op_names import OpNames
 from tests.engine.triton_check import run_triton_check
 
 H, D, ROPE, W, RATE = 16, 64, 16, 8, 4
@@ -113,16 +113,6 @@ def test_mismatched_extras_are_refused() -> None:
     q, ring, ring_ready, extra, _, picks, *rest = inputs("csa", 13, seed=4)
     with pytest.raises(ValueError, match="extra_ready"):
         v4_decode_attention.decode_attention(q, ring, ring_ready, extra, None, picks, *rest)
-
-
-class OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])

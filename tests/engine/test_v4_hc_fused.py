@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models import deepseek_v4 as v4
 from ds4desk.engine.models import v4_hc_fused, v4_hc_kernel
 from ds4desk.engine.models.registry import load_model
+from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.triton_check import run_triton_check
 
@@ -79,16 +79,6 @@ def test_the_eager_bodies_equal_the_model_functions(count: int, dtype: torch.dty
             assert got.dtype == want.dtype and torch.equal(got, want)
     # The inputs mattered: the expand changed the streams and the site's comb is no permutation.
     assert not torch.equal(expanded, x["streams"]) and ours[3].std() > 0.01
-
-
-class OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_each_fused_function_is_one_op(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.models import v4_hc_kernel
+from tests.engine.op_names import OpNames
 from tests.engine.triton_check import run_triton_check
 
 M, ITERS, EPS = 4, 20, 1e-6
@@ -47,16 +47,6 @@ def test_the_eager_form_equals_the_spelled_out_math(count: int) -> None:
     # Doubly stochastic (to Sinkhorn's eps), and not the identity nor uniform: the inputs mattered.
     torch.testing.assert_close(comb.sum(dim=-2), torch.ones(count, M), rtol=1e-4, atol=1e-4)
     assert comb.std() > 0.01
-
-
-class OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_custom_op_is_one_op_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models import v4_norm_rope
 from ds4desk.engine.models.deepseek_v4 import DeepseekV4Model, _norm_rope, _rms_norm, _rope_, _turn
 from ds4desk.engine.models.registry import load_model
+from tests.engine.op_names import OpNames
 from tests.engine.test_v4_graphable import Stepper, assert_same_state, relative_error, tokens
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.triton_check import run_triton_check
@@ -86,16 +86,6 @@ def test_the_reference_is_todays_math_exactly(use: str, dtype: torch.dtype) -> N
         at = (torch.tensor([0]), torch.tensor([17]))
         a, b = (v4_norm_rope.reference(x, weight, eps, cos, sin, p, rope, dtype) for p in at)
         assert torch.equal(a[:, :-rope], b[:, :-rope]) and not torch.equal(a[:, -rope:], b[:, -rope:])
-
-
-class OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("use", list(USES))

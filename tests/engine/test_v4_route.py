@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds4desk.engine.models import v4_route
-from tests.engine.test_decode_attention import OpNames
+from tests.engine.op_names import OpNames
 from tests.engine.triton_check import run_triton_check
 
 
