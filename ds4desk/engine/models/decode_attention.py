@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.models.triton_launch import on_its_device, pdl
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device, pdl
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
 # eager ops); True: always through the custom op (on the CPU its body is the eager math).
@@ -78,9 +78,7 @@ def available(device: torch.device) -> bool:
     """Whether decode_attention runs the fused kernel for tensors on `device` (by default)."""
     if FUSED is not None:
         return FUSED
-    # NVIDIA only: the kernel was written for NVIDIA GPUs (sm_80 and later) and never checked on ROCm,
-    # where tensors are "cuda" too.
-    return device.type == "cuda" and torch.version.hip is None and _triton_kernel() is not None
+    return nvidia(device) and _triton_kernel() is not None
 
 
 def decode_attention(

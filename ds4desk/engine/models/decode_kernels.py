@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.models.triton_launch import on_its_device, pdl
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device, pdl
 
 # None: the kernels where they can run; False: never (the torch form); True: always (the tests, on
 # Triton's interpreter).
@@ -45,7 +45,7 @@ OVERRIDE: tuple[int, int, int] | None = None
 def available(device: torch.device) -> bool:
     if FUSED is not None:
         return FUSED
-    return device.type == "cuda" and torch.version.hip is None and _kernels() is not None
+    return nvidia(device) and _kernels() is not None
 
 
 def fits(weight: torch.Tensor) -> bool:

@@ -28,6 +28,15 @@ def on_its_device(launch: Callable[..., _T]) -> Callable[..., _T]:
     return run
 
 
+def nvidia(where: torch.Tensor | torch.device) -> bool:
+    """Whether the fused Triton kernels run there: an NVIDIA GPU from Ampere on (bf16 tiles; they
+    were written and checked for sm_80+ and an H200, never on ROCm, whose tensors are "cuda" too)."""
+    device = where.device if isinstance(where, torch.Tensor) else where
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 8
+
+
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the
 # kernel before it finishes, and waits for that kernel's results in `griddepcontrol.wait`; the decode
 # kernels stream weights that no earlier kernel writes before that wait, which hides the gap between

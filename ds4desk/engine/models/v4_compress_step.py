@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds4desk.engine.models.triton_launch import on_its_device
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never
 # (the model's own eager ops); True: always through the custom op (on the CPU its body is the
@@ -40,7 +40,7 @@ def use_fused(like: torch.Tensor) -> bool:
     if FUSED is not None:
         return FUSED
     # NVIDIA only: the kernel was written for (and checked on) CUDA, never on ROCm.
-    return like.is_cuda and torch.version.hip is None and _triton_kernel() is not None
+    return nvidia(like) and _triton_kernel() is not None
 
 
 def fuse_projections(module: nn.Module) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.models.triton_launch import on_its_device
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device
 
 # None: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable); False: never
 # (the eager ops); True: always through the custom op (on the CPU its body is the eager math: what
@@ -124,7 +124,7 @@ def decode_attention(
     fused = FUSED
     if fused is None:
         # NVIDIA only: the kernels were written for an H200, never run on ROCm (where is_cuda holds too).
-        fused = q.is_cuda and torch.version.hip is None and _triton_kernel() is not None
+        fused = nvidia(q) and _triton_kernel() is not None
     if fused:
         return _fused_op(q, ring, ring_ready, extra, extra_ready, picks, sinks, pos, scale, turn)
     return reference(q, ring, ring_ready, extra, extra_ready, picks, sinks, pos, scale, turn)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.models import v4_hc_kernel
-from ds4desk.engine.models.triton_launch import on_its_device
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device
 
 # None: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power
 # of 2); False: never (the model's eager ops); True: always through the custom ops (on the CPU their
@@ -48,7 +48,7 @@ def enabled(streams: torch.Tensor, mult: int) -> bool:
     if FUSED is not None:
         return FUSED
     # NVIDIA only: the kernels were written for and checked on CUDA, never on ROCm.
-    return streams.is_cuda and torch.version.hip is None and _power_of_two(mult) and _kernels() is not None
+    return nvidia(streams) and _power_of_two(mult) and _kernels() is not None
 
 
 def _power_of_two(n: int) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ds4desk.engine.models.triton_launch import on_its_device
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power of 2);
 # False: never (the eager ops); True: always through the custom op (on the CPU its body is the eager
@@ -75,10 +75,7 @@ def hc_weights(
     """[pre | post] [T, 2m] and C [T, m, m], float32, fused where it can be (see FUSED)."""
     fused = FUSED
     if fused is None:
-        # NVIDIA only: the kernel was checked on an H200, never on ROCm (where z.is_cuda is also true).
-        fused = (
-            z.is_cuda and torch.version.hip is None and _power_of_two(mult) and _triton_kernel() is not None
-        )
+        fused = nvidia(z) and _power_of_two(mult) and _triton_kernel() is not None
     if fused:
         return _fused_op(z.contiguous(), scale, base, mult, iters, eps)
     return reference(z, scale, base, mult, iters, eps)

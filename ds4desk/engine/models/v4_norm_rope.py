@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.models.triton_launch import on_its_device, pdl
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device, pdl
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
 # model's own eager ops); True: always through the custom op (on the CPU its body is the eager math of
@@ -35,7 +35,7 @@ def enabled(like: torch.Tensor) -> bool:
     if FUSED is not None:
         return FUSED
     # NVIDIA only: the kernel was written for CUDA, never run on ROCm (where is_cuda holds too).
-    return like.is_cuda and torch.version.hip is None and _triton_kernel() is not None
+    return nvidia(like) and _triton_kernel() is not None
 
 
 def norm_rope(

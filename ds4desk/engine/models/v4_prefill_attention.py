@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.models.triton_launch import on_its_device
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
 # eager ops); True: always through the custom op (on the CPU its body is the eager math).
@@ -126,7 +126,7 @@ def prefill_attention(
     fused = FUSED
     if fused is None:
         # NVIDIA only: the kernel is written for (and checked on) NVIDIA GPUs, never on ROCm.
-        fused = q.is_cuda and torch.version.hip is None and _triton_kernel() is not None
+        fused = nvidia(q) and _triton_kernel() is not None
     if not fused:
         return reference(q, keys, pad, entries, picks, extra_bias, sinks, scale)
     return _fused_op(

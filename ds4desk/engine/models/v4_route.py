@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.models.triton_launch import on_its_device, pdl
+from ds4desk.engine.models.triton_launch import nvidia, on_its_device, pdl
 
 # None: the kernels where they run (NVIDIA CUDA tensors, Triton importable); False: never; True:
 # always through the custom ops (on the CPU their bodies are the eager math).
@@ -90,7 +90,7 @@ def _(weights, y):
 def enabled(t: torch.Tensor) -> bool:
     if FUSED is not None:
         return FUSED
-    return t.is_cuda and torch.version.hip is None and _kernels() is not None
+    return nvidia(t) and _kernels() is not None
 
 
 def route(
