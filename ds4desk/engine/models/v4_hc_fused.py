@@ -9,8 +9,8 @@ a second kernel, one program per token, sums the partials, makes [pre | post] an
 matrix and collapses + norms the new streams into the block input. Neither kernel reads a device
 value on the host or sizes anything by one: both can be captured in a CUDA graph.
 
-The pieces are also ops of their own: `expand_mix` / `mix` (the new streams and z) and
-`collapse_norm` (the block input from given gates), used by the head.
+The pieces are also ops of their own, used by the head: `expand_mix` (the new streams and z) and
+`collapse_norm` (the block input from given gates).
 
 Each fused op is a torch custom op (one op for a graph capture and for bench/count_ops.py) whose
 body is the Triton kernels on NVIDIA GPUs and the eager math (`reference_*`, the model's current
@@ -104,18 +104,6 @@ def reference_site(
 
 
 # --- custom ops --------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("ds4desk::v4_hc_mix", mutates_args=())
-def _mix_op(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    if _use_kernels(streams):
-        return _kernels().mix(streams, None, None, None, fn, eps)[1]
-    return reference_mix(streams, fn, eps)
-
-
-@_mix_op.register_fake
-def _(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    return streams.new_empty((streams.shape[0], fn.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("ds4desk::v4_hc_expand_mix", mutates_args=())
@@ -240,11 +228,6 @@ def _(streams, y, post, comb, fn, scale, base, weight, mult, iters, hc_eps, eps)
 
 
 # --- the public face -----------------------------------------------------------------------------
-
-
-def mix(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """z = rms_norm(flat streams) · fnᵀ, float32 [T, rows], as one op."""
-    return _mix_op(streams.contiguous(), fn, eps)
 
 
 def expand_mix(
