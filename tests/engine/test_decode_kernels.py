@@ -206,3 +206,13 @@ def test_the_deepseek_v4_step_on_the_gemv_kernels_equals_cublas() -> None:
     """DeepSeek-V4's one-row linears, picked experts (by id on the device, clamped SwiGLU fused)
     and head on the GEMV kernels give the logits of the torch step."""
     assert "v4 ok" in run_triton_check(_V4_CHECK)
+
+
+def test_the_fused_kernels_and_early_launch_stay_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ds4desk.engine.models import triton_launch
+
+    cpu = torch.zeros(1)
+    assert not triton_launch.nvidia(cpu) and not triton_launch.nvidia(torch.device("cpu"))
+    assert not triton_launch.pdl(cpu)
+    monkeypatch.setattr(triton_launch, "PDL", True)  # forced on: still never for a CPU tensor
+    assert not triton_launch.pdl(cpu)
