@@ -19,7 +19,14 @@ from ds4desk.engine.models import v4_compress_step
 from ds4desk.engine.models.deepseek_v4 import CSA, HCA, CompressorState, DeepseekV4Model
 from ds4desk.engine.models.registry import load_model
 from tests.engine.op_names import OpNames
-from tests.engine.test_v4_graphable import Stepper, assert_same_state, relative_error, tokens, write_tiny
+from tests.engine.test_v4_graphable import (
+    Stepper,
+    assert_same_state,
+    relative_error,
+    step_op_names,
+    tokens,
+    write_tiny,
+)
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.triton_check import run_triton_check
 
@@ -292,20 +299,7 @@ def test_the_fused_step_runs_fewer_ops_the_same_at_every_position(tmp_path: Path
     fused, eager = model_pair(tmp_path, torch.float32)
     source = source_from_folder(tmp_path)
     ids = tokens(source, 20, seed=31)
-    recorded: dict[tuple[bool, int], list[str]] = {}
-    with torch.inference_mode():
-        for model, on in ((fused, True), (eager, False)):
-            model.forward(torch.tensor(ids[:3]), 0, "none")
-            stepper = Stepper(model)
-            for pos in range(3, 20):
-                seen = OpNames()
-                v4_compress_step.FUSED = on
-                try:
-                    with seen:
-                        stepper.step(ids[pos], pos, 32)
-                finally:
-                    v4_compress_step.FUSED = None
-                recorded[(on, pos)] = seen.names
+    recorded = step_op_names(fused, eager, v4_compress_step, ids, 3, 20, 32)
     fused_ops = recorded[(True, 3)]
     assert all(recorded[(True, pos)] == fused_ops for pos in range(3, 20))  # one graph fits all
     # make_tiny: CSA, HCA, CSA layers after a sliding one: 2 + 1 + 2 compressors a step.

@@ -19,6 +19,7 @@ from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny, random_state
 from ds4desk.engine.models.deepseek_v4 import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Model
 from ds4desk.engine.models.registry import load_model
+from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import source_from_folder
 
 CPU = torch.device("cpu")
@@ -91,6 +92,34 @@ class Stepper:
         logits = self.model.decode_graphable(self.token, self.pos, span)
         self.model.set_length(pos + 1)
         return logits
+
+
+def step_op_names(
+    fused: DeepseekV4Model,
+    eager: DeepseekV4Model,
+    module: Any,
+    ids: list[int],
+    start: int,
+    stop: int,
+    span: int,
+) -> dict[tuple[bool, int], list[str]]:
+    """The aten ops of each graphable step start..stop-1 after a prefill of ids[:start], with
+    `module.FUSED` on for `fused` and off for `eager`: {(on, pos): names}."""
+    recorded: dict[tuple[bool, int], list[str]] = {}
+    with torch.inference_mode():
+        for model, on in ((fused, True), (eager, False)):
+            model.forward(torch.tensor(ids[:start]), 0, "none")
+            stepper = Stepper(model)
+            for pos in range(start, stop):
+                seen = OpNames()
+                module.FUSED = on
+                try:
+                    with seen:
+                        stepper.step(ids[pos], pos, span)
+                finally:
+                    module.FUSED = None
+                recorded[(on, pos)] = seen.names
+    return recorded
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -16,7 +16,7 @@ from ds4desk.engine.models import v4_norm_rope
 from ds4desk.engine.models.deepseek_v4 import DeepseekV4Model, _norm_rope, _rms_norm, _rope_, _turn
 from ds4desk.engine.models.registry import load_model
 from tests.engine.op_names import OpNames
-from tests.engine.test_v4_graphable import Stepper, assert_same_state, relative_error, tokens
+from tests.engine.test_v4_graphable import Stepper, assert_same_state, relative_error, step_op_names, tokens
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.triton_check import run_triton_check
 
@@ -310,20 +310,7 @@ def test_the_models_fused_steps_equal_its_eager_steps(
 def test_the_fused_step_has_one_op_a_use_the_same_at_every_position(tmp_path: Path) -> None:
     fused, eager = model_pair(tmp_path, torch.float32)
     ids = tokens(source_from_folder(tmp_path), 20, seed=41)
-    recorded: dict[tuple[bool, int], list[str]] = {}
-    with torch.inference_mode():
-        for model, on in ((fused, True), (eager, False)):
-            model.forward(torch.tensor(ids[:3]), 0, "none")
-            stepper = Stepper(model)
-            for pos in range(3, 20):
-                seen = OpNames()
-                v4_norm_rope.FUSED = on
-                try:
-                    with seen:
-                        stepper.step(ids[pos], pos, 32)
-                finally:
-                    v4_norm_rope.FUSED = None
-                recorded[(on, pos)] = seen.names
+    recorded = step_op_names(fused, eager, v4_norm_rope, ids, 3, 20, 32)
     fused_ops = recorded[(True, 3)]
     assert all(recorded[(True, pos)] == fused_ops for pos in range(3, 20))  # one graph fits all
     # make_tiny: 4 layers (q_res, q, kv each) and 2 CSA layers (the indexer's query).

@@ -28,6 +28,15 @@ def on_its_device(launch: Callable[..., _T]) -> Callable[..., _T]:
     return run
 
 
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton's block sizes."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def nvidia(where: torch.Tensor | torch.device) -> bool:
     """Whether the fused Triton kernels run there: an NVIDIA GPU from Ampere on (bf16 tiles; they
     were written and checked for sm_80+ and an H200, never on ROCm, whose tensors are "cuda" too)."""

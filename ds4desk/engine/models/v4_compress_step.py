@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds4desk.engine.models.triton_launch import nvidia, on_its_device
+from ds4desk.engine.models.triton_launch import next_power_of_two, nvidia, on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never
 # (the model's own eager ops); True: always through the custom op (on the CPU its body is the
@@ -200,10 +200,6 @@ def _kernel_runs_on(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.cache
 def _jit_kernel() -> Any:
     """The Triton kernel (a triton.jit function), or None where Triton is not importable."""
@@ -369,18 +365,18 @@ def _jit_kernel() -> Any:
 def launch_constants(rate: int, width: int, overlap: bool, rows: int, pairs: int) -> dict[str, Any]:
     """The kernel's compile-time arguments for a compressor's shapes."""
     dim = width // 2 if overlap else width
-    half_p2 = _power_of_two_at_least(dim // 2)
+    half_p2 = next_power_of_two(dim // 2)
     return {
         "RATE": rate,
         "WIDTH": width,
         "DIM": dim,
         "HALF_P2": half_p2,
-        "DIM_P2": _power_of_two_at_least(dim),
-        "WIDTH_P2": _power_of_two_at_least(width),
+        "DIM_P2": next_power_of_two(dim),
+        "WIDTH_P2": next_power_of_two(width),
         "PAIRS": pairs,
         # Four [BLOCK_R, DIM / 2] float32 tiles (kv and gate, even and odd; twice with the overlap)
         # per block of rows: ~1024 values a tile keeps them in registers at Flash's 512.
-        "BLOCK_R": max(1, min(_power_of_two_at_least(rate), 1024 // half_p2)),
+        "BLOCK_R": max(1, min(next_power_of_two(rate), 1024 // half_p2)),
         "OVERLAP": overlap,
         "HAS_ROWS": rows > 0,
     }

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.models.triton_launch import nvidia, on_its_device
+from ds4desk.engine.models.triton_launch import next_power_of_two, nvidia, on_its_device
 
 # None: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable); False: never
 # (the eager ops); True: always through the custom op (on the CPU its body is the eager math: what
@@ -131,7 +131,7 @@ def decode_attention(
 
 
 def _pow2(n: int, low: int, high: int) -> int:
-    return max(low, min(high, 1 << max(0, n - 1).bit_length()))
+    return max(low, min(high, next_power_of_two(n)))
 
 
 @functools.cache

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.models import v4_hc_kernel
-from ds4desk.engine.models.triton_launch import nvidia, on_its_device
+from ds4desk.engine.models.triton_launch import is_power_of_two, next_power_of_two, nvidia, on_its_device
 
 # None: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power
 # of 2); False: never (the model's eager ops); True: always through the custom ops (on the CPU their
@@ -48,11 +48,7 @@ def enabled(streams: torch.Tensor, mult: int) -> bool:
     if FUSED is not None:
         return FUSED
     # NVIDIA only: the kernels were written for and checked on CUDA, never on ROCm.
-    return nvidia(streams) and _power_of_two(mult) and _kernels() is not None
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+    return nvidia(streams) and is_power_of_two(mult) and _kernels() is not None
 
 
 def _use_kernels(streams: torch.Tensor) -> bool:
@@ -299,10 +295,6 @@ class _Kernels:
     site: Callable[..., Any]
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 @functools.cache
 def _kernels() -> _Kernels | None:
     """The Triton launchers, or None where Triton is not importable."""
@@ -328,8 +320,8 @@ def _kernels() -> _Kernels | None:
         """(the new streams or the given ones, the partials [T, blocks, RP], blocks, R)."""
         count, m, dim = streams.shape
         rows = fn.shape[0]
-        padded = _next_power_of_two(rows + 1)  # + 1: the sum of squares rides in row `rows`
-        block = min(_MIX_BLOCK, _next_power_of_two(dim))
+        padded = next_power_of_two(rows + 1)  # + 1: the sum of squares rides in row `rows`
+        block = min(_MIX_BLOCK, next_power_of_two(dim))
         blocks = triton.cdiv(dim, block)
         part = torch.empty((count, blocks, padded), device=streams.device, dtype=torch.float32)
         expand = y is not None
@@ -372,7 +364,7 @@ def _kernels() -> _Kernels | None:
             eps,
             R=rows,
             RP=part.shape[2],
-            NB=_next_power_of_two(blocks),
+            NB=next_power_of_two(blocks),
         )
         return (out if y is not None else None), z
 
@@ -382,7 +374,7 @@ def _kernels() -> _Kernels | None:
         _check_post(pre)
         count, m, dim = streams.shape
         h = torch.empty((count, dim), device=streams.device, dtype=dtype)
-        block = min(_COLLAPSE_BLOCK, _next_power_of_two(dim))
+        block = min(_COLLAPSE_BLOCK, next_power_of_two(dim))
         collapse_kernel[(count,)](
             streams, pre, pre.stride(0), weight, h, dim, eps, M=m, BD=block, num_warps=_COLLAPSE_WARPS
         )
@@ -424,8 +416,8 @@ def _kernels() -> _Kernels | None:
             M=m,
             R=rows,
             RP=part.shape[2],
-            NB=_next_power_of_two(blocks),
-            BD=min(_COLLAPSE_BLOCK, _next_power_of_two(dim)),
+            NB=next_power_of_two(blocks),
+            BD=min(_COLLAPSE_BLOCK, next_power_of_two(dim)),
             num_warps=_COLLAPSE_WARPS,
         )
         return (out if y is not None else None), h, gates, new_comb

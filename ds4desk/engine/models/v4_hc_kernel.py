@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ds4desk.engine.models.triton_launch import nvidia, on_its_device
+from ds4desk.engine.models.triton_launch import is_power_of_two, nvidia, on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power of 2);
 # False: never (the eager ops); True: always through the custom op (on the CPU its body is the eager
@@ -75,14 +75,10 @@ def hc_weights(
     """[pre | post] [T, 2m] and C [T, m, m], float32, fused where it can be (see FUSED)."""
     fused = FUSED
     if fused is None:
-        fused = nvidia(z) and _power_of_two(mult) and _triton_kernel() is not None
+        fused = nvidia(z) and is_power_of_two(mult) and _triton_kernel() is not None
     if fused:
         return _fused_op(z.contiguous(), scale, base, mult, iters, eps)
     return reference(z, scale, base, mult, iters, eps)
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 # Built on first use, which is eager (a graph capture is always preceded by a warm-up step).

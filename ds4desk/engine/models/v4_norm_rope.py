@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.models.triton_launch import nvidia, on_its_device, pdl
+from ds4desk.engine.models.triton_launch import next_power_of_two, nvidia, on_its_device, pdl
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
 # model's own eager ops); True: always through the custom op (on the CPU its body is the eager math of
@@ -128,15 +128,11 @@ def _kernel_runs_on(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def _power_of_two_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def launch_constants(channels: int, rope_dims: int, norm: bool, weighted: bool) -> dict[str, Any]:
     """The kernel's compile-time arguments for rows of `channels` (PDL is added at launch)."""
     return {
         "C": channels,
-        "HALF_P2": _power_of_two_at_least((channels + 1) // 2),
+        "HALF_P2": next_power_of_two((channels + 1) // 2),
         "PAIRS": rope_dims // 2,
         "NORM": norm,
         "WEIGHTED": weighted,
@@ -145,7 +141,7 @@ def launch_constants(channels: int, rope_dims: int, norm: bool, weighted: bool) 
 
 def _warps(channels: int) -> int:
     # Two channels a lane: a warp per 64 lanes' worth up to 4 warps (Flash's 1024-wide q_res).
-    return max(1, min(4, _power_of_two_at_least((channels + 1) // 2) // 64))
+    return max(1, min(4, next_power_of_two((channels + 1) // 2) // 64))
 
 
 @functools.cache

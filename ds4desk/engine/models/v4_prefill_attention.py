@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.models.triton_launch import nvidia, on_its_device
+from ds4desk.engine.models.triton_launch import next_power_of_two, nvidia, on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
 # eager ops); True: always through the custom op (on the CPU its body is the eager math).
@@ -141,12 +141,8 @@ def prefill_attention(
     )
 
 
-def _pow2_at_least_1(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _pow2_at_least_16(n: int) -> int:
-    return max(16, 1 << max(0, n - 1).bit_length())  # tl.dot takes no dim under 16
+    return max(16, next_power_of_two(n))  # tl.dot takes no dim under 16
 
 
 @functools.cache
@@ -287,7 +283,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             dim,
             scale,
             WINDOW=window,
-            EXTRA_BLOCKS=_pow2_at_least_1(triton.cdiv(n_extra, config["block_n"])) if has_extra else 0,
+            EXTRA_BLOCKS=next_power_of_two(triton.cdiv(n_extra, config["block_n"])) if has_extra else 0,
             HAS_EXTRA=has_extra,
             HAS_PICKS=picks is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
