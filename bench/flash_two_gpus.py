@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ds4desk.engine.api import SamplingParams
-from ds4desk.engine.models import quant_kernels, v4_prefill_attention
+from ds4desk.engine.models import quant_kernels, triton_launch, v4_prefill_attention
 from ds4desk.engine.models.v4_synthetic import build_quantized, flash_config
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import explicit_plan
@@ -100,10 +100,13 @@ def run(runtime: Runtime, prompt: list[int], new: int) -> dict[str, float]:
 
 
 def profile(model, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
-    """torch.profiler tables (CUDA time per op, both GPUs) for one 4k prefill and 16 decode steps."""
+    """torch.profiler tables (CUDA time per op, both GPUs) for one 4k prefill and 16 decode steps,
+    then one eager decode step's kernels in launch order (the first layers). Programmatic dependent
+    launch is off here: with it a kernel's measured time includes its wait for the one before."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
+    triton_launch.PDL = False
     runtime = Runtime(model, torch.device("cuda:0"), context=8192, chunk=4096, graphs=True)
     try:
         run(runtime, prompt[:256], 4)  # warm-up
@@ -118,8 +121,21 @@ def profile(model, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
                 sort_by="cuda_time_total", row_limit=28, max_name_column_width=70
             )
             print(f"== {what}\n{table}", flush=True)
+        token = torch.tensor([prompt[8]], device="cuda:0")
+        pos = torch.tensor([8], device="cuda:0")
+        with torch.inference_mode(), profiler(activities=[ProfilerActivity.CUDA]) as prof:
+            model.decode_graphable(token, pos, 512)
+            sync()
+        kernels = sorted(
+            (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+            key=lambda e: e.time_range.start,
+        )
+        print(f"== one eager decode step: {len(kernels)} kernels; the first 240 in order (us)")
+        for event in kernels[:240]:
+            print(f"{event.time_range.elapsed_us():8.1f}  {event.name[:90]}")
     finally:
         runtime.close()
+        triton_launch.PDL = None
 
 
 def main() -> None:

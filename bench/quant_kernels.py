@@ -47,6 +47,10 @@ FP8_SHAPES = [
     (4096, 2048),
 ]
 FP8_ROWS = (1, 512, 4096)
+# Flash's one-row FP8 linears: q_a, q_b, kv, o_b, the shared expert's gate / up and down, indexer q_b.
+FLASH_FP8_SHAPES = [
+    (1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (2048, 4096), (4096, 2048), (8192, 1024)
+]  # fmt: skip
 # (N, K) of one routed expert: down (D x I) and gate+up (2I x D).
 FP4_SHAPES = [(4096, 2048), (4096, 4096)]
 EXPERTS, ACTIVE = 256, 6
@@ -360,9 +364,71 @@ def sweep_fp4(n: int, k: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def decode_sweep(results: list[dict[str, Any]]) -> None:
+    """The batch-1 kernels only: the one-row FP8 GEMV against the split-K one and under other tiles;
+    the FP4 experts GEMV with either nibble decode and under other tiles."""
+    for n, k in FLASH_FP8_SHAPES:
+        copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / (n * k))))
+        weights = fp8_weights(n, k, copies)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ qk.fp8_dequantize(*weights[0], torch.float32).t()
+
+        def call(i: int, x: torch.Tensor = x, weights: list = weights) -> object:
+            return qk.fp8_linear(x, *weights[i])
+
+        timed: dict[str, float] = {}
+        for row_kernel in (False, True):
+            qk.FP8_ROW = row_kernel
+            timed["row" if row_kernel else "split"] = time_graph(call, copies, replays=3)
+            err = rel_error(call(0), want)
+        settings = [
+            (block_n, block_k, warps)
+            for block_n in (4, 8, 16)
+            for block_k in (512, 1024)
+            for warps in (4, 8)
+            if k % block_k == 0
+        ]
+        best_t, best = _best(settings, "fp8_row", call, copies)
+        row = {
+            "op": "decode_fp8_gemv", "n": n, "k": k, "split_us": timed["split"] * 1e6,
+            "row_us": timed["row"] * 1e6, "row_default": qk.fp8_row_config(n, k), "best": best,
+            "best_us": best_t * 1e6, "best_gbps": n * k / best_t / 1e9, "rel_error": err,
+        }  # fmt: skip
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    for n, k in FP4_SHAPES:
+        packed, scale = fp4_experts(n, k)
+        gen = torch.Generator().manual_seed(1)
+        ids = [torch.randperm(EXPERTS, generator=gen)[:ACTIVE].cuda() for _ in range(CALLS_PER_GRAPH)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        dense = qk.fp4_dequantize_many(packed[ids[0]], scale[ids[0]], torch.float32)
+        want = torch.einsum("enk,k->en", dense, x[0].float())
+
+        def call4(i: int, x: torch.Tensor = x, packed=packed, scale=scale, ids=ids) -> object:  # type: ignore[no-untyped-def]
+            return qk.fp4_experts_gemv(x, ids[i], packed, scale)
+
+        row4: dict[str, Any] = {"op": "decode_fp4_gemv", "n": n, "k": k}
+        moved = ACTIVE * (n * k // 2 + n * k // 32)
+        for bits in (False, True):
+            qk.FP4_F32_BITS = bits
+            t = time_graph(call4, len(ids), replays=3)
+            row4["f32_bits" if bits else "f16_convert"] = {
+                "us": t * 1e6,
+                "gbps": moved / t / 1e9,
+                "rel_error": rel_error(call4(0), want),
+            }
+        settings4 = [
+            (block_n, block_k, warps, 3) for block_n in (16, 32) for block_k in (128, 256) for warps in (4, 8)
+        ]
+        best_t, best4 = _best(settings4, "fp4", call4, len(ids))
+        row4 |= {"best": best4, "best_us": best_t * 1e6, "best_gbps": moved / best_t / 1e9}
+        results.append(row4)
+        print(json.dumps(row4), flush=True)
+
+
 def _best(
-    settings: list[tuple[int, int, int, int]], kind: str, call: Callable[[int], object], copies: int
-) -> tuple[float, tuple[int, int, int, int]]:
+    settings: list[tuple[int, ...]], kind: str, call: Callable[[int], object], copies: int
+) -> tuple[float, tuple[int, ...]]:
     timings = []
     try:
         for setting in settings:
@@ -386,6 +452,7 @@ def main() -> None:
     )
     parser.add_argument("--sweep", action="store_true", help="also time alternative GEMV launch settings")
     parser.add_argument("--grouped-only", action="store_true", help="only sweep the grouped prefill kernel")
+    parser.add_argument("--decode-only", action="store_true", help="only the batch-1 GEMVs")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "quant_kernels.json"
     )
@@ -396,8 +463,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     results: list[dict[str, Any]] = []
-    if args.grouped_only:
-        sweep_grouped(results)
+    if args.grouped_only or args.decode_only:
+        (sweep_grouped if args.grouped_only else decode_sweep)(results)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
             json.dumps({"device": torch.cuda.get_device_name(0), "results": results}, indent=1)

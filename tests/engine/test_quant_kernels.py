@@ -56,6 +56,13 @@ def fp4_experts(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.
     return packed, scale, reference
 
 
+def swiglu(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """The clamped SwiGLU of gate | up rows in float32, rounded once to x's dtype (as the kernels)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    return act.to(x.dtype).float()
+
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
@@ -101,6 +108,20 @@ def test_fp4_experts_gemv_on_the_cpu_equals_the_reference(slots: int, shared: bo
     outb = fp4_experts_gemv(x.to(torch.bfloat16), experts, packed, scale)
     assert outb.dtype == torch.bfloat16
     assert rel_error(outb, want) < 1e-2
+
+
+def test_fp4_experts_gemv_takes_the_swiglu_of_gate_up_rows_on_the_cpu() -> None:
+    packed, scale, reference = fp4_experts(5, 48, 128, seed=9)
+    experts = torch.tensor([3, 1, 4])
+    gate_up = 3 * torch.randn(3, 256, generator=torch.Generator().manual_seed(9))
+    out = fp4_experts_gemv(gate_up, experts, packed, scale, swiglu_limit=2.0)
+    act = swiglu(gate_up, 2.0)
+    want = torch.stack([act[s] @ reference[experts[s]].t() for s in range(3)])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    # The limit mattered: some gates and ups lie beyond it.
+    assert (gate_up.abs() > 2.0).any()
+    with pytest.raises(ValueError, match="x must be"):
+        fp4_experts_gemv(gate_up[:, :128], experts, packed, scale, swiglu_limit=2.0)
 
 
 def test_fp4_experts_gemv_rejects_mismatched_inputs() -> None:
@@ -198,13 +219,16 @@ def test_the_cpu_runs_the_torch_forms_by_default() -> None:
 _TRITON_CHECK = """
 import torch
 from ds4desk.engine.models import quant_kernels
-from tests.engine.test_quant_kernels import OpNames, fp4_experts, fp8_weight, rel_error
+from tests.engine.test_quant_kernels import OpNames, fp4_experts, fp8_weight, rel_error, swiglu
 
 quant_kernels.TRITON = True
 device = "cuda" if torch.cuda.is_available() else "cpu"
 gen = torch.Generator().manual_seed(0)
-# 96 x 256: two 128-column blocks; 32 x 1024: split along K, then the reduction kernel.
-for n, k, rows in ((96, 256, (1, 3, 16)), (32, 1024, (1, 5)), (64, 384, (2,))):
+# 96 x 256: two 128-column blocks; 32 x 1024: split along K, then the reduction kernel; one row of
+# whole 128-row blocks: the one-row kernel (256 x 2048: two tiles of 1024 columns and two rows of
+# scales; 128 x 384: three tiles of 128).
+SHAPES = ((96, 256, (1, 3, 16)), (32, 1024, (1, 5)), (64, 384, (2,)), (256, 2048, (1,)), (128, 384, (1,)))
+for n, k, rows in SHAPES:
     q, scale, reference = (t.to(device) for t in fp8_weight(n, k, seed=n))
     for m in rows:
         for dtype in (torch.float32, torch.bfloat16):
@@ -229,6 +253,26 @@ for shared, dtype in [(s, d) for s in (False, True) for d in (torch.float32, tor
     want = torch.stack([x[0 if shared else s].float() @ reference[experts[s]].t() for s in range(6)])
     err = rel_error(out, want)
     assert out.dtype == dtype and err < (1e-6 if dtype == torch.float32 else 8e-3), (shared, dtype, err)
+# The fused forms of the batch-1 MoE: the shared expert's down projection reading SiLU(gate) · up
+# and adding into the routed sum (one-row FP8), the routed experts' down projection reading each
+# slot's SiLU(gate) · up (FP4).
+q, scale, reference = (t.to(device) for t in fp8_weight(256, 384, seed=7))
+packed, pscale, preference = (t.to(device) for t in fp4_experts(5, 96, 256, seed=4))
+experts = torch.tensor([3, 1, 3, 0, 4, 4], device=device)
+for dtype in (torch.float32, torch.bfloat16):
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    gate_up = (3 * torch.randn(1, 768, generator=gen)).to(device, dtype)
+    residual = torch.randn(1, 256, generator=gen).to(device, dtype)
+    assert quant_kernels.fp8_row_fits(gate_up, q, scale)
+    want = residual.float() + swiglu(gate_up, 2.0) @ reference.t()
+    got = quant_kernels.fp8_row_(gate_up, q, scale, residual, swiglu_limit=2.0, residual=True)
+    assert got is residual and rel_error(got, want) < tol, (dtype, rel_error(got, want))
+    gate_ups = (3 * torch.randn(6, 512, generator=gen)).to(device, dtype)
+    out = quant_kernels.fp4_experts_gemv(gate_ups, experts, packed, pscale, swiglu_limit=2.0)
+    act = swiglu(gate_ups, 2.0)
+    want = torch.stack([act[s] @ preference[experts[s]].t() for s in range(6)])
+    assert rel_error(out, want) < tol, (dtype, rel_error(out, want))
+
 packed, pscale, reference = (t.to(device) for t in fp4_experts(2, 32, 64, seed=2))
 one = torch.tensor([1], device=device)
 out = quant_kernels.fp4_experts_gemv(torch.ones(1, 64, device=device), one, packed, pscale)

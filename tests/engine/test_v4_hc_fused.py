@@ -119,9 +119,10 @@ kernels = v4_hc_fused._kernels()
 assert kernels is not None
 device = "cuda" if torch.cuda.is_available() else "cpu"
 v4_hc_fused._use_kernels = lambda streams: True  # the interpreter runs the kernels on CPU tensors
-# D = 40: a partial mix block and a partial collapse block; 256: several whole blocks.
+# D = 40: a partial mix block and a partial collapse block; 256: several whole blocks; 600 at two
+# tokens: three collapse programs a token, the last one partial; 20 tokens: a program a token's row.
 for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
-    for count, dim in ((1, 40), (3, 256), (1, 256)):
+    for count, dim in ((1, 40), (3, 256), (1, 256), (2, 600), (20, 40)):
         x = {k: v.to(device) for k, v in site_inputs(count, dim, seed=count + dim, dtype=dtype).items()}
         post, pre = x["gates"][:, M:], x["gates"][:, :M]
         args = (x["fn"], x["scale"], x["base"], x["weight"], M, ITERS, HC_EPS, EPS)

@@ -37,7 +37,13 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
 from ds4desk.engine.models import decode_kernels, v4_compress_step, v4_hc_fused, v4_norm_rope, v4_route
 from ds4desk.engine.models.llama import LogitsMode
-from ds4desk.engine.models.quant_kernels import fp4_experts_gemv, fp4_grouped_matmul, fp8_linear
+from ds4desk.engine.models.quant_kernels import (
+    fp4_experts_gemv,
+    fp4_grouped_matmul,
+    fp8_linear,
+    fp8_row_,
+    fp8_row_fits,
+)
 from ds4desk.engine.models.v4_decode_attention import decode_attention
 from ds4desk.engine.models.v4_hc_kernel import hc_weights
 from ds4desk.engine.models.v4_norm_rope import norm_rope
@@ -1426,8 +1432,8 @@ class DeepseekV4Model(nn.Module):
         experts, limit = moe.experts, cfg.swiglu_limit
         if experts.gate_up_proj.dtype == torch.uint8:  # packed FP4: the kernel reads the picked experts
             gate_up = fp4_experts_gemv(x, picked, experts.gate_up_proj, experts.gate_up_proj_scale)
-            hidden = _swiglu(*gate_up.chunk(2, dim=-1), limit)  # [k, I]
-            y = fp4_experts_gemv(hidden, picked, experts.down_proj, experts.down_proj_scale)  # [k, D]
+            # [k, D], the clamped SwiGLU of gate_up [k, 2I] taken inside the down projection.
+            y = fp4_experts_gemv(gate_up, picked, experts.down_proj, experts.down_proj_scale, limit)
             return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
         if _one_row_gemv(x, experts.gate_up_proj.flatten(0, 1)) and decode_kernels.fits(
             experts.down_proj.flatten(0, 1)
@@ -1456,10 +1462,24 @@ class DeepseekV4Model(nn.Module):
     def _add_shared_expert(
         self, shared: _SharedExpert, x: torch.Tensor, routed: torch.Tensor
     ) -> torch.Tensor:
-        """routed [1, D] plus the shared expert's output for x; on the GEMV kernels (bf16) three
-        kernels, the SwiGLU and the sum inside the down projection."""
+        """routed [1, D] plus the shared expert's output for x; on the GEMV kernels (bf16, or FP8 on
+        the one-row FP8 kernel) three kernels, the SwiGLU and the sum inside the down projection."""
         limit = self.config.swiglu_limit
         gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        if gate.dtype == torch.float8_e4m3fn:
+            scales = [m.weight_scale_inv for m in (shared.gate_proj, shared.up_proj, shared.down_proj)]
+            width = gate.shape[0]
+            if (
+                fp8_row_fits(x, gate, scales[0])
+                and fp8_row_fits(x, up, scales[1])
+                and fp8_row_fits(x, down, scales[2])
+                and routed.is_contiguous()
+                and routed.dtype == x.dtype
+            ):
+                gate_up = x.new_empty((1, 2 * width))
+                fp8_row_(x, gate, scales[0], gate_up[:, :width])
+                fp8_row_(x, up, scales[1], gate_up[:, width:])
+                return fp8_row_(gate_up, down, scales[2], routed, swiglu_limit=limit, residual=True)
         if _one_row_gemv(x, gate) and _one_row_gemv(x, up) and decode_kernels.fits(down):
             width = gate.shape[0]
             gate_up = x.new_empty((1, 2 * width))

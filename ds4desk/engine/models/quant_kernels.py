@@ -25,10 +25,11 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
 from ds4desk.engine.loading.quantized import E2M1_VALUES
-from ds4desk.engine.models.triton_launch import on_its_device
+from ds4desk.engine.models.triton_launch import on_its_device, pdl
 
 # None: the Triton kernels where they can run (NVIDIA CUDA tensors, Triton importable, shapes they
 # take); False: never; True: whenever the shapes allow, whatever the device (with TRITON_INTERPRET=1
@@ -90,6 +91,39 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     n, k = weight.shape
     factor = scale.to(torch.float32).repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)
     return (weight.to(torch.float32) * factor[:, :k]).to(dtype)
+
+
+def fp8_row_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether fp8_row_ runs for one row x (the Triton kernel; whole 128 x 128 blocks)."""
+    n, k = weight.shape
+    return (
+        FP8_ROW
+        and x.shape[0] == 1
+        and x.is_contiguous()
+        and weight.dtype == torch.float8_e4m3fn
+        and weight.is_contiguous()
+        and scale.is_contiguous()
+        and scale.dtype == torch.float32
+        and n % FP8_BLOCK == 0
+        and k % FP8_BLOCK == 0
+        and _use_triton(x)
+    )
+
+
+def fp8_row_(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    swiglu_limit: float | None = None,
+    residual: bool = False,
+) -> torch.Tensor:
+    """out [1, N] = x @ Wᵀ (residual: out += x @ Wᵀ, rounded once) in one kernel, where fp8_row_fits.
+    With swiglu_limit, x is [1, 2K] gate | up and the input is SiLU(min(gate, limit)) · clamp(up,
+    ±limit), rounded to x.dtype: the shared expert's activation is never stored."""
+    kernels = _kernels()
+    assert kernels is not None
+    return kernels.fp8_row(x, weight, scale, out, swiglu_limit, residual)
 
 
 def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -172,17 +206,24 @@ def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 
 def fp4_experts_gemv(
-    x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Row s of the result is x[s] @ W[experts[s]]ᵀ (x[0] for every s when x is one row).
 
     x [S, K] or [1, K] (bfloat16 or float32), experts int64 [S] on x's device, packed uint8
-    [E, N, K/2], scale uint8 [E, N, K/32] -> [S, N] in x.dtype."""
+    [E, N, K/2], scale uint8 [E, N, K/32] -> [S, N] in x.dtype. With swiglu_limit, x is [S, 2K]
+    (gate | up of each slot) and row s's input is SiLU(min(gate, limit)) · clamp(up, ±limit), rounded
+    to x.dtype (DeepSeek-V4's clamped SwiGLU, inside the kernel: never stored)."""
     _, n, k = _check_fp4(packed, scale)
     slots = experts.shape[0]
-    if experts.dim() != 1 or x.dim() != 2 or x.shape[1] != k or x.shape[0] not in (1, slots):
+    width = k if swiglu_limit is None else 2 * k
+    if experts.dim() != 1 or x.dim() != 2 or x.shape[1] != width or x.shape[0] not in (1, slots):
         raise ValueError(
-            f"fp4_experts_gemv: x must be [{slots} or 1, {k}] and experts [S], "
+            f"fp4_experts_gemv: x must be [{slots} or 1, {width}] and experts [S], "
             f"got x {list(x.shape)}, experts {list(experts.shape)}"
         )
     if experts.device != x.device or experts.dtype not in (torch.int32, torch.int64):
@@ -193,7 +234,10 @@ def fp4_experts_gemv(
         return x.new_empty((0, n))
     plain = packed.is_contiguous() and scale.is_contiguous()
     if plain and _use_triton(x) and n % 16 == 0 and k % 64 == 0:
-        return _fp4_gemv_op(x.contiguous(), experts, packed, scale)
+        return _fp4_gemv_op(x.contiguous(), experts, packed, scale, swiglu_limit)
+    if swiglu_limit is not None:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (F.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)).to(x.dtype)
     weights = fp4_dequantize_many(packed.index_select(0, experts), scale.index_select(0, experts), x.dtype)
     if x.shape[0] == 1:
         x = x.expand(slots, k)
@@ -251,15 +295,19 @@ def _e2m1_table(device: torch.device) -> torch.Tensor:
 
 @torch.library.custom_op("ds4desk::fp4_experts_gemv", mutates_args=())
 def _fp4_gemv_op(
-    x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    swiglu_limit: float | None,
 ) -> torch.Tensor:
     kernels = _kernels()
     assert kernels is not None
-    return kernels.fp4_gemv(x, experts, packed, scale)
+    return kernels.fp4_gemv(x, experts, packed, scale, swiglu_limit)
 
 
 @_fp4_gemv_op.register_fake
-def _(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _(x, experts, packed, scale, swiglu_limit):
     return x.new_empty((experts.shape[0], packed.shape[1]))
 
 
@@ -332,15 +380,31 @@ class _Kernels:
     """The Triton launchers (see _kernels)."""
 
     fp8_gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    fp8_row: Callable[..., torch.Tensor]
     fp4_gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     fp4_dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
     act_quant: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fp4_grouped: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# Launch settings the benchmark may force: {"fp8": (block_n, split_k, warps, stages), "fp4": (block_n,
-# block_k, warps, stages)}; None entries use the heuristics below.
-OVERRIDES: dict[str, tuple[int, ...] | None] = {"fp8": None, "fp4": None}
+# Launch settings the benchmark may force: {"fp8": (block_n, split_k, warps, stages), "fp8_row":
+# (block_n, block_k, warps), "fp4": (block_n, block_k, warps, stages)}; None uses the heuristics below.
+OVERRIDES: dict[str, tuple[int, ...] | None] = {"fp8": None, "fp8_row": None, "fp4": None}
+
+
+# One-row FP8 GEMVs on the row kernel (False: the split-K kernel; bench/quant_kernels.py times both).
+FP8_ROW = True
+
+
+def fp8_row_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the one-row FP8 GEMV: as the bf16 decode GEMV
+    (decode_kernels.gemv_config), many programs of a few rows by a long run of columns, so no shape
+    needs K split into parts and a second kernel to add them up. BLOCK_N divides 128 (a tile's rows
+    share one row of scales), BLOCK_K is whole 128-column blocks."""
+    if OVERRIDES["fp8_row"] is not None:
+        return tuple(OVERRIDES["fp8_row"])  # type: ignore[return-value]
+    block_k = next(size for size in (1024, 512, 256, 128) if k % size == 0)
+    return 8, block_k, 8 if k >= 8192 else 4
 
 
 def fp8_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
@@ -361,14 +425,13 @@ def fp8_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
 
 
 def fp4_config(slots: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for the FP4 experts GEMV: 32 rows by 256 values (768
-    programs for Flash's 6 experts x 4096 rows). The decode is ALU work (~12
-    integer ops a byte), so few values a thread leave registers for the pipelined loads. One setting
-    for the Flash shapes (the arguments are for a shape-dependent one; bench --sweep tells)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for the FP4 experts GEMV: 16 rows by 256 values, the
+    best of `bench/quant_kernels.py --decode-only` on both of Flash's expert shapes (22 / 42 µs against
+    27 / 52 µs for 32 rows). The nibble decode is ALU work (~12 integer ops a byte), so few values a
+    thread leave registers for the pipelined loads."""
     if OVERRIDES["fp4"] is not None:
         return tuple(OVERRIDES["fp4"])  # type: ignore[return-value]
-    block_n = 32 if slots * (n // 32) >= 2 * sms else 16  # 32: the H200 sweep's best for Flash's shapes
-    return block_n, 256 if k % 256 == 0 else 64, 4, 3
+    return 16, 256 if k % 256 == 0 else 64, 4, 3
 
 
 def _device_sms(t: torch.Tensor) -> int:
@@ -438,6 +501,51 @@ def _kernels() -> _Kernels | None:
             tl.store(target2, acc2.to(out.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
+    def fp8_row_kernel(
+        x,
+        w,
+        s,
+        out,
+        limit,
+        K: tl.constexpr,
+        KB: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        # out[n] = Σ_kb scale[n // 128, kb] Σ_{k in kb} x[k] w[n, k] for one row x: a [BLOCK_N, G, 128]
+        # tile a step, each 128-column block's sums times its scale.
+        G: tl.constexpr = BLOCK_K // 128
+        first = tl.program_id(0) * BLOCK_N
+        n = first + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, G)[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
+        rows = w + n.to(tl.int64)[:, None, None] * K + cols[None, :, :]
+        s_row = s + (first // 128) * KB + tl.arange(0, G)
+        # No earlier kernel writes the weights: the first tile streams in while that kernel ends.
+        tile = tl.load(rows)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if SWIGLU:  # x is gate | up: the input is SiLU(min(gate, limit)) · clamp(up, ±limit)
+                g = tl.minimum(tl.load(x + k0 + cols).to(tl.float32), limit)
+                u = tl.load(x + K + k0 + cols).to(tl.float32)
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+                xv = (g * tl.sigmoid(g) * u).to(x.dtype.element_ty).to(tl.float32)
+            else:
+                xv = tl.load(x + k0 + cols).to(tl.float32)
+            part = tl.sum(tile.to(tl.float32) * xv[None, :, :], axis=2)
+            acc += part * tl.load(s_row + k0 // 128)[None, :]
+            tile = tl.load(rows + k0 + BLOCK_K, mask=k0 + BLOCK_K < K, other=0.0)
+        y = tl.sum(acc, axis=1)
+        if RESIDUAL:
+            y += tl.load(out + n).to(tl.float32)
+        tl.store(out + n, y.to(out.dtype.element_ty))
+
+    @triton.jit
     def fp8_reduce_kernel(parts, out, TOTAL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = i < TOTAL
@@ -460,14 +568,20 @@ def _kernels() -> _Kernels | None:
         scale,
         out,
         N,
+        limit,
         K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SWIGLU: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # Tiles of [BLOCK_N rows, G groups of 32 values = 16 bytes]: each group's sum gets its scale.
         G: tl.constexpr = BLOCK_K // 32
         pid_n = tl.program_id(0)
         slot = tl.program_id(1)
+        if PDL:  # the expert ids come from the kernel before: wait for it before reading them
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         e = tl.load(experts + slot).to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         g = tl.arange(0, G)
@@ -481,8 +595,18 @@ def _kernels() -> _Kernels | None:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             p = tl.load(p_rows + k0 // 2).to(tl.uint16)
-            x_even = tl.load(x_row + k0).to(tl.float32)
-            x_odd = tl.load(x_row + k0 + 1).to(tl.float32)
+            if SWIGLU:  # the input is SiLU(min(gate, limit)) · clamp(up, ±limit), rounded to x's dtype
+                g_even = tl.minimum(tl.load(x_row + k0).to(tl.float32), limit)
+                g_odd = tl.minimum(tl.load(x_row + k0 + 1).to(tl.float32), limit)
+                u_even = tl.load(x_row + K + k0).to(tl.float32)
+                u_odd = tl.load(x_row + K + k0 + 1).to(tl.float32)
+                u_even = tl.minimum(tl.maximum(u_even, -limit), limit)
+                u_odd = tl.minimum(tl.maximum(u_odd, -limit), limit)
+                x_even = (g_even * tl.sigmoid(g_even) * u_even).to(x.dtype.element_ty).to(tl.float32)
+                x_odd = (g_odd * tl.sigmoid(g_odd) * u_odd).to(x.dtype.element_ty).to(tl.float32)
+            else:
+                x_even = tl.load(x_row + k0).to(tl.float32)
+                x_odd = tl.load(x_row + k0 + 1).to(tl.float32)
             lo = (((p & 8) << 12) | ((p & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
             hi = (((p & 0x80) << 8) | ((p & 0x70) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
             dots = lo * x_even[None, :, :] + hi * x_odd[None, :, :]
@@ -610,9 +734,42 @@ def _kernels() -> _Kernels | None:
         )
         return xq, xs.t()
 
+    def fp8_row(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        out: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
+        residual: bool = False,
+    ) -> torch.Tensor:
+        n, k = weight.shape
+        block_n, block_k, warps = fp8_row_config(n, k)
+        if out is None:
+            out = torch.empty((1, n), device=x.device, dtype=x.dtype)
+        use_pdl = pdl(x)
+        fp8_row_kernel[(n // block_n,)](
+            x,
+            weight,
+            scale,
+            out,
+            0.0 if swiglu_limit is None else swiglu_limit,
+            K=k,
+            KB=scale.shape[1],
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            SWIGLU=swiglu_limit is not None,
+            RESIDUAL=residual,
+            PDL=use_pdl,
+            num_warps=warps,
+            launch_pdl=use_pdl,
+        )
+        return out
+
     def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         n = weight.shape[0]
+        if fp8_row_fits(x, weight, scale):
+            return fp8_row(x, weight, scale)
         block_n, split, warps, stages = fp8_config(m, n, k, _device_sms(x))
         while (k // FP8_BLOCK) % split:  # equal parts of whole 128-column blocks
             split -= 1
@@ -645,13 +802,18 @@ def _kernels() -> _Kernels | None:
         return out
 
     def fp4_gemv(
-        x: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
+        x: torch.Tensor,
+        experts: torch.Tensor,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        swiglu_limit: float | None,
     ) -> torch.Tensor:
         slots = experts.shape[0]
         n, k = packed.shape[1], 2 * packed.shape[2]
         block_n, block_k, warps, stages = fp4_config(slots, n, k, _device_sms(x))
         out = torch.empty((slots, n), device=x.device, dtype=x.dtype)
-        stride = 0 if x.shape[0] == 1 else k
+        stride = 0 if x.shape[0] == 1 else x.shape[1]
+        use_pdl = pdl(x)
         fp4_gemv_kernel[(n // block_n, slots)](
             x,
             stride,
@@ -660,11 +822,15 @@ def _kernels() -> _Kernels | None:
             scale,
             out,
             n,
+            0.0 if swiglu_limit is None else swiglu_limit,
             k,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            SWIGLU=swiglu_limit is not None,
+            PDL=use_pdl,
             num_warps=warps,
             num_stages=stages,
+            launch_pdl=use_pdl,
         )
         return out
 
@@ -680,6 +846,7 @@ def _kernels() -> _Kernels | None:
 
     kernels = _Kernels()
     kernels.fp8_gemv = on_its_device(fp8_gemv)
+    kernels.fp8_row = on_its_device(fp8_row)
     kernels.fp4_gemv = on_its_device(fp4_gemv)
     kernels.fp4_dequantize = on_its_device(fp4_dequantize)
     kernels.act_quant = on_its_device(act_quant)

@@ -5,8 +5,9 @@ with fn), hc_weights, `_collapse` and `_rms_norm`: ~9 kernels, and a decode step
 sites a layer. The RMS factor of the mix is one scalar per token, so z = (flat · fnᵀ) · rsqrt(mean
 flat² + eps): a split-K kernel over the flattened m·D dim writes its slice of the new streams and
 its partial dot products with fn's rows plus its partial sum of squares (one float32 row per block);
-a second kernel, one program per token, sums the partials, makes [pre | post] and the Sinkhorn
-matrix and collapses + norms the new streams into the block input. Neither kernel reads a device
+a second kernel sums the partials and collapses + norms the new streams into the block input (at
+decode a token's D columns spread over several programs), while one more program per token makes
+[pre | post] and the Sinkhorn matrix beside them. Neither kernel reads a device
 value on the host or sizes anything by one: both can be captured in a CUDA graph.
 
 The pieces are also ops of their own, used by the head: `expand_mix` (the new streams and z) and
@@ -28,7 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.models import v4_hc_kernel
-from ds4desk.engine.models.triton_launch import is_power_of_two, next_power_of_two, nvidia, on_its_device
+from ds4desk.engine.models.triton_launch import (
+    is_power_of_two,
+    next_power_of_two,
+    nvidia,
+    on_its_device,
+    pdl,
+)
 
 # None: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power
 # of 2); False: never (the model's eager ops); True: always through the custom ops (on the CPU their
@@ -37,10 +44,13 @@ FUSED: bool | None = None
 
 # Flattened-dim block of the split-K mix kernel, per stream: fn's tile is [rows padded, m * 32].
 _MIX_BLOCK = 32
-# D block of the collapse loop (two passes over D: the sum of squares, then the normed output).
-_COLLAPSE_BLOCK = 512
-# At batch 1 one program collapses the token: more warps keep more of its loads in flight.
-_COLLAPSE_WARPS = 8
+# D block of the collapse loops (the sum of squares over the row, then the normed output).
+_COLLAPSE_BLOCK = 1024
+# Columns of h a program writes when a site has few tokens (decode): the token's collapse is spread
+# over D / 256 programs, each of which recomputes the row's sum of squares from L2. With many tokens
+# (prefill) a program writes its token's whole row, so the row is read from memory about twice.
+_COLLAPSE_SLICE = 256
+_FEW_TOKENS = 16
 
 
 def enabled(streams: torch.Tensor, mult: int) -> bool:
@@ -341,6 +351,8 @@ def _kernels() -> _Kernels | None:
             R=rows,
             RP=padded,
             BD=block,
+            PDL=pdl(streams),
+            launch_pdl=pdl(streams),
         )
         return out, part, blocks, rows
 
@@ -365,6 +377,8 @@ def _kernels() -> _Kernels | None:
             R=rows,
             RP=part.shape[2],
             NB=next_power_of_two(blocks),
+            PDL=pdl(streams),
+            launch_pdl=pdl(streams),
         )
         return (out if y is not None else None), z
 
@@ -374,9 +388,20 @@ def _kernels() -> _Kernels | None:
         _check_post(pre)
         count, m, dim = streams.shape
         h = torch.empty((count, dim), device=streams.device, dtype=dtype)
-        block = min(_COLLAPSE_BLOCK, next_power_of_two(dim))
-        collapse_kernel[(count,)](
-            streams, pre, pre.stride(0), weight, h, dim, eps, M=m, BD=block, num_warps=_COLLAPSE_WARPS
+        block, columns = _collapse_layout(count, dim)
+        collapse_kernel[(triton.cdiv(dim, columns), count)](
+            streams,
+            pre,
+            pre.stride(0),
+            weight,
+            h,
+            dim,
+            eps,
+            M=m,
+            BD=block,
+            SLICE=columns,
+            PDL=pdl(streams),
+            launch_pdl=pdl(streams),
         )
         return h
 
@@ -399,7 +424,8 @@ def _kernels() -> _Kernels | None:
         gates = torch.empty((count, 2 * m), device=streams.device, dtype=torch.float32)
         new_comb = torch.empty((count, m, m), device=streams.device, dtype=torch.float32)
         h = torch.empty((count, dim), device=streams.device, dtype=streams.dtype)
-        site_kernel[(count,)](
+        block, columns = _collapse_layout(count, dim)
+        site_kernel[(triton.cdiv(dim, columns) + 1, count)](  # + 1: the gates' program
             part,
             out,
             scale,
@@ -417,14 +443,23 @@ def _kernels() -> _Kernels | None:
             R=rows,
             RP=part.shape[2],
             NB=next_power_of_two(blocks),
-            BD=min(_COLLAPSE_BLOCK, next_power_of_two(dim)),
-            num_warps=_COLLAPSE_WARPS,
+            BD=block,
+            SLICE=columns,
+            PDL=pdl(streams),
+            launch_pdl=pdl(streams),
         )
         return (out if y is not None else None), h, gates, new_comb
 
     return _Kernels(
         on_its_device(launch_mix), on_its_device(launch_collapse_norm), on_its_device(launch_site)
     )
+
+
+def _collapse_layout(count: int, dim: int) -> tuple[int, int]:
+    """(the D block of the collapse loops, the columns of h a program writes)."""
+    block = min(_COLLAPSE_BLOCK, next_power_of_two(dim))
+    columns = min(_COLLAPSE_SLICE, block) if count <= _FEW_TOKENS else next_power_of_two(dim)
+    return block, columns
 
 
 def _check_post(gates: torch.Tensor | None) -> None:

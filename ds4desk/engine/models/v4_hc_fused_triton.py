@@ -25,6 +25,7 @@ def mix_kernel(
     R: tl.constexpr,
     RP: tl.constexpr,
     BD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (block b, token t): the new streams' [M, BD] slice (when EXPAND) and part[t, b] =
     [its dot products with fn's R rows | its sum of squares at R | 0 ...] ([RP] float32)."""
@@ -37,6 +38,12 @@ def mix_kernel(
     live = d < D
     col = k * D + d  # the column of fn (and the offset in the token's flat streams)
     row = t * M * D
+    r = tl.arange(0, RP)
+    # No earlier kernel writes fn: its tile streams in while the kernel before this one ends.
+    w = tl.load(fn + r[:, None] * (M * D) + col[None, :], mask=(r[:, None] < R) & live[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if EXPAND:
         # As _expand: the coefficients are rounded to the streams' dtype, the sum is float32, in
         # bmm's order (the streams j, then y), and the result is rounded once.
@@ -53,8 +60,6 @@ def mix_kernel(
         xk = rounded.to(tl.float32)
     else:
         xk = tl.load(x + row + col, mask=live, other=0.0).to(tl.float32)
-    r = tl.arange(0, RP)
-    w = tl.load(fn + r[:, None] * (M * D) + col[None, :], mask=(r[:, None] < R) & live[None, :], other=0.0)
     dots = tl.sum(w * xk[None, :], axis=1)
     dots = tl.where(r == R, tl.sum(xk * xk, axis=0), dots)
     tl.store(part + (t * blocks + blk) * RP + r, dots)
@@ -79,8 +84,13 @@ def _inverse_rms(part, t, blocks, count, eps, R: tl.constexpr, RP: tl.constexpr,
 
 
 @triton.jit
-def finish_kernel(part, z, blocks, count, eps, R: tl.constexpr, RP: tl.constexpr, NB: tl.constexpr):
+def finish_kernel(
+    part, z, blocks, count, eps, R: tl.constexpr, RP: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr
+):
     """Program t: z[t] = (Σ_b dots) · rsqrt(Σ_b squares / count + eps)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     inv = _inverse_rms(part, t, blocks, count, eps, R, RP, NB)
     r = tl.arange(0, RP)
@@ -89,19 +99,24 @@ def finish_kernel(part, z, blocks, count, eps, R: tl.constexpr, RP: tl.constexpr
 
 
 @triton.jit
-def _collapse_norm_row(x, pre, weight, h, D: tl.constexpr, eps, M: tl.constexpr, BD: tl.constexpr):
-    """h[:D] = rms_norm(Σ_j pre_j x[j, :D]) · weight, cast to h's dtype: two passes over D (the
-    sum of squares, then the output), the collapse recomputed rather than kept."""
+def _collapse_norm_slice(
+    x, pre, weight, h, s, D: tl.constexpr, eps, M: tl.constexpr, BD: tl.constexpr, SLICE: tl.constexpr
+):
+    """h[slice s] = rms_norm(Σ_j pre_j x[j, :D]) · weight over columns s · SLICE .. (s + 1) · SLICE - 1,
+    cast to h's dtype. The norm's sum of squares covers the whole row: every program recomputes it (the row is
+    m · D values in L2, which is cheaper at batch 1 than a second kernel). The loop over D is
+    unrolled so that its loads are in flight together."""
     i = tl.arange(0, M)
     squares = tl.zeros([BD], dtype=tl.float32)
-    for d0 in range(0, D, BD):
+    for d0 in tl.static_range(0, D, BD):
         d = d0 + tl.arange(0, BD)
         xs = tl.load(x + i[:, None] * D + d[None, :], mask=d[None, :] < D, other=0.0).to(tl.float32)
         acc = tl.sum(pre[:, None] * xs, axis=0)
         squares += acc * acc
     inv = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / D + eps)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
+    CB: tl.constexpr = BD if BD < SLICE else SLICE
+    for c0 in tl.static_range(0, SLICE, CB):
+        d = s * SLICE + c0 + tl.arange(0, CB)
         live = d < D
         xs = tl.load(x + i[:, None] * D + d[None, :], mask=live[None, :], other=0.0).to(tl.float32)
         acc = tl.sum(pre[:, None] * xs, axis=0)
@@ -110,10 +125,27 @@ def _collapse_norm_row(x, pre, weight, h, D: tl.constexpr, eps, M: tl.constexpr,
 
 
 @triton.jit
-def collapse_kernel(x, pre, pre_stride, weight, h, D: tl.constexpr, eps, M: tl.constexpr, BD: tl.constexpr):
-    t = tl.program_id(0)
+def collapse_kernel(
+    x,
+    pre,
+    pre_stride,
+    weight,
+    h,
+    D: tl.constexpr,
+    eps,
+    M: tl.constexpr,
+    BD: tl.constexpr,
+    SLICE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (s, t): slice s of token t's normed collapse."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    s = tl.program_id(0)
+    t = tl.program_id(1)
     p = tl.load(pre + t * pre_stride + tl.arange(0, M)).to(tl.float32)
-    _collapse_norm_row(x + t * M * D, p, weight, h + t * D, D, eps, M, BD)
+    _collapse_norm_slice(x + t * M * D, p, weight, h + t * D, s, D, eps, M, BD, SLICE)
 
 
 @triton.jit
@@ -127,7 +159,7 @@ def site_kernel(
     comb_out,
     h,
     blocks,
-    D: tl.constexpr,  # constexpr: the collapse loops over D (one compile per model width)
+    D: tl.constexpr,  # constexpr: the collapse loop over D is unrolled (one compile per model width)
     eps,
     hc_eps,
     ITERS: tl.constexpr,
@@ -136,30 +168,39 @@ def site_kernel(
     RP: tl.constexpr,
     NB: tl.constexpr,
     BD: tl.constexpr,
+    SLICE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Program t: z from the mix partials, [pre | post] and the Sinkhorn matrix as v4_hc_kernel
-    makes them, then h = rms_norm(Σ_j pre_j X_j) · weight."""
-    t = tl.program_id(0)
+    """Program (s, t) with s < cdiv(D, SLICE): pre from the mix partials, then slice s of
+    h = rms_norm(Σ_j pre_j X_j) · weight. The last program of a token makes [pre | post] and the
+    Sinkhorn matrix as v4_hc_kernel does: a serial chain of tiny reductions, so it runs beside
+    the collapse rather than before it."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    s = tl.program_id(0)
+    t = tl.program_id(1)
     inv = _inverse_rms(part, t, blocks, M * D, eps, R, RP, NB)
+    if s == tl.num_programs(0) - 1:
+        g = tl.arange(0, 2 * M)
+        zg = _partial_sum(part, t, blocks, g, RP, NB) * inv
+        gate = tl.sigmoid(zg * tl.load(scale + g // M) + tl.load(base + g))
+        tl.store(gates_out + t * (2 * M) + g, tl.where(g < M, gate + hc_eps, 2.0 * gate))
 
-    g = tl.arange(0, 2 * M)
-    zg = _partial_sum(part, t, blocks, g, RP, NB) * inv
-    s = tl.sigmoid(zg * tl.load(scale + g // M) + tl.load(base + g))
-    tl.store(gates_out + t * (2 * M) + g, tl.where(g < M, s + hc_eps, 2.0 * s))
-
-    i = tl.arange(0, M)
-    cell = i[:, None] * M + i[None, :]  # [M, M], row-major
-    zc = tl.reshape(_partial_sum(part, t, blocks, 2 * M + tl.arange(0, M * M), RP, NB), (M, M)) * inv
-    logits = zc * tl.load(scale + 2) + tl.load(base + 2 * M + cell)
-    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    cm = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)  # columns first
-    for _ in range(ITERS - 1):
-        cm = cm / (tl.sum(cm, axis=1)[:, None] + hc_eps)
-        cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
-    tl.store(comb_out + t * (M * M) + cell, cm)
-
-    # pre again, as an [M] vector (the same ops as the gates' first M: the same values).
-    zp = _partial_sum(part, t, blocks, i, RP, NB) * inv
-    pre = tl.sigmoid(zp * tl.load(scale) + tl.load(base + i)) + hc_eps
-    _collapse_norm_row(x + t * M * D, pre, weight, h + t * D, D, eps, M, BD)
+        i = tl.arange(0, M)
+        cell = i[:, None] * M + i[None, :]  # [M, M], row-major
+        zc = tl.reshape(_partial_sum(part, t, blocks, 2 * M + tl.arange(0, M * M), RP, NB), (M, M)) * inv
+        logits = zc * tl.load(scale + 2) + tl.load(base + 2 * M + cell)
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        cm = e / tl.sum(e, axis=1)[:, None] + hc_eps
+        cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)  # columns first
+        for _ in range(ITERS - 1):
+            cm = cm / (tl.sum(cm, axis=1)[:, None] + hc_eps)
+            cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
+        tl.store(comb_out + t * (M * M) + cell, cm)
+    else:
+        # pre as the gates' first M (the same ops: the same values).
+        i = tl.arange(0, M)
+        zp = _partial_sum(part, t, blocks, i, RP, NB) * inv
+        pre = tl.sigmoid(zp * tl.load(scale) + tl.load(base + i)) + hc_eps
+        _collapse_norm_slice(x + t * M * D, pre, weight, h + t * D, s, D, eps, M, BD, SLICE)
