@@ -64,6 +64,13 @@ def test_the_eager_mix_sums_the_weighted_picks() -> None:
     got = v4_route.reference_mix(weights, y)
     assert got.shape == (1, 40) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got[0].double(), want, rtol=1e-2, atol=1e-2)
+    # Prefill's rows: weights [T, k] and the (token, slot)-ordered outputs [T k, D].
+    rows = torch.rand(3, 2)
+    many = v4_route.reference_mix(rows, y)
+    assert many.shape == (3, 40)
+    for t in range(3):
+        want = rows[t, 0] * y[2 * t].double() + rows[t, 1] * y[2 * t + 1].double()
+        torch.testing.assert_close(many[t].double(), want, rtol=1e-2, atol=1e-2)
 
 
 def test_the_custom_ops_are_one_op_each(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,6 +116,11 @@ for experts, k in ((8, 6), (256, 6), (16, 3), (64, 8)):
         got = kernels.mix(weights, y)
         want = v4_route.reference_mix(weights, y).float()
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+        rows = torch.rand(5, k, device=device)  # prefill: five tokens' picks
+        y = torch.randn(5 * k, 3000, device=device).to(dtype)
+        got = kernels.mix(rows, y)
+        assert got.shape == (5, 3000)
+        torch.testing.assert_close(got.float(), v4_route.reference_mix(rows, y).float(), rtol=tol, atol=tol)
         cases += 1
 print("triton ok", cases)
 """

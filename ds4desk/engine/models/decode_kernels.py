@@ -54,6 +54,24 @@ def fits(weight: torch.Tensor) -> bool:
     return weight.stride(1) == 1 and n % 4 == 0 and k % 64 == 0
 
 
+def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [1, K] @ weightᵀ runs on the GEMV kernel (faster than cuBLAS at one row)."""
+    return (
+        x.shape[0] == 1
+        and x.is_contiguous()
+        and x.dtype == weight.dtype
+        and available(x.device)
+        and fits(weight)
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weightᵀ in x's dtype: the GEMV kernel for one row where it runs, else torch."""
+    if one_row(x, weight):
+        return gemv(x, weight, x.new_empty((1, weight.shape[0])))
+    return x @ weight.t()
+
+
 def fits_heads(head_dim: int) -> bool:
     """rope_write holds a head in one power-of-two block."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0

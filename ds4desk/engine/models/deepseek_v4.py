@@ -1092,8 +1092,7 @@ class DeepseekV4Model(nn.Module):
                     first += size
             grouped = torch.cat(parts)
         by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)  # back to (token, slot) order
-        routed = torch.bmm(weights.unsqueeze(1), by_pair.view(count, k, -1).float()).squeeze(1).to(x.dtype)
-        return routed + _shared_expert(moe.shared_experts, x, limit)
+        return v4_route.mix(weights, by_pair) + _shared_expert(moe.shared_experts, x, limit)
 
     # --- graphable decode (one token, CUDA-graph capturable) -------------------------------------
     #
@@ -1148,14 +1147,15 @@ class DeepseekV4Model(nn.Module):
             streams, token, pos = inputs
         if self._boundaries:
             self._use_device(streams.device)
+        turns: dict[str, torch.Tensor] = {}  # the rotation at pos, per table: the same in every layer
         if v4_hc_fused.enabled(streams, cfg.hc_mult):
-            streams, last = self._decode_layers_fused(first, stop, streams, token, pos, span)
+            streams, last = self._decode_layers_fused(first, stop, streams, token, pos, span, turns)
         else:
             last = None
             for index in range(first, stop):
                 layer = self.model.layers[index]
                 h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
-                y = self._decode_attention(index, layer.self_attn, h, pos, span)
+                y = self._decode_attention(index, layer.self_attn, h, pos, span, turns)
                 streams = _expand(streams, y, post, comb)
                 h, post, comb = self._hc_site(streams, layer.ffn_hc, layer.post_attention_layernorm.weight)
                 streams = _expand(streams, self._decode_moe(layer.mlp, h, token), post, comb)
@@ -1165,12 +1165,19 @@ class DeepseekV4Model(nn.Module):
             return (streams if last is None else _expand(streams, *last)), token, pos
         h = self._hc_head(streams) if last is None else self._hc_head_fused(streams, last)
         head = self._head_weight()
-        if _one_row_gemv(h, head):
+        if decode_kernels.one_row(h, head):
             return (decode_kernels.gemv(h, head, h.new_empty((1, head.shape[0]), dtype=torch.float32))[0],)
         return (torch.mm(h, head.t()).float()[0],)
 
     def _decode_layers_fused(
-        self, first: int, stop: int, streams: torch.Tensor, token: torch.Tensor, pos: torch.Tensor, span: int
+        self,
+        first: int,
+        stop: int,
+        streams: torch.Tensor,
+        token: torch.Tensor,
+        pos: torch.Tensor,
+        span: int,
+        turns: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         """decode_shard's layers with each hyper-connection site as two kernels (v4_hc_fused): a block's
         expand happens inside the next site, so this returns the streams before the last block's
@@ -1179,7 +1186,7 @@ class DeepseekV4Model(nn.Module):
         for index in range(first, stop):
             layer = self.model.layers[index]
             streams, h, post, comb = self._hc_site_fused(streams, last, layer.attn_hc, layer.input_layernorm)
-            y = self._decode_attention(index, layer.self_attn, h, pos, span)
+            y = self._decode_attention(index, layer.self_attn, h, pos, span, turns)
             streams, h, post, comb = self._hc_site_fused(
                 streams, (y, post, comb), layer.ffn_hc, layer.post_attention_layernorm
             )
@@ -1228,15 +1235,24 @@ class DeepseekV4Model(nn.Module):
         cache.length = length
 
     def _decode_attention(
-        self, index: int, attn: _Attention, x: torch.Tensor, pos: torch.Tensor, span: int
+        self,
+        index: int,
+        attn: _Attention,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        span: int,
+        turns: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         cfg, cache, steps = self.config, self._cache, self._steps
         assert cache is not None and steps is not None
         state = cache.layers[index]
         layer_type = cfg.layer_types[index]
         heads, dim, window, eps = cfg.num_heads, cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
-        cos, sin = self._tables["main" if layer_type == SLIDING else "compress"]
-        turn = _turn(cos.index_select(0, pos), sin.index_select(0, pos))  # [1, r / 2]
+        table = "main" if layer_type == SLIDING else "compress"
+        cos, sin = self._tables[table]
+        if table not in turns:
+            turns[table] = _turn(cos.index_select(0, pos), sin.index_select(0, pos))  # [1, r / 2]
+        turn = turns[table]
 
         if v4_norm_rope.enabled(x):
             # One kernel each, reading the table rows at pos itself (turn is for attention's rotation).
@@ -1411,7 +1427,8 @@ class DeepseekV4Model(nn.Module):
         else:
             q = _rope_(q.float(), turn)  # [Hi, di]
         weights = _index_weights(x, indexer, heads, dim)  # [1, Hi]
-        part = torch.relu_(torch.mm(q, keys.float().t()))  # [Hi, rows]
+        # The q·k products in the keys' dtype, summed in float32, as in prefill (_index_select).
+        part = torch.relu_(torch.mm(q.to(keys.dtype), keys.t()).float())  # [Hi, rows]
         scores = torch.where(visible, torch.mm(weights, part), -math.inf)  # [1, rows]
         return scores.topk(min(cfg.index_topk, keys.shape[0]), dim=-1).indices.view(-1)
 
@@ -1435,7 +1452,7 @@ class DeepseekV4Model(nn.Module):
             # [k, D], the clamped SwiGLU of gate_up [k, 2I] taken inside the down projection.
             y = fp4_experts_gemv(gate_up, picked, experts.down_proj, experts.down_proj_scale, limit)
             return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
-        if _one_row_gemv(x, experts.gate_up_proj.flatten(0, 1)) and decode_kernels.fits(
+        if decode_kernels.one_row(x, experts.gate_up_proj.flatten(0, 1)) and decode_kernels.fits(
             experts.down_proj.flatten(0, 1)
         ):
             # Only the picked experts' rows are read, and the clamped SwiGLU is the down
@@ -1480,7 +1497,7 @@ class DeepseekV4Model(nn.Module):
                 fp8_row_(x, gate, scales[0], gate_up[:, :width])
                 fp8_row_(x, up, scales[1], gate_up[:, width:])
                 return fp8_row_(gate_up, down, scales[2], routed, swiglu_limit=limit, residual=True)
-        if _one_row_gemv(x, gate) and _one_row_gemv(x, up) and decode_kernels.fits(down):
+        if decode_kernels.one_row(x, gate) and decode_kernels.one_row(x, up) and decode_kernels.fits(down):
             width = gate.shape[0]
             gate_up = x.new_empty((1, 2 * width))
             decode_kernels.gemv(x, gate, gate_up[:, :width])
@@ -1506,7 +1523,7 @@ class _WindowStep:
 def _index_weights(x: torch.Tensor, indexer: _Indexer, heads: int, dim: int) -> torch.Tensor:
     """The indexer's per-head weights with both scales folded in, float32 [T, Hi]: the score is
     Σ_h w_h Hi^-½ ReLU(q_h · k) di^-½ = Σ_h (w_h Hi^-½ di^-½) ReLU(q_h · k)."""
-    return (x @ indexer.scorer.weights_proj.weight.t()).float() * (heads**-0.5 * dim**-0.5)
+    return decode_kernels.linear(x, indexer.scorer.weights_proj.weight).float() * (heads**-0.5 * dim**-0.5)
 
 
 # --- math helpers --------------------------------------------------------------------------------
@@ -1578,20 +1595,7 @@ def _linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
     weight = holder.weight
     if weight.dtype == torch.float8_e4m3fn:
         return fp8_linear(x, weight, holder.weight_scale_inv)
-    if _one_row_gemv(x, weight):
-        return decode_kernels.gemv(x, weight, x.new_empty((1, weight.shape[0])))
-    return x @ weight.t()
-
-
-def _one_row_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [1, K] @ weightᵀ runs on decode_kernels' GEMV (faster than cuBLAS at one row)."""
-    return (
-        x.shape[0] == 1
-        and x.is_contiguous()
-        and x.dtype == weight.dtype
-        and decode_kernels.available(x.device)
-        and decode_kernels.fits(weight)
-    )
+    return decode_kernels.linear(x, weight)
 
 
 def _shared_expert(shared: _SharedExpert, x: torch.Tensor, limit: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4desk.engine.models import decode_kernels
 from ds4desk.engine.models.triton_launch import next_power_of_two, nvidia, on_its_device
 
 # None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never
@@ -65,8 +66,8 @@ def projections(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch
         or gate.data_ptr() != both.data_ptr() + kv.numel() * kv.element_size()
         or both.shape[0] != kv.shape[0] + gate.shape[0]
     ):
-        return x @ kv.t(), x @ gate.t()
-    out = x @ both.t()
+        return decode_kernels.linear(x, kv), decode_kernels.linear(x, gate)
+    out = decode_kernels.linear(x, both)
     return out[:, : kv.shape[0]], out[:, kv.shape[0] :]
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's router and expert mix for one decode token, as one kernel each.
+"""DeepSeek-V4's router for one decode token and its expert mix (any token count), one kernel each.
 
 Eagerly the router is ~10 small kernels (softplus, sqrt, the bias, top-k or the hash table's row,
 gather, sum, divide, scale) and mixing the picked experts' outputs three more (matmul, cast, add),
@@ -49,8 +49,11 @@ def reference_route(
 
 
 def reference_mix(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Σ_i weights[i] y[i]: [1, D] in y's dtype (summed in float32, rounded once)."""
-    return torch.matmul(weights.view(1, -1), y.float()).to(y.dtype)
+    """Row t: Σ_i weights[t, i] y[t k + i] for float32 weights [T, k] (or [k]: T = 1) and y [T k, D],
+    [T, D] in y's dtype (summed in float32, rounded once)."""
+    rows = weights.view(-1, weights.shape[-1])
+    count, picks = rows.shape
+    return torch.bmm(rows.unsqueeze(1), y.view(count, picks, -1).float()).squeeze(1).to(y.dtype)
 
 
 @torch.library.custom_op("ds4desk::v4_route", mutates_args=())
@@ -84,7 +87,7 @@ def _mix_op(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @_mix_op.register_fake
 def _(weights, y):
-    return y.new_empty((1, y.shape[1]))
+    return y.new_empty((y.shape[0] // weights.shape[-1], y.shape[1]))
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -108,9 +111,10 @@ def route(
 
 
 def mix(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """See reference_mix; one kernel where it can be (see FUSED)."""
+    """See reference_mix; one kernel where it can be (see FUSED). Prefill's rows too: no float32
+    copy of the [T k, D] expert outputs."""
     if enabled(y):
-        return _mix_op(weights, y.contiguous())
+        return _mix_op(weights.contiguous(), y.contiguous())
     return reference_mix(weights, y)
 
 
@@ -178,12 +182,14 @@ def _kernels() -> _Kernels | None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        t = tl.program_id(1).to(tl.int64)
         d = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         live = d < D
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for i in range(PICKS):
-            acc += tl.load(weights + i) * tl.load(y + i * D + d, mask=live, other=0.0).to(tl.float32)
-        tl.store(out + d, acc.to(out.dtype.element_ty), mask=live)
+            w = tl.load(weights + t * PICKS + i)
+            acc += w * tl.load(y + (t * PICKS + i) * D + d, mask=live, other=0.0).to(tl.float32)
+        tl.store(out + t * D + d, acc.to(out.dtype.element_ty), mask=live)
 
     def route(
         logits: torch.Tensor,
@@ -216,11 +222,12 @@ def _kernels() -> _Kernels | None:
         return chosen, weights
 
     def mix(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        picks, width = y.shape
-        out = y.new_empty((1, width))
+        picks, width = weights.shape[-1], y.shape[1]
+        count = y.shape[0] // picks
+        out = y.new_empty((count, width))
         block = 1024
         use_pdl = pdl(y)
-        mix_kernel[(triton.cdiv(width, block),)](
+        mix_kernel[(triton.cdiv(width, block), count)](
             weights, y, out, width, PICKS=picks, BLOCK=block, PDL=use_pdl, launch_pdl=use_pdl
         )
         return out
