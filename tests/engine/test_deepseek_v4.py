@@ -313,6 +313,14 @@ def test_forward_must_continue_where_the_cache_ends(tiny) -> None:
     assert model.cache_bytes() == 0
 
 
+def _cache_of(out) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The keyword that hands a forward's cache to the next: `cache` in newer transformers,
+    `past_key_values` before it (5.17 on the GPU machine)."""
+    if hasattr(out, "cache"):
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
+
+
 def test_64_greedy_tokens_match_transformers(tiny) -> None:
     hf, source = tiny
     model = load(source, context=256)
@@ -323,7 +331,7 @@ def test_64_greedy_tokens_match_transformers(tiny) -> None:
         out = hf(input_ids=torch.tensor([ids]), use_cache=True)
         for _ in range(64):
             expected.append(int(out.logits[0, -1].argmax()))
-            out = hf(input_ids=torch.tensor([expected[-1:]]), cache=out.cache, use_cache=True)
+            out = hf(input_ids=torch.tensor([expected[-1:]]), use_cache=True, **_cache_of(out))
     runtime = Runtime(model, CPU, context=256, chunk=7)
     out = runtime.generate(ids, SamplingParams(), 64, set(), lambda _t: None, lambda: False)
     assert out.tokens == expected
