@@ -199,6 +199,9 @@ def test_the_gemv_launch_settings_fill_an_h200(m: int, n: int, k: int) -> None:
     assert (n // block_n) * split >= 132 and (k // 128) % split == 0
     block_n, block_k, _, _ = quant_kernels.fp4_config(6, n, k, sms=132)
     assert 6 * (n // block_n) >= 132 and k % block_k == 0
+    block_n, block_k, _ = quant_kernels.fp8_row_config(n, k)
+    assert 128 % block_n == 0 and k % block_k == 0 and block_k % 128 == 0
+    assert n // block_n >= 128  # a program or more per SM, with no split of K
 
 
 def test_the_cpu_runs_the_torch_forms_by_default() -> None:

@@ -400,11 +400,15 @@ def fp8_row_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the one-row FP8 GEMV: as the bf16 decode GEMV
     (decode_kernels.gemv_config), many programs of a few rows by a long run of columns, so no shape
     needs K split into parts and a second kernel to add them up. BLOCK_N divides 128 (a tile's rows
-    share one row of scales), BLOCK_K is whole 128-column blocks."""
+    share one row of scales), BLOCK_K is whole 128-column blocks. The H200 sweep (`bench/quant_kernels.py
+    --decode-only`, docs/BENCHMARKS.md) on Flash's shapes: 4 rows a tile for up to 4096 rows of 4096+
+    columns (8 warps below 2048 rows), 16 for the 32,768-row q_b, 8 otherwise; 1024 columns always."""
     if OVERRIDES["fp8_row"] is not None:
         return tuple(OVERRIDES["fp8_row"])  # type: ignore[return-value]
     block_k = next(size for size in (1024, 512, 256, 128) if k % size == 0)
-    return 8, block_k, 8 if k >= 8192 else 4
+    if n <= 4096 and k >= 4096:
+        return 4, block_k, 8 if n < 2048 else 4
+    return (16 if n >= 32768 else 8), block_k, 4
 
 
 def fp8_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
