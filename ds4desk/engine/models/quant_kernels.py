@@ -381,7 +381,7 @@ class _Kernels:
 
     fp8_gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     fp8_row: Callable[..., torch.Tensor]
-    fp4_gemv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    fp4_gemv: Callable[..., torch.Tensor]
     fp4_dequantize: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
     act_quant: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fp4_grouped: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
