@@ -182,8 +182,8 @@ def _kernels() -> _Kernels | None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        t = tl.program_id(1).to(tl.int64)
-        d = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        t = tl.program_id(0).to(tl.int64)  # tokens on axis 0: a prefill chunk may exceed axis 1's 65,535
+        d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         live = d < D
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for i in range(PICKS):
@@ -227,7 +227,7 @@ def _kernels() -> _Kernels | None:
         out = y.new_empty((count, width))
         block = 1024
         use_pdl = pdl(y)
-        mix_kernel[(triton.cdiv(width, block), count)](
+        mix_kernel[(count, triton.cdiv(width, block))](
             weights, y, out, width, PICKS=picks, BLOCK=block, PDL=use_pdl, launch_pdl=use_pdl
         )
         return out
