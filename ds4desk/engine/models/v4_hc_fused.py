@@ -336,6 +336,7 @@ def _kernels() -> _Kernels | None:
         part = torch.empty((count, blocks, padded), device=streams.device, dtype=torch.float32)
         expand = y is not None
         out = torch.empty_like(streams) if expand else streams
+        use_pdl = pdl(streams)
         mix_kernel[(blocks, count)](
             streams,
             y if expand else streams,
@@ -351,8 +352,8 @@ def _kernels() -> _Kernels | None:
             R=rows,
             RP=padded,
             BD=block,
-            PDL=pdl(streams),
-            launch_pdl=pdl(streams),
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
         )
         return out, part, blocks, rows
 
@@ -368,6 +369,7 @@ def _kernels() -> _Kernels | None:
         out, part, blocks, rows = mix_partials(streams, y, post, comb, fn)
         count, m, dim = streams.shape
         z = torch.empty((count, rows), device=streams.device, dtype=torch.float32)
+        use_pdl = pdl(streams)
         finish_kernel[(count,)](
             part,
             z,
@@ -377,8 +379,8 @@ def _kernels() -> _Kernels | None:
             R=rows,
             RP=part.shape[2],
             NB=next_power_of_two(blocks),
-            PDL=pdl(streams),
-            launch_pdl=pdl(streams),
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
         )
         return (out if y is not None else None), z
 
@@ -388,6 +390,7 @@ def _kernels() -> _Kernels | None:
         _check_post(pre)
         count, m, dim = streams.shape
         h = torch.empty((count, dim), device=streams.device, dtype=dtype)
+        use_pdl = pdl(streams)
         block, columns = _collapse_layout(count, dim)
         collapse_kernel[(triton.cdiv(dim, columns), count)](
             streams,
@@ -400,8 +403,8 @@ def _kernels() -> _Kernels | None:
             M=m,
             BD=block,
             SLICE=columns,
-            PDL=pdl(streams),
-            launch_pdl=pdl(streams),
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
         )
         return h
 
@@ -424,6 +427,7 @@ def _kernels() -> _Kernels | None:
         gates = torch.empty((count, 2 * m), device=streams.device, dtype=torch.float32)
         new_comb = torch.empty((count, m, m), device=streams.device, dtype=torch.float32)
         h = torch.empty((count, dim), device=streams.device, dtype=streams.dtype)
+        use_pdl = pdl(streams)
         block, columns = _collapse_layout(count, dim)
         site_kernel[(triton.cdiv(dim, columns) + 1, count)](  # + 1: the gates' program
             part,
@@ -445,8 +449,8 @@ def _kernels() -> _Kernels | None:
             NB=next_power_of_two(blocks),
             BD=block,
             SLICE=columns,
-            PDL=pdl(streams),
-            launch_pdl=pdl(streams),
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
         )
         return (out if y is not None else None), h, gates, new_comb
 
