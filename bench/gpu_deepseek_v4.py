@@ -84,12 +84,13 @@ def prompt(count: int) -> list[int]:
 
 
 def bench_ds4desk(
-    folder: Path, cache: Path, count: int, new: int, repeats: int, graphs: bool = True
+    folder: Path, cache: Path, count: int, new: int, repeats: int, graphs: bool = True, chunk: int = 0
 ) -> tuple[float, float]:
+    """(prefill, decode) tok/s through the Engine, at the automatic chunk unless one is given."""
     engine = Engine(cache)
     try:
         request = LoadRequest(
-            str(folder), "cuda", "bfloat16", context=count + new + 8, chunk=512, cuda_graphs=graphs
+            str(folder), "cuda", "bfloat16", context=count + new + 8, chunk=chunk, cuda_graphs=graphs
         )
         loaded = engine.load(request)
         assert loaded.ok, loaded.error

@@ -410,7 +410,7 @@ class Engine:
             if self._load_cancelled(seq):  # after the last tensor: still before the swap
                 raise EngineFailure(ErrorCode.CANCELLED, f"loading {path.name} was cancelled")
             graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)
-            chunk = request.chunk or _auto_chunk(device.type, loaded.family)
+            chunk = request.chunk or _auto_chunk(device.type)
             runtime = Runtime(loaded.model, device, context=context, chunk=chunk, graphs=graphs)
         except BaseException as exc:
             failure = exc
@@ -699,10 +699,11 @@ def _release_frames(error: BaseException | None) -> None:
         error = error.__cause__ or error.__context__
 
 
-def _auto_chunk(device_type: str, family: str) -> int:
-    """Measured (docs/BENCHMARKS.md): on an H200 the dense family prefills fastest in one chunk of
-    4096; DeepSeek-V4 was only measured at 512, and the CPU is tuned at 512."""
-    return 4096 if device_type == "cuda" and family != "deepseek_v4" else 512
+def _auto_chunk(device_type: str) -> int:
+    """Measured (docs/BENCHMARKS.md, bench/gpu_speed.py and bench/profile_v4_prefill.py sweeps): on
+    an H200 both families prefill a 4k prompt fastest in one chunk of 4096 (DeepSeek-V4 synthetic:
+    36k tok/s at 512, 60k at 1024, 69k at 2048, 71k at 4096); the CPU is tuned at 512."""
+    return 4096 if device_type == "cuda" else 512
 
 
 def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]:
