@@ -88,6 +88,35 @@ def test_the_reference_is_todays_math_exactly(use: str, dtype: torch.dtype) -> N
         assert torch.equal(a[:, :-rope], b[:, :-rope]) and not torch.equal(a[:, -rope:], b[:, -rope:])
 
 
+def prefill_math(
+    use: str, x: torch.Tensor, weight: torch.Tensor | None, start: int, group: int
+) -> torch.Tensor:
+    """What deepseek_v4's prefill computes: rows of `group` (heads) per position start, start + 1, ..."""
+    cos, sin = tables()
+    count = x.shape[0] // group
+    turn = _turn(cos[start : start + count], sin[start : start + count])
+    shaped = x.view(count, group, -1)
+    if use == "index":
+        return _rope_(shaped.clone().float(), turn.unsqueeze(1)).view_as(x)
+    return _norm_rope(shaped, weight, EPS, turn.unsqueeze(1)).view_as(x)
+
+
+@pytest.mark.parametrize("use", ["q", "kv", "index"])
+def test_row_groups_are_the_prefill_math_exactly(use: str) -> None:
+    """group g: row r at position pos + r // g, as a prefill chunk's [T * H, d] query rows."""
+    cos, sin = tables()
+    group = USES[use][0]
+    rows, channels = 5 * group, USES[use][1]
+    gen = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(rows, channels, generator=gen)).to(torch.bfloat16)
+    weight = 0.5 + torch.rand(channels, generator=gen) if USES[use][2] else None
+    eps = EPS if USES[use][3] else None
+    ours = v4_norm_rope.reference(
+        x, weight, eps, cos, sin, torch.tensor([11]), USES[use][4], out_dtype(use, x.dtype), group
+    )
+    assert torch.equal(ours, prefill_math(use, x, weight, 11, group))
+
+
 @pytest.mark.parametrize("use", list(USES))
 def test_the_custom_op_is_one_op_with_the_reference_result(use: str) -> None:
     cos, sin = tables()
@@ -172,6 +201,14 @@ def check_kernel(device: torch.device) -> None:
     ours = kernel(wide[:, :33], weight, EPS, cos, sin, at, 0, torch.bfloat16)
     ref = v4_norm_rope.reference(wide[:, :33], weight, EPS, cos, sin, at, 0, torch.bfloat16)
     torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    # A prefill's rows: 7 positions from 290 on, 64 query heads a position and one key row each.
+    at = torch.tensor([290], device=device)
+    for group, weighted in ((64, False), (1, True)):
+        x = torch.randn(7 * group, 512, generator=gen).to(device)
+        weight = (0.5 + torch.rand(512, generator=gen)).to(device) if weighted else None
+        ours = kernel(x, weight, EPS, cos, sin, at, 64, torch.float32, group)
+        ref = v4_norm_rope.reference(x, weight, EPS, cos, sin, at, 64, torch.float32, group)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
 _KERNEL_CHECK = """
@@ -218,7 +255,7 @@ def test_the_kernel_compiles_for_hopper_with_pdl_at_flash_shapes(tmp_path: Path,
         "out": out_type,
     }
     signature = {name: "*" + kind for name, kind in pointers.items()}
-    signature |= {"stride_x": "i32", "table_stride": "i32", "eps": "fp32"}
+    signature |= {"stride_x": "i32", "table_stride": "i32", "group": "i32", "eps": "fp32"}
     constants = v4_norm_rope.launch_constants(channels, 2 * pairs, norm, weighted) | {"PDL": True}
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
@@ -320,6 +357,41 @@ def test_the_fused_step_has_one_op_a_use_the_same_at_every_position(tmp_path: Pa
     assert len(recorded[(False, 3)]) - len(fused_ops) >= 4 * 8
 
 
+def prefill_with_and_without_the_op(folder: Path, dtype: torch.dtype, chunk: int) -> tuple[torch.Tensor, ...]:
+    """All logits of a 30-token prompt in chunks of `chunk` with the op forced on, then off (the same
+    model, restarted at 0), and the cache rows each left: (fused, eager, fused state, eager state)."""
+    if not (folder / "config.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        make_tiny("deepseek_v4", folder, seed=5)
+    model = load_tiny(folder, dtype)
+    ids = torch.tensor(tokens(source_from_folder(folder), 30, seed=43), device=DEVICE)
+    results = []
+    try:
+        for flag in (True, False):
+            v4_norm_rope.FUSED = flag
+            with torch.inference_mode():
+                logits = [model.forward(ids[s : s + chunk], s, "all") for s in range(0, 30, chunk)]
+            results.append((torch.cat(logits), model.export_state(30)))
+    finally:
+        v4_norm_rope.FUSED = None
+    (fused, fused_state), (eager, eager_state) = results
+    return fused, eager, fused_state, eager_state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_models_fused_prefill_equals_its_eager_prefill(tmp_path: Path, dtype: torch.dtype) -> None:
+    """On the CPU the op's body is the reference: a prefill through it (every query head, key row and
+    indexer query of a chunk at its own position) equals the eager one to the bit."""
+    seen = OpNames()
+    with seen:
+        fused, eager, fused_state, eager_state = prefill_with_and_without_the_op(tmp_path, dtype, 12)
+    # Per chunk of the fused pass: q_res, q and kv in 4 layers and the indexer's query in 2 CSA layers.
+    assert seen.names.count("v4_norm_rope") == 3 * (4 * 3 + 2)
+    assert torch.equal(fused, eager)
+    for name, rows in eager_state.items():
+        assert torch.equal(fused_state[name], rows), name
+
+
 _MODEL_CHECK = """
 import sys
 from pathlib import Path
@@ -335,6 +407,8 @@ else:
 folder = Path(sys.argv[1])
 fused_steps_equal_eager_steps(folder / "f32", torch.float32, prefill=6, stop=18, exact=False)
 fused_steps_equal_eager_steps(folder / "bf16", torch.bfloat16, prefill=3, stop=12, exact=False)
+fused, eager, _, _ = test_v4_norm_rope.prefill_with_and_without_the_op(folder / "f32", torch.float32, 12)
+torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
 print("model ok")
 """
 

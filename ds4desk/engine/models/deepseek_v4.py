@@ -824,14 +824,23 @@ class DeepseekV4Model(nn.Module):
         streams = x.unsqueeze(1).expand(count, cfg.hc_mult, cfg.hidden_size).contiguous()
         if self._boundaries:
             self._use_device(self.device)
+        # Fused sites (v4_hc_fused): a block's expand happens inside the next site, so `last` holds
+        # the previous block's (y, post, comb) until then.
+        fused = v4_hc_fused.enabled(streams, cfg.hc_mult)
+        last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         for index, layer in enumerate(self.model.layers):
             if index in self._boundaries:
                 # A shard boundary: the next layers need the streams and the token ids (hash
                 # routing); positions are host ints here. Copies, never aliases.
+                if last is not None:
+                    streams, last = _expand(streams, *last), None
                 device = self._boundaries[index]
                 streams, ids = _hand_over(streams, device), _hand_over(ids, device)
                 self._use_device(device)
-            streams = self._block(index, layer, streams, ids, start_pos)
+            if fused:
+                streams, last = self._block_fused(index, layer, streams, last, ids, start_pos)
+            else:
+                streams = self._block(index, layer, streams, ids, start_pos)
         if self._boundaries:
             self._use_device(self.device)
         cache.length = end
@@ -839,7 +848,8 @@ class DeepseekV4Model(nn.Module):
             return None
         if logits == "last":
             streams = streams[-1:]
-        h = self._hc_head(streams)
+            last = None if last is None else (last[0][-1:], last[1][-1:], last[2][-1:])
+        h = self._hc_head(streams) if last is None else self._hc_head_fused(streams, last)
         out = torch.mm(h, self._head_weight().t()).float()
         if out.device != input_ids.device:  # split: the logits come back to where the ids came from
             out = out.to(input_ids.device)
@@ -852,6 +862,24 @@ class DeepseekV4Model(nn.Module):
         streams = _expand(streams, self._attention(index, layer.self_attn, h, start), post, comb)
         h, post, comb = self._hc_site(streams, layer.ffn_hc, layer.post_attention_layernorm.weight)
         return _expand(streams, self._moe(layer.mlp, h, ids), post, comb)
+
+    def _block_fused(
+        self,
+        index: int,
+        layer: _Layer,
+        streams: torch.Tensor,
+        last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        ids: torch.Tensor,
+        start: int,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """_block with fused sites: expands `last` (the previous block's (y, post, comb)) first and
+        returns the streams before its own expand, with its own (y, post, comb)."""
+        streams, h, post, comb = self._hc_site_fused(streams, last, layer.attn_hc, layer.input_layernorm)
+        y = self._attention(index, layer.self_attn, h, start)
+        streams, h, post, comb = self._hc_site_fused(
+            streams, (y, post, comb), layer.ffn_hc, layer.post_attention_layernorm
+        )
+        return streams, (self._moe(layer.mlp, h, ids), post, comb)
 
     def _hc_site(
         self, streams: torch.Tensor, site: _HyperConnection, norm: torch.Tensor
@@ -885,10 +913,20 @@ class DeepseekV4Model(nn.Module):
         cos, sin = self._tables["main" if layer_type == SLIDING else "compress"]
         turn = _turn(cos[start : start + count], sin[start : start + count])  # [T, r / 2]
 
-        q_res = _rms_norm(_linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
-        q = _linear(q_res, attn.q_b_proj).view(count, heads, dim)
-        q = _norm_rope(q, None, eps, turn.unsqueeze(1))
-        kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
+        if v4_norm_rope.enabled(x):
+            # One kernel each, without float32 copies of the [T, H, d] query.
+            at, rope = _position(start, x.device), 2 * cos.shape[-1]
+            q_a = _linear(x, attn.q_a_proj)
+            q_res = norm_rope(q_a, attn.q_a_norm.weight, eps, cos, sin, at, 0, q_a.dtype)
+            q = _linear(q_res, attn.q_b_proj).view(count * heads, dim)
+            q = norm_rope(q, None, eps, cos, sin, at, rope, q.dtype, heads).view(count, heads, dim)
+            kv = _linear(x, attn.kv_proj)
+            kv = norm_rope(kv, attn.kv_norm.weight, eps, cos, sin, at, rope, kv.dtype, 1)
+        else:
+            q_res = _rms_norm(_linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
+            q = _linear(q_res, attn.q_b_proj).view(count, heads, dim)
+            q = _norm_rope(q, None, eps, turn.unsqueeze(1))
+            kv = _norm_rope(_linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
 
         # Raw keys: each query t sees exactly the W positions t - W + 1 .. t, so every query gets
         # a window of its own, rows t .. t + W - 1 of [padding | ring rows before this chunk, in
@@ -1025,8 +1063,14 @@ class DeepseekV4Model(nn.Module):
         cfg = self.config
         count, heads, dim = x.shape[0], cfg.index_heads, cfg.index_head_dim
         cos, sin = self._tables["compress"]
-        q = _linear(q_res, indexer.q_b_proj).view(count, heads, dim)
-        q = _rope_(q.float(), _turn(cos[start : start + count], sin[start : start + count]).unsqueeze(1))
+        q = _linear(q_res, indexer.q_b_proj)
+        if v4_norm_rope.enabled(q):  # rotated in float32, cast once to the keys' dtype, as below
+            at, rope = _position(start, x.device), 2 * cos.shape[-1]
+            q = norm_rope(q.view(count * heads, dim), None, None, cos, sin, at, rope, keys.dtype, heads)
+            q = q.view(count, heads, dim)
+        else:
+            q = q.view(count, heads, dim)
+            q = _rope_(q.float(), _turn(cos[start : start + count], sin[start : start + count]).unsqueeze(1))
         weights = _index_weights(x, indexer, heads, dim).unsqueeze(1)  # [T, 1, Hi]
         # The q·k products in the model's dtype (tensor cores for bf16), summed in float32.
         q, keys_t = q.to(keys.dtype), keys.t()
@@ -1527,6 +1571,11 @@ def _index_weights(x: torch.Tensor, indexer: _Indexer, heads: int, dim: int) -> 
 
 
 # --- math helpers --------------------------------------------------------------------------------
+
+
+def _position(start: int, device: torch.device) -> torch.Tensor:
+    """A chunk's first position as the int64 [1] device tensor norm_rope reads (a fill, no copy)."""
+    return torch.full((1,), start, dtype=torch.int64, device=device)
 
 
 def _hand_over(x: torch.Tensor, device: torch.device) -> torch.Tensor:

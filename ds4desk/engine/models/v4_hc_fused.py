@@ -51,6 +51,9 @@ _COLLAPSE_BLOCK = 1024
 # (prefill) a program writes its token's whole row, so the row is read from memory about twice.
 _COLLAPSE_SLICE = 256
 _FEW_TOKENS = 16
+# Above _FEW_TOKENS the mix runs on tiled_mix_kernel: tokens and dims a program, per step.
+_TILED_MIX_TOKENS = 64
+_TILED_MIX_BLOCK = 64
 
 
 def enabled(streams: torch.Tensor, mult: int) -> bool:
@@ -316,6 +319,7 @@ def _kernels() -> _Kernels | None:
             finish_kernel,
             mix_kernel,
             site_kernel,
+            tiled_mix_kernel,
         )
     except Exception:  # no Triton (CPU builds, some platforms): the eager form runs
         return None
@@ -330,12 +334,14 @@ def _kernels() -> _Kernels | None:
         """(the new streams or the given ones, the partials [T, blocks, RP], blocks, R)."""
         count, m, dim = streams.shape
         rows = fn.shape[0]
+        expand = y is not None
+        out = torch.empty_like(streams) if expand else streams
+        if count > _FEW_TOKENS:
+            return tiled_mix(streams, y, post, comb, fn, out)
         padded = next_power_of_two(rows + 1)  # + 1: the sum of squares rides in row `rows`
         block = min(_MIX_BLOCK, next_power_of_two(dim))
         blocks = triton.cdiv(dim, block)
         part = torch.empty((count, blocks, padded), device=streams.device, dtype=torch.float32)
-        expand = y is not None
-        out = torch.empty_like(streams) if expand else streams
         use_pdl = pdl(streams)
         mix_kernel[(blocks, count)](
             streams,
@@ -356,6 +362,48 @@ def _kernels() -> _Kernels | None:
             launch_pdl=use_pdl,
         )
         return out, part, blocks, rows
+
+    def tiled_mix(
+        streams: torch.Tensor,
+        y: torch.Tensor | None,
+        post: torch.Tensor | None,
+        comb: torch.Tensor | None,
+        fn: torch.Tensor,
+        out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """mix_partials for many tokens: token blocks x splits of D, the dots on tensor cores."""
+        count, m, dim = streams.shape
+        rows = fn.shape[0]
+        padded = max(16, next_power_of_two(rows + 1))  # a dot's tile is at least 16 wide
+        block_d = max(16, min(_TILED_MIX_BLOCK, next_power_of_two(dim)))
+        token_blocks, dim_blocks = triton.cdiv(count, _TILED_MIX_TOKENS), triton.cdiv(dim, block_d)
+        # Splits of D until the grid fills an H200 twice over (132 SMs), whole blocks each.
+        steps = triton.cdiv(dim_blocks, min(dim_blocks, triton.cdiv(264, token_blocks)))
+        splits = triton.cdiv(dim_blocks, steps)
+        part = torch.empty((count, splits, padded), device=streams.device, dtype=torch.float32)
+        expand = y is not None
+        tiled_mix_kernel[(token_blocks, splits)](
+            streams,
+            y if expand else streams,
+            post if expand else fn,
+            comb if expand else fn,
+            fn,
+            out,
+            part,
+            count,
+            dim,
+            post.stride(0) if post is not None else 0,
+            EXPAND=expand,
+            M=m,
+            R=rows,
+            RP=padded,
+            BT=_TILED_MIX_TOKENS,
+            BD=block_d,
+            STEPS=steps,
+            # The interpreter's dot mishandles bfloat16 (numpy has none): float32 there.
+            SPLIT_DOT=streams.dtype == torch.bfloat16 and streams.is_cuda,
+        )
+        return out, part, splits, rows
 
     def launch_mix(
         streams: torch.Tensor,

@@ -66,6 +66,76 @@ def mix_kernel(
 
 
 @triton.jit
+def tiled_mix_kernel(
+    x,
+    y,
+    post,
+    comb,
+    fn,
+    out,
+    part,
+    T,
+    D,
+    post_stride,
+    EXPAND: tl.constexpr,
+    M: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    STEPS: tl.constexpr,
+    SPLIT_DOT: tl.constexpr,
+):
+    """mix_kernel for many tokens (prefill): program (token block b, split s) covers BT tokens and
+    STEPS blocks of BD dims of every stream, and the dot products with fn's rows run on the tensor
+    cores: part[t, s] = [dots | sum of squares at R | 0 ...]. With SPLIT_DOT (bfloat16 streams)
+    fn's float32 tile goes in as two bfloat16 terms, hi + lo (16 of float32's 24 mantissa bits, an
+    error far below the bf16 streams' own); otherwise the dot is float32 throughout."""
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    t = b * BT + tl.arange(0, BT)
+    live_t = t < T
+    row = t[:, None] * (M * D)
+    r = tl.arange(0, RP)
+    acc = tl.zeros([BT, RP], dtype=tl.float32)
+    squares = tl.zeros([BT], dtype=tl.float32)
+    for step in range(STEPS):
+        d = (s * STEPS + step) * BD + tl.arange(0, BD)
+        live = live_t[:, None] & (d < D)[None, :]
+        if EXPAND:
+            yd = tl.load(y + t[:, None] * D + d[None, :], mask=live, other=0.0).to(tl.float32)
+        for k in tl.static_range(M):
+            if EXPAND:  # as mix_kernel: coefficients rounded to the streams' dtype, bmm's order
+                xk = tl.zeros([BT, BD], dtype=tl.float32)
+                for j in tl.static_range(M):
+                    xj = tl.load(x + row + j * D + d[None, :], mask=live, other=0.0).to(tl.float32)
+                    cjk = tl.load(comb + t * (M * M) + j * M + k, mask=live_t, other=0.0)
+                    xk += cjk.to(out.dtype.element_ty).to(tl.float32)[:, None] * xj
+                pk = tl.load(post + t * post_stride + k, mask=live_t, other=0.0)
+                xk += pk.to(out.dtype.element_ty).to(tl.float32)[:, None] * yd
+                xk = xk.to(out.dtype.element_ty)
+                tl.store(out + row + k * D + d[None, :], xk, mask=live)
+            else:
+                xk = tl.load(x + row + k * D + d[None, :], mask=live, other=0.0)
+            xf = xk.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            w = tl.load(
+                fn + r[None, :] * (M * D) + k * D + d[:, None],
+                mask=(r[None, :] < R) & (d < D)[:, None],
+                other=0.0,
+            )  # [BD, RP]
+            if SPLIT_DOT:
+                hi = w.to(tl.bfloat16)
+                acc = tl.dot(xk, hi, acc)
+                acc = tl.dot(xk, (w - hi.to(tl.float32)).to(tl.bfloat16), acc)
+            else:
+                acc = tl.dot(xf, w, acc, input_precision="ieee")
+    acc = tl.where(r[None, :] == R, squares[:, None], acc)
+    splits = tl.num_programs(1)
+    tl.store(part + (t[:, None] * splits + s) * RP + r[None, :], acc, mask=live_t[:, None])
+
+
+@triton.jit
 def _partial_sum(part, t, blocks, offsets, RP: tl.constexpr, NB: tl.constexpr):
     """Σ over the blocks of part[t, b, offsets] for a 1-D `offsets`."""
     b = tl.arange(0, NB)

@@ -47,14 +47,18 @@ def norm_rope(
     pos: torch.Tensor,
     rope_dims: int,
     out_dtype: torch.dtype,
+    group: int = 0,
 ) -> torch.Tensor:
     """x [R, C] RMS-normed per row in float32 (eps None: no norm), times the float32 `weight` when
     given, the trailing `rope_dims` channels (0: none) rotated in interleaved pairs (2i, 2i + 1) by
-    the angle of table row pos (cos, sin [positions, rope_dims / 2] float32, pos int64 [1] on the
-    device), then cast once to `out_dtype`: a new [R, C] tensor. Always the custom op (see `enabled`
-    for when the model takes this path)."""
+    the angle of table row pos + r // group for row r (cos, sin [positions, rope_dims / 2] float32,
+    pos int64 [1] on the device; group 0: every row at pos, as a decode step's heads; a prefill's
+    [T * H, d] query rows are group H), then cast once to `out_dtype`: a new [R, C] tensor. Always
+    the custom op (see `enabled` for when the model takes this path)."""
     _check(x, weight, eps, cos, sin, pos, rope_dims)
-    return _fused_op(x.contiguous(), weight, eps, cos, sin, pos, rope_dims, out_dtype)
+    if group < 0:
+        raise ValueError(f"group must be 0 or positive, got {group}")
+    return _fused_op(x.contiguous(), weight, eps, cos, sin, pos, rope_dims, out_dtype, group)
 
 
 def reference(
@@ -66,12 +70,15 @@ def reference(
     pos: torch.Tensor,
     rope_dims: int,
     out_dtype: torch.dtype,
+    group: int = 0,
 ) -> torch.Tensor:
-    """The eager form: deepseek_v4's _rms_norm, _norm_rope and _rope_ (with _turn of the table rows at
-    pos), op for op. Never aliases x (the rotation is in place on a fresh float32 copy)."""
+    """The eager form: deepseek_v4's _rms_norm, _norm_rope and _rope_ (with _turn of each row's table
+    row, see norm_rope for `group`), op for op. Never aliases x (the rotation is in place on a fresh
+    float32 copy)."""
     y = x.to(torch.float32, copy=True) if eps is None else F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
     if rope_dims:
-        turn = torch.complex(cos.index_select(0, pos), sin.index_select(0, pos))  # [1, r / 2]
+        rows = pos + torch.arange(x.shape[0], device=x.device) // _group(group, x)
+        turn = torch.complex(cos.index_select(0, rows), sin.index_select(0, rows))  # [R, r / 2]
         rot = y[..., -rope_dims:]
         pairs = torch.view_as_complex(rot.unflatten(-1, (-1, 2)))
         rot.copy_(torch.view_as_real(pairs * turn).flatten(-2))
@@ -111,15 +118,21 @@ def _fused_op(
     pos: torch.Tensor,
     rope_dims: int,
     out_dtype: torch.dtype,
+    group: int,
 ) -> torch.Tensor:
     kernel = _triton_kernel() if _kernel_runs_on(x) else None
     run = reference if kernel is None else kernel
-    return run(x, weight, eps, cos, sin, pos, rope_dims, out_dtype)
+    return run(x, weight, eps, cos, sin, pos, rope_dims, out_dtype, group)
 
 
 @_fused_op.register_fake
-def _(x, weight, eps, cos, sin, pos, rope_dims, out_dtype):
+def _(x, weight, eps, cos, sin, pos, rope_dims, out_dtype, group):
     return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _group(group: int, x: torch.Tensor) -> int:
+    """Rows a table row serves: 0 means all of them."""
+    return group or max(1, x.shape[0])
 
 
 def _kernel_runs_on(tensor: torch.Tensor) -> bool:
@@ -163,6 +176,7 @@ def _jit_kernel() -> Any:
         out,
         stride_x,
         table_stride,
+        group,
         eps,
         C: tl.constexpr,
         HALF_P2: tl.constexpr,  # ceil(C / 2) rounded up to a power of two
@@ -192,7 +206,7 @@ def _jit_kernel() -> Any:
                 v_e = v_e * tl.load(weight + even, mask=has_e, other=0.0).to(tl.float32)
                 v_o = v_o * tl.load(weight + even + 1, mask=has_o, other=0.0).to(tl.float32)
         if PAIRS > 0:
-            pos = tl.load(pos_ptr)
+            pos = tl.load(pos_ptr) + row // group
             pair = i - (C // 2 - PAIRS)
             turns = has_o & (pair >= 0)
             c = tl.load(cos + pos * table_stride + pair, mask=turns, other=1.0)
@@ -224,6 +238,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         pos: torch.Tensor,
         rope_dims: int,
         out_dtype: torch.dtype,
+        group: int = 0,
     ) -> torch.Tensor:
         rows, channels = x.shape
         assert x.stride(1) == 1 and cos.stride(1) == 1 and sin.stride(0) == cos.stride(0)
@@ -238,6 +253,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             out,
             x.stride(0),
             cos.stride(0),
+            _group(group, x),
             0.0 if eps is None else eps,
             **launch_constants(channels, rope_dims, eps is not None, weight is not None),
             PDL=use_pdl,
