@@ -2,6 +2,8 @@
 
     python3 bench/profile_v4_prefill.py [--prompt 4096] [--chunks 512 1024 2048 4096] [--out DIR]
 
+    python3 bench/profile_v4_prefill.py --mix-sweep   (the tiled hyper-connection mix's tiles)
+
 Prints the prefill rate of one prompt at each chunk size (median of five, eager; prefill does not
 use the decode graphs), then, at the fastest chunk, the inclusive time of each part of a layer
 (each part timed between two synchronisations, so the parts add up to a little more than the
@@ -81,13 +83,83 @@ def part_times(runtime: Runtime, ids: list[int]) -> dict[str, float]:
     return dict(totals)
 
 
+def mix_sweep(count: int = 4096, dim: int = 4096, mult: int = 4) -> list[dict[str, Any]]:
+    """Time one prefill site (with and without the previous block's expand) at each tile config of
+    v4_hc_fused's tiled mix, against the eager site; every config's output is checked first."""
+    from ds4desk.engine.models import v4_hc_fused, v4_hc_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = (2 + mult) * mult
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    gates, comb = v4_hc_kernel.reference(
+        3 * rand(count, rows), 0.5 + rand(3).abs(), rand(rows), mult, 20, 1e-6
+    )
+    streams, y = rand(count, mult, dim).bfloat16(), rand(count, dim).bfloat16()
+    fn, scale, base, weight = (
+        rand(rows, mult * dim) / (mult * dim) ** 0.5,
+        0.5 + rand(3).abs(),
+        rand(rows),
+        rand(dim),
+    )
+    args = (fn, scale, base, weight, mult, 20, 1e-6, 1e-6)
+    previous = (y, gates[:, mult:], comb)
+    results = []
+
+    def site(expand: bool) -> tuple[torch.Tensor, ...]:
+        return v4_hc_fused.site(streams, previous if expand else None, *args)
+
+    def eager_site(expand: bool) -> tuple[torch.Tensor, ...]:
+        new = v4_hc_fused.reference_expand(streams, *previous) if expand else streams
+        h, gates, comb = v4_hc_fused.reference_site(new, *args)
+        return new, h, gates[:, mult:], comb
+
+    with torch.inference_mode():
+        want = {e: eager_site(e) for e in (False, True)}
+        eager_ms = {e: timed(lambda e=e: eager_site(e), 20) * 1e3 for e in (False, True)}
+    results.append({"config": "eager", "ms": eager_ms[False], "expand_ms": eager_ms[True]})
+    print(f"eager site: {eager_ms[False]:.3f} ms, with expand {eager_ms[True]:.3f} ms", flush=True)
+    for tokens, block, warps, stages in (
+        (64, 64, 4, 3),
+        (64, 64, 8, 3),
+        (64, 128, 4, 3),
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (64, 64, 4, 4),
+    ):
+        v4_hc_fused._TILED_MIX_TOKENS, v4_hc_fused._TILED_MIX_BLOCK = tokens, block
+        v4_hc_fused._TILED_MIX_WARPS, v4_hc_fused._TILED_MIX_STAGES = warps, stages
+        row: dict[str, Any] = {"config": f"BT {tokens} BD {block} warps {warps} stages {stages}"}
+        try:
+            with torch.inference_mode():
+                for expand in (False, True):
+                    got = site(expand)
+                    error = max(
+                        float((a.float() - b.float()).abs().max())
+                        for a, b in zip(got, want[expand], strict=True)
+                    )
+                    row["max_error_expand" if expand else "max_error"] = error
+                    row["expand_ms" if expand else "ms"] = timed(lambda e=expand: site(e), 20) * 1e3
+        except Exception as exc:  # a config that does not compile or launch: say why, go on
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--model", type=Path, help="an existing synthetic model folder (default: write one)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--mix-sweep", action="store_true", help="only time the tiled mix's configs")
     args = parser.parse_args()
+    if args.mix_sweep:
+        mix_sweep()
+        return
 
     folder = args.model
     if folder is None:

@@ -223,7 +223,7 @@ def test_the_fused_decode_step_equals_the_unfused_one(tiny: Path, monkeypatch: p
 
     monkeypatch.setattr(v4_hc_fused, "site", counted)
     fused = decode_steps(tiny, steps=3)
-    assert len(seen) == 3 * 2 * 4  # steps x sites x layers: the fused path really ran
+    assert len(seen) == (1 + 3) * 2 * 4  # (prefill + steps) x sites x layers: the fused path ran
     for ours, ref in zip(fused, eager, strict=True):
         # On the CPU the ops' bodies are the model's eager math, only regrouped: equal to rounding.
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)

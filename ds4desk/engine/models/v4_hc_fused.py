@@ -51,9 +51,13 @@ _COLLAPSE_BLOCK = 1024
 # (prefill) a program writes its token's whole row, so the row is read from memory about twice.
 _COLLAPSE_SLICE = 256
 _FEW_TOKENS = 16
-# Above _FEW_TOKENS the mix runs on tiled_mix_kernel: tokens and dims a program, per step.
+# Above _FEW_TOKENS the mix runs on tiled_mix_kernel (tokens and dims a program, per step; the tiles
+# from bench/profile_v4_prefill.py --mix-sweep on an H200), after expand_kernel's D blocks.
 _TILED_MIX_TOKENS = 64
 _TILED_MIX_BLOCK = 64
+_TILED_MIX_WARPS = 4
+_TILED_MIX_STAGES = 3
+_EXPAND_BLOCK = 512
 
 
 def enabled(streams: torch.Tensor, mult: int) -> bool:
@@ -316,6 +320,7 @@ def _kernels() -> _Kernels | None:
 
         from ds4desk.engine.models.v4_hc_fused_triton import (
             collapse_kernel,
+            expand_kernel,
             finish_kernel,
             mix_kernel,
             site_kernel,
@@ -371,8 +376,16 @@ def _kernels() -> _Kernels | None:
         fn: torch.Tensor,
         out: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """mix_partials for many tokens: token blocks x splits of D, the dots on tensor cores."""
+        """mix_partials for many tokens: the expand (when y is given) as a kernel of its own, then
+        token blocks x splits of D with the dots on tensor cores."""
         count, m, dim = streams.shape
+        if y is not None:
+            assert post is not None and comb is not None
+            block = min(_EXPAND_BLOCK, next_power_of_two(dim))
+            expand_kernel[(triton.cdiv(dim, block), count)](
+                streams, y, post, comb, out, dim, post.stride(0), M=m, BD=block
+            )
+            streams = out
         rows = fn.shape[0]
         padded = max(16, next_power_of_two(rows + 1))  # a dot's tile is at least 16 wide
         block_d = max(16, min(_TILED_MIX_BLOCK, next_power_of_two(dim)))
@@ -381,19 +394,12 @@ def _kernels() -> _Kernels | None:
         steps = triton.cdiv(dim_blocks, min(dim_blocks, triton.cdiv(264, token_blocks)))
         splits = triton.cdiv(dim_blocks, steps)
         part = torch.empty((count, splits, padded), device=streams.device, dtype=torch.float32)
-        expand = y is not None
         tiled_mix_kernel[(token_blocks, splits)](
             streams,
-            y if expand else streams,
-            post if expand else fn,
-            comb if expand else fn,
             fn,
-            out,
             part,
             count,
             dim,
-            post.stride(0) if post is not None else 0,
-            EXPAND=expand,
             M=m,
             R=rows,
             RP=padded,
@@ -402,6 +408,8 @@ def _kernels() -> _Kernels | None:
             STEPS=steps,
             # The interpreter's dot mishandles bfloat16 (numpy has none): float32 there.
             SPLIT_DOT=streams.dtype == torch.bfloat16 and streams.is_cuda,
+            num_warps=_TILED_MIX_WARPS,
+            num_stages=_TILED_MIX_STAGES,
         )
         return out, part, splits, rows
 

@@ -66,18 +66,35 @@ def mix_kernel(
 
 
 @triton.jit
+def expand_kernel(x, y, post, comb, out, D, post_stride, M: tl.constexpr, BD: tl.constexpr):
+    """Program (block b, token t): the new streams' [M, BD] slice X'_k = post_k y + Σ_j C[j, k] X_j,
+    as mix_kernel's EXPAND (coefficients rounded to the streams' dtype, bmm's order), with each
+    X_j read once for all k: prefill's expand before tiled_mix_kernel."""
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    d = b * BD + tl.arange(0, BD)
+    live = d < D
+    k = tl.arange(0, M)
+    acc = tl.zeros([M, BD], dtype=tl.float32)
+    for j in tl.static_range(M):
+        xj = tl.load(x + t * (M * D) + j * D + d, mask=live, other=0.0).to(tl.float32)
+        cj = tl.load(comb + t * (M * M) + j * M + k).to(out.dtype.element_ty).to(tl.float32)
+        acc += cj[:, None] * xj[None, :]
+    pk = tl.load(post + t * post_stride + k).to(out.dtype.element_ty).to(tl.float32)
+    yd = tl.load(y + t * D + d, mask=live, other=0.0).to(tl.float32)
+    acc += pk[:, None] * yd[None, :]
+    tl.store(
+        out + t * (M * D) + k[:, None] * D + d[None, :], acc.to(out.dtype.element_ty), mask=live[None, :]
+    )
+
+
+@triton.jit
 def tiled_mix_kernel(
     x,
-    y,
-    post,
-    comb,
     fn,
-    out,
     part,
     T,
     D,
-    post_stride,
-    EXPAND: tl.constexpr,
     M: tl.constexpr,
     R: tl.constexpr,
     RP: tl.constexpr,
@@ -86,50 +103,38 @@ def tiled_mix_kernel(
     STEPS: tl.constexpr,
     SPLIT_DOT: tl.constexpr,
 ):
-    """mix_kernel for many tokens (prefill): program (token block b, split s) covers BT tokens and
-    STEPS blocks of BD dims of every stream, and the dot products with fn's rows run on the tensor
-    cores: part[t, s] = [dots | sum of squares at R | 0 ...]. With SPLIT_DOT (bfloat16 streams)
-    fn's float32 tile goes in as two bfloat16 terms, hi + lo (16 of float32's 24 mantissa bits, an
-    error far below the bf16 streams' own); otherwise the dot is float32 throughout."""
+    """mix_kernel's partials for many tokens (prefill, the streams already expanded): program
+    (token block b, split s) covers BT tokens and STEPS blocks of BD dims of every stream, and the
+    dot products with fn's rows run on the tensor cores: part[t, s] = [dots | sum of squares at R |
+    0 ...]. With SPLIT_DOT (bfloat16 streams) fn's float32 tile goes in as two bfloat16 terms, hi +
+    lo (16 of float32's 24 mantissa bits, an error far below the bf16 streams' own); otherwise the
+    dot is float32 throughout."""
     b = tl.program_id(0)
     s = tl.program_id(1)
     t = b * BT + tl.arange(0, BT)
     live_t = t < T
-    row = t[:, None] * (M * D)
+    dd = tl.arange(0, BD)
     r = tl.arange(0, RP)
+    # int32 offset tiles made once; each load adds a scalar (a pointer tile per load spills).
+    x_tile = t[:, None] * (M * D) + dd[None, :]
+    w_tile = r[None, :] * (M * D) + dd[:, None]  # fn's rows as columns: [BD, RP]
     acc = tl.zeros([BT, RP], dtype=tl.float32)
     squares = tl.zeros([BT], dtype=tl.float32)
-    for step in range(STEPS):
-        d = (s * STEPS + step) * BD + tl.arange(0, BD)
-        live = live_t[:, None] & (d < D)[None, :]
-        if EXPAND:
-            yd = tl.load(y + t[:, None] * D + d[None, :], mask=live, other=0.0).to(tl.float32)
-        for k in tl.static_range(M):
-            if EXPAND:  # as mix_kernel: coefficients rounded to the streams' dtype, bmm's order
-                xk = tl.zeros([BT, BD], dtype=tl.float32)
-                for j in tl.static_range(M):
-                    xj = tl.load(x + row + j * D + d[None, :], mask=live, other=0.0).to(tl.float32)
-                    cjk = tl.load(comb + t * (M * M) + j * M + k, mask=live_t, other=0.0)
-                    xk += cjk.to(out.dtype.element_ty).to(tl.float32)[:, None] * xj
-                pk = tl.load(post + t * post_stride + k, mask=live_t, other=0.0)
-                xk += pk.to(out.dtype.element_ty).to(tl.float32)[:, None] * yd
-                xk = xk.to(out.dtype.element_ty)
-                tl.store(out + row + k * D + d[None, :], xk, mask=live)
-            else:
-                xk = tl.load(x + row + k * D + d[None, :], mask=live, other=0.0)
-            xf = xk.to(tl.float32)
-            squares += tl.sum(xf * xf, axis=1)
-            w = tl.load(
-                fn + r[None, :] * (M * D) + k * D + d[:, None],
-                mask=(r[None, :] < R) & (d < D)[:, None],
-                other=0.0,
-            )  # [BD, RP]
-            if SPLIT_DOT:
-                hi = w.to(tl.bfloat16)
-                acc = tl.dot(xk, hi, acc)
-                acc = tl.dot(xk, (w - hi.to(tl.float32)).to(tl.bfloat16), acc)
-            else:
-                acc = tl.dot(xf, w, acc, input_precision="ieee")
+    # One runtime loop over (dim block, stream): unrolled streams would keep M tiles live at once.
+    for i in range(STEPS * M):
+        k = i % M
+        d0 = (s * STEPS + i // M) * BD
+        live_d = d0 + dd < D
+        xk = tl.load(x + x_tile + (k * D + d0), mask=live_t[:, None] & live_d[None, :], other=0.0)
+        xf = xk.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
+        w = tl.load(fn + w_tile + (k * D + d0), mask=(r[None, :] < R) & live_d[:, None], other=0.0)
+        if SPLIT_DOT:
+            hi = w.to(tl.bfloat16)
+            acc = tl.dot(xk, hi, acc)
+            acc = tl.dot(xk, (w - hi.to(tl.float32)).to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(xf, w, acc, input_precision="ieee")
     acc = tl.where(r[None, :] == R, squares[:, None], acc)
     splits = tl.num_programs(1)
     tl.store(part + (t[:, None] * splits + s) * RP + r[None, :], acc, mask=live_t[:, None])
