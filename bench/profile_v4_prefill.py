@@ -122,12 +122,11 @@ def mix_sweep(count: int = 4096, dim: int = 4096, mult: int = 4) -> list[dict[st
     results.append({"config": "eager", "ms": eager_ms[False], "expand_ms": eager_ms[True]})
     print(f"eager site: {eager_ms[False]:.3f} ms, with expand {eager_ms[True]:.3f} ms", flush=True)
     for tokens, block, warps, stages in (
+        (128, 64, 8, 3),
         (64, 64, 4, 3),
-        (64, 64, 8, 3),
         (64, 128, 4, 3),
         (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (64, 64, 4, 4),
+        (128, 128, 8, 3),
     ):
         v4_hc_fused._TILED_MIX_TOKENS, v4_hc_fused._TILED_MIX_BLOCK = tokens, block
         v4_hc_fused._TILED_MIX_WARPS, v4_hc_fused._TILED_MIX_STAGES = warps, stages

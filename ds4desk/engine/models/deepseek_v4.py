@@ -1105,37 +1105,43 @@ class DeepseekV4Model(nn.Module):
         order = flat.argsort(stable=True)  # pair indices, by expert
         sizes = torch.bincount(flat, minlength=cfg.num_experts)
         host_sizes = sizes.tolist()
-        inputs = x.index_select(0, order // k)  # [T k, D]
         experts, limit = moe.experts, cfg.swiglu_limit
-        largest, width = max(host_sizes), inputs.shape[1]
-        if experts.gate_up_proj.dtype == torch.uint8:
-            # Packed FP4: one grouped kernel a projection widens the weight tiles in registers (no
-            # bf16 copy of an expert, one launch for all of them).
-            gate_up = fp4_grouped_matmul(inputs, host_sizes, experts.gate_up_proj, experts.gate_up_proj_scale)
-            hidden = _swiglu(*gate_up.chunk(2, dim=-1), limit)
-            grouped = fp4_grouped_matmul(hidden, host_sizes, experts.down_proj, experts.down_proj_scale)
-        elif cfg.num_experts * largest <= 2 * count * k:
+        largest, width = max(host_sizes), x.shape[1]
+        if cfg.num_experts * largest <= 2 * count * k and experts.gate_up_proj.dtype != torch.uint8:
             # Balanced enough (so most experts have tokens: their weights are read anyway): two
-            # batched GEMMs over all experts, each group padded with zero rows to the largest, at
-            # most twice the rows (and memory) of the pairs themselves.
+            # batched GEMMs over all experts, each group padded to the largest, at most twice the
+            # rows (and memory) of the pairs themselves. The padded rows are gathered straight
+            # from x (a padding row repeats token 0: its output is never read), and each pair's
+            # output straight from the result: one pass over the rows each way.
             ranked = flat.index_select(0, order)  # the expert of each sorted pair
             starts = (torch.cumsum(sizes, 0) - sizes).index_select(0, ranked)
             offset = torch.arange(count * k, device=x.device) - starts  # rank within its group
             slots = ranked * largest + offset  # each sorted pair's row in the padded [E, largest] layout
-            padded = inputs.new_zeros((cfg.num_experts * largest, width)).index_copy_(0, slots, inputs)
-            padded = padded.view(cfg.num_experts, largest, width)
+            sources = order.new_zeros(cfg.num_experts * largest).index_copy_(0, slots, order // k)
+            padded = x.index_select(0, sources).view(cfg.num_experts, largest, width)
             hidden = _swiglu(*torch.bmm(padded, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1), limit)
             ys = torch.bmm(hidden, experts.down_proj.transpose(1, 2)).view(-1, width)
-            grouped = ys.index_select(0, slots)
-        else:  # one GEMM pair per expert that has tokens
-            parts, first = [], 0
-            for expert, size in enumerate(host_sizes):
-                if size:
-                    gate_up = inputs[first : first + size] @ experts.gate_up_proj[expert].t()
-                    parts.append(_swiglu(*gate_up.chunk(2, dim=-1), limit) @ experts.down_proj[expert].t())
-                    first += size
-            grouped = torch.cat(parts)
-        by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)  # back to (token, slot) order
+            by_pair = ys.index_select(0, torch.empty_like(slots).index_copy_(0, order, slots))
+        else:
+            inputs = x.index_select(0, order // k)  # [T k, D], by expert
+            if experts.gate_up_proj.dtype == torch.uint8:
+                # Packed FP4: one grouped kernel a projection widens the weight tiles in registers
+                # (no bf16 copy of an expert, one launch for all of them).
+                scales = experts.gate_up_proj_scale
+                gate_up = fp4_grouped_matmul(inputs, host_sizes, experts.gate_up_proj, scales)
+                hidden = _swiglu(*gate_up.chunk(2, dim=-1), limit)
+                grouped = fp4_grouped_matmul(hidden, host_sizes, experts.down_proj, experts.down_proj_scale)
+            else:  # one GEMM pair per expert that has tokens
+                parts, first = [], 0
+                for expert, size in enumerate(host_sizes):
+                    if size:
+                        gate_up = inputs[first : first + size] @ experts.gate_up_proj[expert].t()
+                        parts.append(
+                            _swiglu(*gate_up.chunk(2, dim=-1), limit) @ experts.down_proj[expert].t()
+                        )
+                        first += size
+                grouped = torch.cat(parts)
+            by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)  # back to (token, slot) order
         return v4_route.mix(weights, by_pair) + _shared_expert(moe.shared_experts, x, limit)
 
     # --- graphable decode (one token, CUDA-graph capturable) -------------------------------------

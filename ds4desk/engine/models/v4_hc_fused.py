@@ -53,9 +53,9 @@ _COLLAPSE_SLICE = 256
 _FEW_TOKENS = 16
 # Above _FEW_TOKENS the mix runs on tiled_mix_kernel (tokens and dims a program, per step; the tiles
 # from bench/profile_v4_prefill.py --mix-sweep on an H200), after expand_kernel's D blocks.
-_TILED_MIX_TOKENS = 64
+_TILED_MIX_TOKENS = 128
 _TILED_MIX_BLOCK = 64
-_TILED_MIX_WARPS = 4
+_TILED_MIX_WARPS = 8
 _TILED_MIX_STAGES = 3
 _EXPAND_BLOCK = 512
 
