@@ -1,7 +1,7 @@
-"""DeepSeek-V4's prefill on an NVIDIA GPU in bf16 (the fused hyper-connection sites with the tiled mix,
-the fused norm and rotation, the fused attention) against transformers in float32: as close as the
-eager bf16 ops are. Skipped without a CUDA GPU (the CPU checks of each kernel run in their own tests,
-through Triton's interpreter)."""
+"""DeepSeek-V4's prefill on an NVIDIA GPU in bf16 (the fused hyper-connection sites with the tiled
+mix, the fused norm and rotation, the indexer's scores, the fused attention) against transformers
+in float32: as close as the eager bf16 ops are. Skipped without a CUDA GPU (the CPU checks of each
+kernel run in their own tests, through Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds4desk.engine.models import v4_hc_fused, v4_norm_rope
+from ds4desk.engine.models import v4_hc_fused, v4_index_scores, v4_norm_rope
 from ds4desk.engine.models.deepseek_v4 import DeepseekV4Model
 from ds4desk.engine.models.registry import load_model
 from tests.engine.tiny_v4 import TINY_V4_CONFIG, save_tiny_v4
@@ -23,7 +23,7 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bf16_prefill(model: DeepseekV4Model, ids: list[int], chunk: int, fused: bool) -> torch.Tensor:
-    v4_hc_fused.FUSED = v4_norm_rope.FUSED = None if fused else False
+    v4_hc_fused.FUSED = v4_norm_rope.FUSED = v4_index_scores.FUSED = None if fused else False
     try:
         with torch.inference_mode():
             parts = [
@@ -31,7 +31,7 @@ def bf16_prefill(model: DeepseekV4Model, ids: list[int], chunk: int, fused: bool
                 for s in range(0, len(ids), chunk)
             ]
     finally:
-        v4_hc_fused.FUSED = v4_norm_rope.FUSED = None
+        v4_hc_fused.FUSED = v4_norm_rope.FUSED = v4_index_scores.FUSED = None
     return torch.cat(parts)
 
 

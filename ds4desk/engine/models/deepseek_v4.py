@@ -35,7 +35,14 @@ from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
-from ds4desk.engine.models import decode_kernels, v4_compress_step, v4_hc_fused, v4_norm_rope, v4_route
+from ds4desk.engine.models import (
+    decode_kernels,
+    v4_compress_step,
+    v4_hc_fused,
+    v4_index_scores,
+    v4_norm_rope,
+    v4_route,
+)
 from ds4desk.engine.models.llama import LogitsMode
 from ds4desk.engine.models.quant_kernels import (
     fp4_experts_gemv,
@@ -60,9 +67,6 @@ _MLP_TYPES = (HASH_MOE, MOE)
 # The official config's per-layer `compress_ratios`.
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _DEFAULT_RATES = {CSA: 4, HCA: 128}
-
-# Bound on the [T, heads, entries] float32 block the indexer scores at once (256 MiB).
-_INDEXER_BLOCK = 1 << 26
 
 
 def _fail(detail: str) -> EngineFailure:
@@ -1071,16 +1075,14 @@ class DeepseekV4Model(nn.Module):
         else:
             q = q.view(count, heads, dim)
             q = _rope_(q.float(), _turn(cos[start : start + count], sin[start : start + count]).unsqueeze(1))
-        weights = _index_weights(x, indexer, heads, dim).unsqueeze(1)  # [T, 1, Hi]
-        # The q·k products in the model's dtype (tensor cores for bf16), summed in float32.
-        q, keys_t = q.to(keys.dtype), keys.t()
-        total = keys.shape[0]
-        scores = torch.zeros((count, total), device=x.device, dtype=torch.float32)
-        step = max(1, _INDEXER_BLOCK // max(1, count * total))  # heads per block, to bound memory
-        for h in range(0, heads, step):
-            part = torch.relu_(torch.matmul(q[:, h : h + step], keys_t).float())  # [T, h, E]
-            scores.unsqueeze(1).baddbmm_(weights[:, :, h : h + step], part)  # += Σ_h w_h part_h
-        scores.masked_fill_(~visible, -math.inf)
+        weights = _index_weights(x, indexer, heads, dim)  # [T, Hi]
+        # The q·k products in the model's dtype (tensor cores for bf16), summed in float32; -inf
+        # where `visible` is False (the same rule, from the positions).
+        q, total = q.to(keys.dtype), keys.shape[0]
+        if v4_index_scores.enabled(q):
+            scores = v4_index_scores.index_scores(q, keys, weights, start, cfg.rate(CSA))
+        else:
+            scores = v4_index_scores.reference(q, keys, weights, start, cfg.rate(CSA))
         picks = scores.topk(min(cfg.index_topk, total), dim=-1).indices
         return picks, visible.gather(1, picks)
 
