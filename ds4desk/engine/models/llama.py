@@ -31,6 +31,7 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.models import decode_attention as fused_decode
 from ds4desk.engine.models import decode_kernels as kernels
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
+from ds4desk.engine.models.silu_mul import silu_mul
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
 LogitsMode = Literal["none", "last", "all"]
@@ -858,9 +859,7 @@ class DenseModel(nn.Module):
                     gate_up = torch.mm(h, plan.gu_w_t)
                 else:
                     gate_up = torch.addmm(plan.gu_b, h, plan.gu_w_t)
-                width = gate_up.shape[1] // 2
-                act = F.silu(gate_up[:, :width]).mul_(gate_up[:, width:])
-                x = torch.addmm(x, act, plan.down_w_t)
+                x = torch.addmm(x, silu_mul(gate_up), plan.down_w_t)
                 if plan.down_b is not None:
                     x.add_(plan.down_b)
         return x
