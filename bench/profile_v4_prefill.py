@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import gpu_deepseek_v4 as v4
+from bench.gpu_speed import timed
 from ds4desk.engine.loading.detect import inspect_model
 from ds4desk.engine.models import deepseek_v4
 from ds4desk.engine.models.registry import load_model
@@ -37,18 +36,6 @@ from ds4desk.engine.runtime import Runtime
 # The model's methods timed as parts (inclusive: _attention contains _compressed_keys, which
 # contains _compress and _index_select).
 PARTS = ("_hc_site", "_attention", "_compressed_keys", "_compress", "_index_select", "_moe", "_hc_head")
-
-
-def timed(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()
-    runs = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
 
 
 def part_times(runtime: Runtime, ids: list[int]) -> dict[str, float]:

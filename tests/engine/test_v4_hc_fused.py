@@ -179,6 +179,20 @@ def decode_steps(folder: Path, steps: int, device: str = "cpu") -> list[torch.Te
     return out
 
 
+def fused_sites(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Force the fused sites on and count the model's calls of v4_hc_fused.site."""
+    monkeypatch.setattr(v4_hc_fused, "FUSED", True)
+    seen: list[str] = []
+    original = v4_hc_fused.site
+
+    def counted(*args, **kwargs):
+        seen.append("site")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(v4_hc_fused, "site", counted)
+    return seen
+
+
 def prefill(folder: Path, chunk: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """All logits of a 40-token prompt prefilled in chunks of `chunk`, and the "last" logits of a
     second prefill of the same prompt (the head's one-row slice of the fused path)."""
@@ -195,15 +209,7 @@ def prefill(folder: Path, chunk: int, device: str = "cpu") -> tuple[torch.Tensor
 
 def test_the_fused_prefill_equals_the_unfused_one(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     eager, eager_last = prefill(tiny, 20)
-    monkeypatch.setattr(v4_hc_fused, "FUSED", True)
-    seen: list[str] = []
-    original = v4_hc_fused.site
-
-    def counted(*args, **kwargs):
-        seen.append("site")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(v4_hc_fused, "site", counted)
+    seen = fused_sites(monkeypatch)
     fused, fused_last = prefill(tiny, 20)
     assert len(seen) == 4 * 2 * 4  # forwards x sites x layers: the fused path really ran
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
@@ -213,15 +219,7 @@ def test_the_fused_prefill_equals_the_unfused_one(tiny: Path, monkeypatch: pytes
 
 def test_the_fused_decode_step_equals_the_unfused_one(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     eager = decode_steps(tiny, steps=3)
-    monkeypatch.setattr(v4_hc_fused, "FUSED", True)
-    seen: list[str] = []
-    original = v4_hc_fused.site
-
-    def counted(*args, **kwargs):
-        seen.append("site")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(v4_hc_fused, "site", counted)
+    seen = fused_sites(monkeypatch)
     fused = decode_steps(tiny, steps=3)
     assert len(seen) == (1 + 3) * 2 * 4  # (prefill + steps) x sites x layers: the fused path ran
     for ours, ref in zip(fused, eager, strict=True):

@@ -987,10 +987,8 @@ class DeepseekV4Model(nn.Module):
         count = x.shape[0]
         available = (start + count) // rate
         entries = state.entries[:available]
-        query_pos = torch.arange(start, start + count, device=x.device)
         # Entry w pools tokens up to (w + 1) rate - 1: visible from that token on.
-        ready = ((query_pos + 1) // rate).unsqueeze(1)
-        visible = torch.arange(available, device=x.device).unsqueeze(0) < ready
+        visible = v4_index_scores.visible_entries(count, available, start, rate, x.device)
         picks: torch.Tensor | None = None
         if layer_type == CSA:
             indexer = comp.indexer
@@ -1077,7 +1075,7 @@ class DeepseekV4Model(nn.Module):
             q = _rope_(q.float(), _turn(cos[start : start + count], sin[start : start + count]).unsqueeze(1))
         weights = _index_weights(x, indexer, heads, dim)  # [T, Hi]
         # The q·k products in the model's dtype (tensor cores for bf16), summed in float32; -inf
-        # where `visible` is False (the same rule, from the positions).
+        # where `visible` is False (visible_entries' rule, from the positions).
         q, total = q.to(keys.dtype), keys.shape[0]
         if v4_index_scores.enabled(q):
             scores = v4_index_scores.index_scores(q, keys, weights, start, cfg.rate(CSA))
