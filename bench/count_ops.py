@@ -41,17 +41,15 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
+from ds4desk.engine.kernels.deepseek_v4 import decode_attention as v4_decode_attention
+from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
+from ds4desk.engine.kernels.deepseek_v4 import hc_kernel as v4_hc_kernel
+from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
+from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
+from ds4desk.engine.kernels.deepseek_v4 import route as v4_route
 from ds4desk.engine.make_tiny import TINY_CONFIG, random_state
-from ds4desk.engine.models import deepseek_v4 as v4
-from ds4desk.engine.models import (
-    v4_compress_step,
-    v4_decode_attention,
-    v4_hc_fused,
-    v4_hc_kernel,
-    v4_norm_rope,
-    v4_prefill_attention,
-    v4_route,
-)
+from ds4desk.engine.models.deepseek_v4.model import model as v4
 
 # Every fused op of the model (a custom op: one op here, its kernels on the GPU).
 FUSED_MODULES = (

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ds4desk.engine.models import decode_attention as da
+from ds4desk.engine.kernels.dense import decode_attention as da
 
 KV, GROUP, DIM, LAYERS = 8, 4, 64, 16
 DTYPE = torch.bfloat16

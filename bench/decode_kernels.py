@@ -1,4 +1,4 @@
-"""Time the dense decode step's fused GEMVs (ds4desk/engine/models/decode_kernels.py) against the
+"""Time the dense decode step's fused GEMVs (ds4desk/engine/kernels/dense/gemv.py) against the
 cuBLAS calls they replace, on the 1.07B benchmark model's shapes, inside CUDA graphs (as the step runs).
 
     PYTHONPATH=. python3 bench/decode_kernels.py [--sweep] [--out FILE.json]
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.models import decode_kernels as kd
-from ds4desk.engine.models import triton_launch
+from ds4desk.engine.kernels import launch as triton_launch
+from ds4desk.engine.kernels.dense import gemv as kd
 
 HIDDEN, FFN, QKV, VOCAB = 2048, 8192, 3072, 49152
 # (name, N, K, kind): kind says what the torch side and the kernel do.

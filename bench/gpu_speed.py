@@ -211,8 +211,9 @@ def bench_ds4desk_dense(
     kernels: bool = True,
     pdl: bool = True,
 ) -> dict[str, object]:
+    from ds4desk.engine.kernels import launch as triton_launch
+    from ds4desk.engine.kernels.dense import gemv as decode_kernels
     from ds4desk.engine.loading.detect import inspect_model
-    from ds4desk.engine.models import decode_kernels, triton_launch
 
     decode_kernels.FUSED = None if kernels else False
     triton_launch.PDL = None if pdl else False

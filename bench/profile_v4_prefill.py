@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import gpu_deepseek_v4 as v4
 from bench.gpu_speed import timed
 from ds4desk.engine.loading.detect import inspect_model
-from ds4desk.engine.models import deepseek_v4
+from ds4desk.engine.models.deepseek_v4.model import model as deepseek_v4
 from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import Runtime
 
@@ -73,7 +73,8 @@ def part_times(runtime: Runtime, ids: list[int]) -> dict[str, float]:
 def mix_sweep(count: int = 4096, dim: int = 4096, mult: int = 4) -> list[dict[str, Any]]:
     """Time one prefill site (with and without the previous block's expand) at each tile config of
     v4_hc_fused's tiled mix, against the eager site; every config's output is checked first."""
-    from ds4desk.engine.models import v4_hc_fused, v4_hc_kernel
+    from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
+    from ds4desk.engine.kernels.deepseek_v4 import hc_kernel as v4_hc_kernel
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = (2 + mult) * mult

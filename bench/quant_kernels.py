@@ -1,4 +1,4 @@
-"""The quantized matmul kernels of ds4desk/engine/models/quant_kernels.py on one NVIDIA GPU.
+"""The quantized matmul kernels of ds4desk/engine/kernels/quant/fp8_fp4.py on one NVIDIA GPU.
 
     PYTHONPATH=. python3 bench/quant_kernels.py [--sweep] [--out bench/results/quant_kernels.json]
 
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ds4desk.engine.models import quant_kernels as qk
+from ds4desk.engine.kernels.quant import fp8_fp4 as qk
 
 # (N, K) of the FP8 linears: wkv, wq_a, wo_b / shared experts, wo_a-ish, wq_b, indexer.wq_b, ...
 FP8_SHAPES = [

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ds4desk.engine.models import v4_prefill_attention as pa
+from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as pa
 
 HEADS, DIM, WINDOW, TOPK = 64, 512, 128, 512
 RATES = {"hca": 128, "csa": 4}

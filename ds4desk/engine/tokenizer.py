@@ -17,10 +17,10 @@ from tokenizers import Tokenizer
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.chat_template import ChatTemplate
-from ds4desk.engine.deepseek_v4_chat import ARCHITECTURE as DEEPSEEK_V4
-from ds4desk.engine.deepseek_v4_chat import EOS as V4_EOS
-from ds4desk.engine.deepseek_v4_chat import encode_deepseek_v4_chat
 from ds4desk.engine.loading.deepseek_v4_names import is_model_args_config
+from ds4desk.engine.models.deepseek_v4.chat import ARCHITECTURE as DEEPSEEK_V4
+from ds4desk.engine.models.deepseek_v4.chat import EOS as V4_EOS
+from ds4desk.engine.models.deepseek_v4.chat import encode_deepseek_v4_chat
 
 MAX_TOKENIZER_BYTES = 512 * 1024 * 1024
 MAX_JSON_BYTES = 32 * 1024 * 1024

@@ -306,7 +306,7 @@ def _size(n: int) -> str:
 def _check_hash_tables(source: ModelSource) -> None:
     """The one check that needs values, not headers: the small hash-routing tables."""
     from ds4desk.engine.loading.quantized import ShardReader, read_tensor
-    from ds4desk.engine.models.deepseek_v4 import DeepseekV4Config, check_hash_table
+    from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Config, check_hash_table
 
     experts = DeepseekV4Config.from_hf(source.config).num_experts
     with ShardReader() as reader:

@@ -20,9 +20,9 @@ from torch import nn
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.quantized import ShardReader, copy_packed_into, copy_tensor_into
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
-from ds4desk.engine.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Config, DeepseekV4Model
 from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
-from ds4desk.engine.models.llama import DENSE_ARCHITECTURES, DenseConfig, DenseModel, LogitsMode
+from ds4desk.engine.models.llama.model import DENSE_ARCHITECTURES, DenseConfig, DenseModel, LogitsMode
 from ds4desk.engine.split import ShardPlan
 
 

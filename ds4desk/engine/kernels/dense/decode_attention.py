@@ -1,0 +1,334 @@
+"""One token's grouped-query attention over a KV cache, for the graphed dense decode step.
+
+The eager form (baddbmm with a -inf bias over the span, softmax, bmm) is a handful of small kernels
+a layer, ~20 us of a ~100 us layer on an H200 at batch 1. On NVIDIA GPUs with Triton it is two
+kernels, flash-decoding style: the first splits the span into blocks, and each program reads one
+block of keys and values once for all the query heads of its kv head and leaves a partial max, sum
+and weighted value sum (float32); the second combines the blocks. The position is read on the
+device, so the pair can be captured in a CUDA graph whose span is fixed; blocks past the position
+(or before the window) do no loads. Elsewhere (CPU, ROCm, no Triton) the eager form runs.
+
+The fused path goes through a torch custom op, so a CUDA graph capture and a dispatch-level op
+counter (bench/count_ops.py) see one op whatever runs inside.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ds4desk.engine.kernels.launch import nvidia, on_its_device, pdl
+
+# None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
+# eager ops); True: always through the custom op (on the CPU its body is the eager math).
+FUSED: bool | None = None
+
+# Keys a program's inner loop reads at once, and how many programs the first kernel aims for per
+# streaming multiprocessor (two: one can load while the other computes).
+BLOCK_N = 64
+PROGRAMS_PER_SM = 2
+DEFAULT_SMS = 132  # an H200; used where the device cannot be asked (Triton's CPU interpreter)
+
+
+def reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """The eager form. q [KV, G, D]; keys, values [KV, span, D]; pos int64 [1] on q's device.
+    Key row j is visible iff j <= pos and (no window or j > pos - window). Returns [KV, G, D]."""
+    kv_heads, group, _ = q.shape
+    span = keys.shape[1]
+    rows = torch.arange(span, device=q.device)
+    allowed = rows <= pos
+    if window is not None:
+        allowed = allowed & (rows > pos - window)
+    bias = torch.zeros(span, dtype=q.dtype, device=q.device).masked_fill_(~allowed, -torch.inf)
+    scores = torch.baddbmm(bias.expand(kv_heads, group, span), q, keys.transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, values)
+
+
+@torch.library.custom_op("ds4desk::decode_attention", mutates_args=())
+def _fused_op(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    kernel = _triton_kernel() if q.is_cuda else None
+    if kernel is None:
+        return reference(q, keys, values, pos, scale, window).contiguous()
+    return kernel(q, keys, values, pos, scale, window)
+
+
+@_fused_op.register_fake
+def _(q, keys, values, pos, scale, window):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def available(device: torch.device) -> bool:
+    """Whether decode_attention runs the fused kernel for tensors on `device` (by default)."""
+    if FUSED is not None:
+        return FUSED
+    return nvidia(device) and _triton_kernel() is not None
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of q [KV, G, D] over keys / values [KV, span, D] (views of a cache: strides are
+    honoured, the last one must be 1) at the position in `pos` (int64 [1], read on the device), in
+    q's dtype, fused where it can be (see FUSED)."""
+    if (
+        q.dim() != 3
+        or keys.shape != values.shape
+        or keys.shape[0] != q.shape[0]
+        or keys.shape[2] != q.shape[2]
+    ):
+        raise ValueError(
+            f"shapes do not fit: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
+        )
+    if available(q.device):
+        return _fused_op(q, keys, values, pos, scale, window)
+    return reference(q, keys, values, pos, scale, window)
+
+
+def plan_splits(span: int, kv_heads: int, sms: int, block: int | None = None) -> tuple[int, int]:
+    """(splits, keys per split): enough programs to fill the GPU, each a whole number of blocks
+    (of BLOCK_N keys unless `block` says otherwise)."""
+    block = block or BLOCK_N
+    blocks = -(-span // block)
+    wanted = max(1, min(blocks, -(-PROGRAMS_PER_SM * sms // kv_heads)))
+    per_split = -(-blocks // wanted)
+    return -(-blocks // per_split), per_split * block
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _triton_kernel() -> Callable[..., torch.Tensor] | None:
+    """The Triton launcher, or None where Triton is not importable."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # no Triton (CPU builds, some platforms): the eager form runs
+        return None
+
+    @triton.jit
+    def split_kernel(
+        q,
+        keys,
+        values,
+        pos_ptr,
+        part_max,
+        part_sum,
+        part_acc,
+        qk_scale,  # scale * log2(e): the exponentials are exp2
+        span,
+        window,
+        chunk,
+        splits,
+        stride_qh,
+        stride_qg,
+        stride_kh,
+        stride_kn,
+        stride_vh,
+        stride_vn,
+        GROUP: tl.constexpr,
+        DIM: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
+        WINDOWED: tl.constexpr,
+        F32: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        if PDL:  # launched early (triton_launch.PDL): the cache row at pos comes from the kernel before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        head = tl.program_id(0)
+        split = tl.program_id(1)
+        pos = tl.load(pos_ptr).to(tl.int32)
+        lo = split * chunk
+        hi = tl.minimum(tl.minimum(lo + chunk, span), pos + 1)
+        if WINDOWED:
+            lo = tl.maximum(lo, pos - window + 1)
+
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_live = g < GROUP
+        d_live = d < DIM
+        qt = tl.load(
+            q + head * stride_qh + g[:, None] * stride_qg + d[None, :],
+            mask=g_live[:, None] & d_live[None, :],
+            other=0.0,
+        )
+        if F32:
+            qt = qt.to(tl.float32)
+        k_base = keys + head * stride_kh
+        v_base = values + head * stride_vh
+        best = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+        total = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        # Starting at lo (not at a block boundary) leaves every tile's first key visible, so the
+        # running max is finite after the first tile; a split wholly past the position (or before
+        # the window) loads nothing. TILES is a constant: tiles past hi are masked out entirely.
+        if lo < hi:
+            for tile in range(TILES):
+                n = lo + tile * BLOCK + tl.arange(0, BLOCK)
+                live = n < hi
+                kt = tl.load(
+                    k_base + n[:, None] * stride_kn + d[None, :],
+                    mask=live[:, None] & d_live[None, :],
+                    other=0.0,
+                )
+                if F32:
+                    s = tl.dot(qt, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(qt, tl.trans(kt))
+                s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+                new_best = tl.maximum(best, tl.max(s, axis=1))
+                fade = tl.exp2(best - new_best)
+                p = tl.exp2(s - new_best[:, None])
+                total = total * fade + tl.sum(p, axis=1)
+                vt = tl.load(
+                    v_base + n[:, None] * stride_vn + d[None, :],
+                    mask=live[:, None] & d_live[None, :],
+                    other=0.0,
+                )
+                if F32:
+                    acc = acc * fade[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = acc * fade[:, None] + tl.dot(p.to(vt.dtype), vt)
+                best = new_best
+
+        row = (head * splits + split) * GROUP + g
+        tl.store(part_max + row, best, mask=g_live)
+        tl.store(part_sum + row, total, mask=g_live)
+        tl.store(part_acc + row[:, None] * DIM + d[None, :], acc, mask=g_live[:, None] & d_live[None, :])
+
+    @triton.jit
+    def combine_kernel(
+        part_max,
+        part_sum,
+        part_acc,
+        out,
+        splits,
+        GROUP: tl.constexpr,
+        DIM: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        head = tl.program_id(0)
+        g = tl.program_id(1)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_live = s < splits
+        d_live = d < DIM
+        row = (head * splits + s) * GROUP + g
+        best = tl.load(part_max + row, mask=s_live, other=float("-inf"))
+        top = tl.max(best, axis=0)
+        # Empty splits carry -inf: their weight is exactly 0 (and the top is finite, because the
+        # key at the position itself is always visible).
+        weight = tl.where(best == float("-inf"), 0.0, tl.exp2(best - top))
+        total = tl.sum(tl.load(part_sum + row, mask=s_live, other=0.0) * weight, axis=0)
+        acc = tl.load(
+            part_acc + row[:, None] * DIM + d[None, :], mask=s_live[:, None] & d_live[None, :], other=0.0
+        )
+        result = tl.sum(acc * weight[:, None], axis=0) / total
+        tl.store(out + (head * GROUP + g) * DIM + d, result.to(out.dtype.element_ty), mask=d_live)
+
+    def launch(
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        pos: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        kv_heads, group, dim = q.shape
+        span = keys.shape[1]
+        if q.stride(2) != 1 or keys.stride(2) != 1 or values.stride(2) != 1:
+            raise ValueError("decode_attention needs the head dimension contiguous")
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else DEFAULT_SMS
+        block = BLOCK_N
+        splits, chunk = plan_splits(span, kv_heads, sms, block)
+        part_max = torch.empty((kv_heads, splits, group), device=q.device, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((kv_heads, splits, group, dim), device=q.device, dtype=torch.float32)
+        out = torch.empty((kv_heads, group, dim), device=q.device, dtype=q.dtype)
+        block_d = max(16, triton.next_power_of_2(dim))
+        # float32 stays float32 (no TF32), like the eager matmuls; Triton's CPU interpreter multiplies
+        # bfloat16 tiles wrongly (numpy has no bfloat16), so there they are widened too.
+        f32 = q.dtype == torch.float32 or (not q.is_cuda and q.dtype == torch.bfloat16)
+        use_pdl = pdl(q)
+        split_kernel[(kv_heads, splits)](
+            q,
+            keys,
+            values,
+            pos,
+            part_max,
+            part_sum,
+            part_acc,
+            scale * 1.4426950408889634,
+            span,
+            0 if window is None else window,
+            chunk,
+            splits,
+            q.stride(0),
+            q.stride(1),
+            keys.stride(0),
+            keys.stride(1),
+            values.stride(0),
+            values.stride(1),
+            GROUP=group,
+            DIM=dim,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot's smallest tile
+            BLOCK_D=block_d,
+            BLOCK=block,
+            TILES=chunk // block,
+            WINDOWED=window is not None,
+            F32=f32,
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
+            # Pipelined float32 tiles take up to 140 KB of shared memory at head size 128: more
+            # than consumer GPUs have (~100 KB). Unpipelined: 45 KB. (bf16 takes <= 41 KB anyway.)
+            **({"num_stages": 1} if f32 else {}),
+        )
+        combine_kernel[(kv_heads, group)](
+            part_max,
+            part_sum,
+            part_acc,
+            out,
+            splits,
+            GROUP=group,
+            DIM=dim,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_D=block_d,
+            PDL=use_pdl,
+            launch_pdl=use_pdl,
+        )
+        return out
+
+    return on_its_device(launch)
