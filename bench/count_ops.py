@@ -49,7 +49,7 @@ from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
 from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
 from ds4desk.engine.kernels.deepseek_v4 import route as v4_route
 from ds4desk.engine.make_tiny import TINY_CONFIG, random_state
-from ds4desk.engine.models.deepseek_v4.model import model as v4
+from ds4desk.engine.models.deepseek_v4 import model as v4
 
 # Every fused op of the model (a custom op: one op here, its kernels on the GPU).
 FUSED_MODULES = (

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import torch
-from ds4desk.engine.models.deepseek_v4.model.synthetic import build_quantized, flash_config
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.kernels import launch as triton_launch
 from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
 from ds4desk.engine.kernels.quant import fp8_fp4 as quant_kernels
+from ds4desk.engine.models.deepseek_v4.synthetic import build_quantized, flash_config
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import explicit_plan
 

@@ -38,8 +38,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ds4desk.engine.api import SamplingParams
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.gguf_import import gguf_tensor_name, permute_rope_rows
-from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import Runtime
 
 DENSE = {

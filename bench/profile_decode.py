@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ds4desk.engine.api import SamplingParams
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import inspect_model
-from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import Runtime
 
 

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import gpu_deepseek_v4 as v4
 from bench.gpu_speed import timed
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import inspect_model
-from ds4desk.engine.models.deepseek_v4.model import model as deepseek_v4
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.models.deepseek_v4 import model as deepseek_v4
 from ds4desk.engine.runtime import Runtime
 
 # The model's methods timed as parts (inclusive: _attention contains _compressed_keys, which

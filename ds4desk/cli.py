@@ -231,8 +231,8 @@ def _check_split(args: argparse.Namespace, dirs: DataDirs) -> str:
 
     from ds4desk.engine.api import EngineFailure, ErrorCode
     from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
+    from ds4desk.engine.loader import check_tensors
     from ds4desk.engine.loading.detect import inspect_model
-    from ds4desk.engine.models.registry import check_tensors
     from ds4desk.engine.preflight import clamp_context
     from ds4desk.engine.split import plan_for
 

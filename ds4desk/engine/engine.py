@@ -333,9 +333,9 @@ class Engine:
 
         from ds4desk.engine.devices import check_fits, free_memory_bytes, resolve_device, resolve_dtype
         from ds4desk.engine.graphs import graphs_wanted
+        from ds4desk.engine.loader import check_tensors, keeps_quantized, load_model
         from ds4desk.engine.loading.default_model import default_model_path
         from ds4desk.engine.loading.detect import inspect_model
-        from ds4desk.engine.models.registry import check_tensors, keeps_quantized, load_model
         from ds4desk.engine.preflight import memory_needed
         from ds4desk.engine.runtime import Runtime
         from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore

@@ -16,12 +16,12 @@ import torch
 
 from ds4desk.engine.api import EngineError, EngineFailure, ErrorCode, ModelPreview
 from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
+from ds4desk.engine.loader import check_tensors
 from ds4desk.engine.loading import detect
 from ds4desk.engine.loading.gguf_header import read_gguf_header
 from ds4desk.engine.loading.gguf_import import _plan, imported_folder
 from ds4desk.engine.loading.source import ModelSource
-from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
-from ds4desk.engine.models.registry import ARCHITECTURES, check_tensors
+from ds4desk.engine.models.registry import ARCHITECTURES, build_model
 
 GB = 1e9
 
@@ -72,8 +72,7 @@ def _gguf_plan(
     header = read_gguf_header(path)  # checks the whole header and every tensor's byte range
     config, plan = _plan(path, header)
     architecture = str(config["architectures"][0])  # type: ignore[index]
-    with torch.device("meta"):
-        meta = ARCHITECTURES[architecture].build(config, dtype)
+    meta = build_model(architecture, config, dtype)
     parameters = sum(math.prod(p.source.shape) for p in plan)
     context = clamp_context(config, context)
     return architecture, MemoryPlan(
@@ -131,7 +130,7 @@ def inspect_model(
             free_bytes = None
     preview = ModelPreview(
         shown,
-        family=ARCHITECTURE_FAMILIES.get(architecture, ""),
+        family=ARCHITECTURES.get(architecture, ("", ""))[0],
         architecture=architecture,
         parameters=plan.parameters,
         weight_bytes=plan.weight_bytes,

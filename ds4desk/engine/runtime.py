@@ -21,7 +21,7 @@ from ds4desk.engine.api import (
 )
 from ds4desk.engine.budget import ThinkingGate
 from ds4desk.engine.graphs import GraphedDecode
-from ds4desk.engine.models.registry import CausalLM
+from ds4desk.engine.models.base import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
 from ds4desk.engine.snapshots import SnapshotStore
 

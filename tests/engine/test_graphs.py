@@ -13,7 +13,7 @@ import torch
 
 from ds4desk.engine.api import SamplingParams, SaveSnapshot
 from ds4desk.engine.graphs import GraphedDecode, graphs_wanted, span_buckets
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.runtime import Runtime
 from tests.engine.tiny_dense import TINY_CONFIGS, save_tiny, source_from_folder
 

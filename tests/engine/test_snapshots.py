@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from ds4desk.engine.api import EngineFailure, ErrorCode, FinishReason, SamplingParams, SaveSnapshot
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import inspect_folder
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.models.registry import load_model
 from ds4desk.engine.runtime import RunOutcome, Runtime
 from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
 from tests.engine.tiny_dense import save_tiny

@@ -21,11 +21,11 @@ from ds4desk.cli import main as cli_main
 from ds4desk.engine import Engine, ErrorCode, GenerateRequest, LoadRequest, SaveSnapshot
 from ds4desk.engine.api import EngineFailure, FinishReason, SamplingParams, ThinkingBudget
 from ds4desk.engine.graphs import graphs_wanted
+from ds4desk.engine.loader import check_tensors, load_model
 from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.models.deepseek_v4.model import model as deepseek_v4
-from ds4desk.engine.models.llama.model import model as llama
-from ds4desk.engine.models.registry import check_tensors, load_model
+from ds4desk.engine.models.deepseek_v4 import model as deepseek_v4
+from ds4desk.engine.models.llama import model as llama
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import (
     ShardPlan,

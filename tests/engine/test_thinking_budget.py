@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds4desk.engine.api import EngineFailure, ErrorCode, SamplingParams, ThinkingBudget
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.runtime import RunOutcome, Runtime
 from tests.engine.tiny_dense import save_tiny
 

@@ -23,7 +23,7 @@ from ds4desk.engine.loading.gguf_import import import_gguf
 from ds4desk.engine.loading.quant_checks import stored_bytes
 from ds4desk.engine.loading.safetensors_header import read_safetensors_header
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
-from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
+from ds4desk.engine.models.registry import ARCHITECTURES, family_for
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files of a HF folder that a user may drop instead of the folder itself.
@@ -153,8 +153,8 @@ def read_config(folder: Path) -> dict[str, Any]:
     archs = config.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise _fail(f"{path} names no architecture (its 'architectures' list is missing or empty)")
-    if archs[0] not in ARCHITECTURE_FAMILIES:
-        raise _fail(f"unknown architecture '{archs[0]}'; ds4desk runs: {', '.join(ARCHITECTURE_FAMILIES)}")
+    if archs[0] not in ARCHITECTURES:
+        raise _fail(f"unknown architecture '{archs[0]}'; ds4desk runs: {', '.join(ARCHITECTURES)}")
     return config
 
 
@@ -318,7 +318,7 @@ def _check_hash_tables(source: ModelSource) -> None:
 def check_model(path: Path, cache_dir: Path) -> ModelReport:
     """Inspect `path` fully (tokenizer, template, every tensor's name and shape against the
     architecture) without loading any weights."""
-    from ds4desk.engine.models.registry import check_tensors  # torch: only `check` needs it here
+    from ds4desk.engine.loader import check_tensors  # torch: only `check` needs it here
     from ds4desk.engine.tokenizer import ChatTokenizer
 
     source = inspect_model(path, cache_dir)
@@ -337,7 +337,7 @@ def check_model(path: Path, cache_dir: Path) -> ModelReport:
     return ModelReport(
         path=source.origin,
         folder=source.folder,
-        family=ARCHITECTURE_FAMILIES[source.architecture],
+        family=family_for(source.architecture),
         architecture=source.architecture,
         parameters=sum(per_dtype.values()),
         dtype=per_dtype.most_common(1)[0][0],

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.loading.detect import check_model, inspect_model
-from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES
+from ds4desk.engine.models.registry import ARCHITECTURES
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -241,4 +241,10 @@ def test_check_model_on_the_default_gguf(model_cache: Path) -> None:
 
 
 def test_supported_architectures_are_the_dense_families_and_deepseek_v4() -> None:
-    assert set(ARCHITECTURE_FAMILIES.values()) == {"llama", "mistral", "qwen2", "qwen3", "deepseek_v4"}
+    assert {family for family, _ in ARCHITECTURES.values()} == {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "deepseek_v4",
+    }

@@ -1659,3 +1659,10 @@ def _shared_expert(shared: _SharedExpert, x: torch.Tensor, limit: float) -> torc
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(g, limit)) * clamp(u, ±limit)."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def build(
+    config: dict[str, Any], family: str, dtype: torch.dtype, quantized: bool = False
+) -> DeepseekV4Model:
+    """The registry's entry point: the model for a config.json dict (`quantized`: FP8 / FP4 kept)."""
+    return DeepseekV4Model(DeepseekV4Config.from_hf(config), dtype, quantized)

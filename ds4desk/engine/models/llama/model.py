@@ -31,14 +31,13 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.kernels.dense import gemv as kernels
 from ds4desk.engine.kernels.dense.silu_mul import silu_mul
-from ds4desk.engine.models.families import ARCHITECTURE_FAMILIES, DENSE_FAMILIES
+from ds4desk.engine.models.registry import families_of
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
 LogitsMode = Literal["none", "last", "all"]
 
-# Hugging Face architecture name -> our family name, for the families this module runs. The
-# registry builds its dense entries from this.
-DENSE_ARCHITECTURES = {arch: fam for arch, fam in ARCHITECTURE_FAMILIES.items() if fam in DENSE_FAMILIES}
+# Hugging Face architecture name -> our family name, for the families this package runs.
+DENSE_ARCHITECTURES = families_of("llama")
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -950,3 +949,10 @@ def _fuse(layer: DecoderLayer, device: torch.device, dtype: torch.dtype, empty: 
                 start = stop
             fused[f"{key}.{attr}"] = storage
     layer.fused = fused
+
+
+def build(config: dict[str, Any], family: str, dtype: torch.dtype, quantized: bool = False) -> DenseModel:
+    """The registry's entry point: `family`'s model for a config.json dict."""
+    if quantized:
+        raise _fail(f"the {family} family does not keep weights quantized")
+    return DenseModel(DenseConfig.from_hf(config, family), dtype)

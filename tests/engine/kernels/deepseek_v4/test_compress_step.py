@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models.deepseek_v4.model import CSA, HCA, CompressorState, DeepseekV4Model
-from ds4desk.engine.models.registry import load_model
 from tests.engine.models.deepseek_v4.test_graphable import (
     Stepper,
     assert_same_state,

@@ -198,9 +198,9 @@ from pathlib import Path
 
 import torch
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.models.deepseek_v4.model import model as deepseek_v4
+from ds4desk.engine.models.deepseek_v4 import model as deepseek_v4
 from ds4desk.engine.kernels.deepseek_v4 import decode_attention as v4_decode_attention
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.loader import load_model
 from tests.engine.tiny_dense import source_from_folder
 
 kernel = v4_decode_attention._triton_kernel()

@@ -11,9 +11,9 @@ import torch
 
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.kernels.deepseek_v4 import hc_kernel as v4_hc_kernel
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.models.deepseek_v4.model import model as v4
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.models.deepseek_v4 import model as v4
 from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.triton_check import run_triton_check

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ds4desk.engine.kernels.deepseek_v4 import index_scores as v4_index_scores
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
-from ds4desk.engine.models.registry import load_model
 from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.triton_check import run_triton_check

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model, _norm_rope, _rms_norm, _rope_, _turn
-from ds4desk.engine.models.registry import load_model
 from tests.engine.models.deepseek_v4.test_graphable import (
     Stepper,
     assert_same_state,

@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
-from ds4desk.engine.models.deepseek_v4.model.synthetic import fill_random_
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
 from ds4desk.engine.make_tiny import TINY_CONFIG
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Config, DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.synthetic import fill_random_
 from tests.engine.triton_check import run_triton_check
 
 # 24 heads: one block of 32 with 8 masked heads, or two of 16, the second partly masked.
@@ -227,7 +227,7 @@ def test_the_model_through_the_op_equals_the_eager_model(monkeypatch: pytest.Mon
 
 _MODEL_CHECK = """
 import torch
-from ds4desk.engine.models.deepseek_v4.model import model as deepseek_v4
+from ds4desk.engine.models.deepseek_v4 import model as deepseek_v4
 from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
 from tests.engine.kernels.deepseek_v4.test_prefill_attention import prefill, tiny_model
 

@@ -11,7 +11,7 @@ import torch
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.kernels.dense import decode_attention as da
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.runtime import Runtime
 from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import save_tiny

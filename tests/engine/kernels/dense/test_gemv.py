@@ -119,7 +119,7 @@ from pathlib import Path
 import torch
 from ds4desk.engine.kernels.dense import gemv as kd
 from ds4desk.engine.kernels.dense import decode_attention as da
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.loader import load_model
 from tests.engine.tiny_dense import save_tiny
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -164,7 +164,7 @@ import tempfile
 from pathlib import Path
 import torch
 from ds4desk.engine.kernels.dense import gemv as kd
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.loader import load_model
 from tests.engine.models.deepseek_v4.test_graphable import write_tiny
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -63,7 +63,7 @@ def test_a_dense_prefill_through_the_kernel_equals_the_torch_form(tmp_path) -> N
     script = f"""
 import pathlib, torch
 from ds4desk.engine.kernels.dense import silu_mul
-from ds4desk.engine.models.registry import load_model
+from ds4desk.engine.loader import load_model
 from tests.engine.tiny_dense import save_tiny, source_from_folder
 
 folder = pathlib.Path({str(tmp_path)!r})

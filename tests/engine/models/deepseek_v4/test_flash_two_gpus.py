@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from ds4desk.engine.models.deepseek_v4.model.synthetic import build_quantized, dense_layer, flash_config
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.synthetic import build_quantized, dense_layer, flash_config
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import explicit_plan
 

@@ -13,8 +13,8 @@ import torch
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.kernels.deepseek_v4 import index_scores as v4_index_scores
 from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
-from ds4desk.engine.models.registry import load_model
 from tests.engine.tiny_v4 import TINY_V4_CONFIG, save_tiny_v4
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

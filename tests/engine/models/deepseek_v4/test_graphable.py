@@ -15,10 +15,10 @@ from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny, random_state
 from ds4desk.engine.models.deepseek_v4.model import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Model
-from ds4desk.engine.models.registry import load_model
 from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import source_from_folder
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ds4desk.engine.api import EngineFailure, ErrorCode, SamplingParams
+from ds4desk.engine.loader import check_tensors, load_model
 from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.models.deepseek_v4.model import (
     CSA,
@@ -25,7 +26,6 @@ from ds4desk.engine.models.deepseek_v4.model import (
     DeepseekV4Model,
 )
 from ds4desk.engine.models.llama.model import DenseConfig
-from ds4desk.engine.models.registry import check_tensors, load_model
 from ds4desk.engine.runtime import Runtime
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.tiny_v4 import TINY_V4_CONFIG, save_tiny_v4

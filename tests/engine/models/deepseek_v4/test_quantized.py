@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from ds4desk.engine.models.deepseek_v4.model.synthetic import build_quantized, copy_dequantized, dense_layer
 from safetensors.torch import load_file, save_file
 
-from ds4desk.engine import Engine, ErrorCode, GenerateRequest, LoadRequest
+from ds4desk.engine import Engine, ErrorCode, GenerateRequest, LoadRequest, loader
 from ds4desk.engine.api import EngineFailure
+from ds4desk.engine.loader import keeps_quantized, load_model
 from ds4desk.engine.loading.detect import inspect_folder
 from ds4desk.engine.loading.quantized import ShardReader
 from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny
-from ds4desk.engine.models import registry
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Config, DeepseekV4Model
-from ds4desk.engine.models.registry import keeps_quantized, load_model
+from ds4desk.engine.models.deepseek_v4.synthetic import build_quantized, copy_dequantized, dense_layer
 from ds4desk.engine.split import ShardPlan
 
 # Tiny, but FP8 blocks partial (64 is not a multiple of 128) and FP4 rows whole (multiples of 32).
@@ -147,7 +146,7 @@ def test_packed_loading_is_for_hopper_gpus_unless_forced(
 ) -> None:
     source = inspect_folder(official)
     assert not keeps_quantized(source, [torch.device("cpu")])  # the CPU dequantizes at load
-    monkeypatch.setattr(registry, "KEEP_QUANTIZED", True)
+    monkeypatch.setattr(loader, "KEEP_QUANTIZED", True)
     assert keeps_quantized(source, [torch.device("cpu")])
     # A bf16 checkpoint has nothing packed to keep, whatever is forced.
     make_tiny("deepseek_v4", tmp_path / "hf", seed=5)
@@ -200,7 +199,7 @@ def test_a_nan_scale_byte_fails_the_packed_load_clearly(official: Path, tmp_path
 def test_the_engine_loads_packed_and_sizes_the_packed_weights(
     official: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(registry, "KEEP_QUANTIZED", True)
+    monkeypatch.setattr(loader, "KEEP_QUANTIZED", True)
     engine = Engine(tmp_path / "cache")
     try:
         loaded = engine.load(LoadRequest(path=str(official), device="cpu", context=128))
@@ -211,7 +210,7 @@ def test_the_engine_loads_packed_and_sizes_the_packed_weights(
             GenerateRequest(prompt_tokens=[5, 9, 11, 40], max_new_tokens=6, stop_tokens=[])
         )
         assert result.ok and len(result.tokens) == 6
-        monkeypatch.setattr(registry, "KEEP_QUANTIZED", False)
+        monkeypatch.setattr(loader, "KEEP_QUANTIZED", False)
         plain = engine.load(LoadRequest(path=str(official), device="cpu", context=128))
         assert plain.ok and plain.info is not None
         again = engine.generate(

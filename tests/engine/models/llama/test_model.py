@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ds4desk.engine.api import EngineFailure, ErrorCode, FinishReason, SamplingParams
+from ds4desk.engine.loader import LoadedModel, load_model
 from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.models.llama.model import DenseConfig, DenseModel
-from ds4desk.engine.models.registry import LoadedModel, load_model
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.sampling import sample
 from tests.engine.tiny_dense import TINY_CONFIGS, save_tiny
