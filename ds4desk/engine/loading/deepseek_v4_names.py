@@ -15,7 +15,8 @@ from collections import defaultdict
 from typing import Any
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
-from ds4desk.engine.loading.quant_checks import FP4_DTYPES, check_quantized
+from ds4desk.engine.formats import FP4_DTYPES
+from ds4desk.engine.loading.quant_checks import check_quantized
 from ds4desk.engine.loading.source import TensorEntry
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"

@@ -7,13 +7,8 @@ from __future__ import annotations
 import math
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.formats import ENCODINGS, FP4_BLOCK, FP4_DTYPES, FP8_BLOCK, SCALE_DTYPES
 from ds4desk.engine.loading.source import TensorEntry
-
-FP8_BLOCK = 128
-FP4_BLOCK = 32
-ENCODINGS = ("plain", "fp8_block128", "fp4_block32")
-SCALE_DTYPES = frozenset({"F8_E8M0", "U8"})  # a UE8M0 byte; some writers label it plain U8
-FP4_DTYPES = frozenset({"I8", "U8"})  # the official files store packed FP4 pairs as I8
 
 
 def _fail(detail: str) -> EngineFailure:

@@ -20,14 +20,9 @@ import torch
 from safetensors import safe_open
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
-from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK, check_quantized
+from ds4desk.engine.formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E8M0_NAN, FP4_BLOCK, FP8_BLOCK
+from ds4desk.engine.loading.quant_checks import check_quantized
 from ds4desk.engine.loading.source import TensorEntry
-
-_E8M0_NAN = 255
-_E4M3_MAX = 448.0
-_E2M1_MAX = 6.0
-# The eight magnitudes a 3-bit e2m1 code stands for; bit 3 of the nibble is the sign.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _fail(detail: str) -> EngineFailure:
@@ -37,7 +32,7 @@ def _fail(detail: str) -> EngineFailure:
 def e8m0_to_float(scale: torch.Tensor, what: str) -> torch.Tensor:
     """2^(s-127) per byte as float32; a NaN byte (0xFF) is a broken file, not a weight."""
     exponent = scale.view(torch.uint8).to(torch.int32)
-    if bool((exponent == _E8M0_NAN).any()):
+    if bool((exponent == E8M0_NAN).any()):
         raise _fail(f"{what} holds the UE8M0 NaN byte 0xFF")
     one = torch.ones((), dtype=torch.float32, device=scale.device)
     return torch.ldexp(one, (exponent - 127).to(torch.float32))
@@ -154,10 +149,10 @@ def quantize_fp8_block128(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK)
     padded[:rows, :cols] = w
     amax = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK).abs().amax(dim=(1, 3))
-    exponent = _scale_exponent(amax, _E4M3_MAX)
+    exponent = _scale_exponent(amax, E4M3_MAX)
     factor = torch.ldexp(torch.ones(()), exponent.to(torch.float32))
     full = factor.repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    q = (w / full).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q, (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
@@ -169,7 +164,7 @@ def quantize_fp4_block32(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         raise ValueError(f"FP4 rows must be a multiple of {FP4_BLOCK} long, got {cols}")
     w = weight.detach().to(torch.float32)
     amax = w.view(rows, cols // FP4_BLOCK, FP4_BLOCK).abs().amax(dim=2)
-    exponent = _scale_exponent(amax, _E2M1_MAX)
+    exponent = _scale_exponent(amax, E2M1_MAX)
     v = w / torch.ldexp(torch.ones(()), exponent.to(torch.float32)).repeat_interleave(FP4_BLOCK, 1)
     table = torch.tensor(E2M1_VALUES)
     code = (v.abs().unsqueeze(-1) - table).abs().argmin(dim=-1)

@@ -27,9 +27,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ds4desk.engine.formats import E2M1_VALUES, FP4_BLOCK, FP8_BLOCK
 from ds4desk.engine.kernels.launch import on_its_device, pdl
-from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
-from ds4desk.engine.loading.quantized import E2M1_VALUES
 
 # None: the Triton kernels where they can run (NVIDIA CUDA tensors, Triton importable, shapes they
 # take); False: never; True: whenever the shapes allow, whatever the device (with TRITON_INTERPRET=1

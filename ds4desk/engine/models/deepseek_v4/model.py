@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.formats import FP4_BLOCK, FP8_BLOCK
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.kernels.deepseek_v4 import index_scores as v4_index_scores
@@ -51,7 +52,6 @@ from ds4desk.engine.kernels.quant.fp8_fp4 import (
     fp8_row_,
     fp8_row_fits,
 )
-from ds4desk.engine.loading.quant_checks import FP4_BLOCK, FP8_BLOCK
 from ds4desk.engine.models.llama.model import LogitsMode
 from ds4desk.engine.split import ShardPlan, check_placement, materialize_parameters
 
