@@ -207,7 +207,7 @@ class UnavailableBackend:
     async def memory(self) -> MemoryStats:
         return MemoryStats(device="none", name="no engine")
 
-    async def inspect(self, request: LoadRequest) -> ModelPreview:
+    async def preview(self, request: LoadRequest) -> ModelPreview:
         error = EngineError(ErrorCode.LOAD_FAILED, self.reason)
         return ModelPreview(str(request.path), error=error, message=self.reason)
 

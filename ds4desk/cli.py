@@ -211,7 +211,7 @@ def _fail(as_json: bool, error: dict[str, str]) -> int:
 
 def _check(args: argparse.Namespace, dirs: DataDirs) -> int:
     from ds4desk.engine.api import EngineFailure
-    from ds4desk.engine.loading.detect import check_model
+    from ds4desk.engine.preflight import check_model
 
     try:
         report = check_model(Path(args.path), dirs.model_cache)
@@ -226,28 +226,32 @@ def _check(args: argparse.Namespace, dirs: DataDirs) -> int:
 
 
 def _check_split(args: argparse.Namespace, dirs: DataDirs) -> str:
-    """The layer split `--devices` / `--layer-split` would load, with what each device takes."""
+    """The layer split `--devices` / `--layer-split` would load, with what each device takes: the
+    engine's own load plan, stopped before any memory is taken."""
     import torch
 
     from ds4desk.engine.api import EngineFailure, ErrorCode
     from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
-    from ds4desk.engine.loader import check_tensors
-    from ds4desk.engine.loading.detect import inspect_model
-    from ds4desk.engine.preflight import clamp_context
-    from ds4desk.engine.split import plan_for
+    from ds4desk.engine.loader import plan_load
+    from ds4desk.engine.loading.detect import read_source
 
     if args.devices is None:
         raise EngineFailure(ErrorCode.BAD_REQUEST, "--layer-split needs --devices")
-    source = inspect_model(Path(args.path), dirs.model_cache)
-    dtype = resolve_dtype(args.dtype, torch.device(args.devices[0]))
-    meta, _ = check_tensors(source, dtype)
-    context = clamp_context(source.config, args.context)
+    source = read_source(Path(args.path), dirs.model_cache)
+    first = torch.device(args.devices[0])
     # An explicit split is checked anywhere; an automatic one reads the devices' free memory.
-    plan, needs = plan_for(
-        args.devices, args.layer_split, meta, context, lambda d: free_memory_bytes(resolve_device(d))
+    plan = plan_load(
+        source,
+        first,
+        resolve_dtype(args.dtype, first),
+        args.context,
+        args.devices,
+        args.layer_split,
+        lambda d: free_memory_bytes(resolve_device(d)),
     )
-    sizes = ", ".join(f"{device} {size / 2**30:.2f} GiB" for device, size in needs.items())
-    return f"layer split ({context}-token cache): {plan.describe()}; needs {sizes}"
+    assert plan.split is not None
+    sizes = ", ".join(f"{device} {size / 2**30:.2f} GiB" for device, size in plan.needs.items())
+    return f"layer split ({plan.context}-token cache): {plan.split.describe()}; needs {sizes}"
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

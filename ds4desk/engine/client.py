@@ -158,15 +158,15 @@ class _ProgressBatcher(_Coalescer):
             self._deliver(*taken)
 
 
-def _inspect_now(engine: Engine, request: LoadRequest) -> ModelPreview:
+def _preview_now(engine: Engine, request: LoadRequest) -> ModelPreview:
     from ds4desk.engine.loading.default_model import default_model_path
-    from ds4desk.engine.preflight import inspect_model
+    from ds4desk.engine.preflight import preview_model
 
     try:
         path = request.path or default_model_path()
     except EngineFailure as failure:
         return ModelPreview(str(request.path), error=failure.error, message=failure.error.detail)
-    return inspect_model(
+    return preview_model(
         path,
         request.device,
         request.dtype,
@@ -227,10 +227,10 @@ class EngineClient:
         """The running (and any queued) load stops at its next tensor with `cancelled`."""
         self._engine.cancel_load()
 
-    async def inspect(self, request: LoadRequest) -> ModelPreview:
+    async def preview(self, request: LoadRequest) -> ModelPreview:
         """What loading request.path would take, from headers only, on a worker thread (never the
         loop, never behind the engine's queue). Never raises: problems come back in `error`."""
-        return await _result_of(_in_thread(lambda: _inspect_now(self._engine, request)))
+        return await _result_of(_in_thread(lambda: _preview_now(self._engine, request)))
 
     async def generate(
         self, request: GenerateRequest, on_delta: Callable[[TextDelta], None] | None = None

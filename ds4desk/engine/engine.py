@@ -39,6 +39,7 @@ from ds4desk.engine.api import (
 )
 
 if TYPE_CHECKING:
+    from ds4desk.engine.loader import LoadedModel, LoadPlan
     from ds4desk.engine.runtime import Runtime
     from ds4desk.engine.snapshots import SnapshotStore
     from ds4desk.engine.tokenizer import ChatTokenizer
@@ -331,15 +332,11 @@ class Engine:
     ) -> ModelInfo:
         import torch
 
-        from ds4desk.engine.devices import check_fits, free_memory_bytes, resolve_device, resolve_dtype
-        from ds4desk.engine.graphs import graphs_wanted
-        from ds4desk.engine.loader import check_tensors, keeps_quantized, load_model
+        from ds4desk.engine.devices import check_fits, free_memory_bytes
+        from ds4desk.engine.loader import plan_load, resolve_placement
         from ds4desk.engine.loading.default_model import default_model_path
-        from ds4desk.engine.loading.detect import inspect_model
-        from ds4desk.engine.preflight import memory_needed
-        from ds4desk.engine.runtime import Runtime
+        from ds4desk.engine.loading.detect import read_source
         from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
-        from ds4desk.engine.split import plan_for
         from ds4desk.engine.tokenizer import ChatTokenizer
 
         if self._load_cancelled(seq):
@@ -356,28 +353,16 @@ class Engine:
             )
         # Everything that can be checked without touching the loaded model is checked first, so a
         # bad file dropped on the window leaves the current model in place.
-        source = inspect_model(path, self._cache_dir)
-        tokenizer = ChatTokenizer.from_folder(source.folder, source.chat_template)
-        split_devices = _split_devices(request)
-        device = resolve_device(request.device) if split_devices is None else torch.device(split_devices[0])
-        dtype = resolve_dtype(request.dtype, device)
-        # FP8 / FP4 checkpoints stay packed where that pays (Hopper on); elsewhere they dequantize.
-        devices = [device] if split_devices is None else [torch.device(d) for d in split_devices]
-        quantized = keeps_quantized(source, devices)
-        # Names and shapes against the architecture, on the meta device: this also sizes the cache.
-        plan = memory_needed(source, dtype, request.context, quantized)
+        source = read_source(path, self._cache_dir)
+        tokenizer = ChatTokenizer.from_source(source)
+        device, dtype, split_devices = resolve_placement(request)
+        plan = plan_load(source, device, dtype, request.context, split_devices, request.layer_split)
         context = plan.context
-        split = None
-        needs = {str(device): plan.needed}  # bytes per device
-        if split_devices is not None:
-            meta, _ = check_tensors(source, dtype, quantized)
-            split, needs = plan_for(split_devices, request.layer_split, meta, context, _free_bytes)
-            del meta
         previous = self._loaded
         # Refused before the current model is let go: a model that cannot fit costs nothing. Every
         # device of a split is checked on its own.
         what = f"{path.name} in {_dtype_name(dtype)} with a {context}-token cache"
-        for name, needed in needs.items():
+        for name, needed in plan.needs.items():
             reclaimable = 0
             if previous is not None and str(previous.runtime.device) == name:
                 reclaimable = previous.info.weight_bytes + previous.runtime.model.cache_bytes()
@@ -385,7 +370,7 @@ class Engine:
         # Both at once when memory allows: the current model keeps answering between the new one's
         # tensors, and a failed or cancelled load leaves it exactly as it was. Otherwise it goes first.
         keep = previous is not None and all(
-            needed <= free_memory_bytes(torch.device(name)) for name, needed in needs.items()
+            needed <= free_memory_bytes(torch.device(name)) for name, needed in plan.needs.items()
         )
         fallback = None
         if previous is not None and not keep:
@@ -396,9 +381,12 @@ class Engine:
         if not keep:
             self._drop_model()
 
-        def tick(done: int, total: int) -> None:
+        def stop_if_cancelled() -> None:
             if self._load_cancelled(seq):
                 raise EngineFailure(ErrorCode.CANCELLED, f"loading {path.name} was cancelled")
+
+        def tick(done: int, total: int) -> None:
+            stop_if_cancelled()
             if on_progress is not None:
                 on_progress(done, total, "tensors")
             if keep:
@@ -406,16 +394,13 @@ class Engine:
 
         failure: BaseException | None = None
         try:
-            loaded = load_model(source, device, dtype, tick, split=split, quantized=quantized)
-            if self._load_cancelled(seq):  # after the last tensor: still before the swap
-                raise EngineFailure(ErrorCode.CANCELLED, f"loading {path.name} was cancelled")
-            graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)
-            chunk = request.chunk or _auto_chunk(device.type)
-            runtime = Runtime(loaded.model, device, context=context, chunk=chunk, graphs=graphs)
+            loaded, runtime = _fill_and_start(plan, request, tick, stop_if_cancelled)
         except BaseException as exc:
             failure = exc
         if failure is not None:
-            # The traceback's frames hold the half-built model: free it before anything is reloaded.
+            # The plan (and the traceback's frames) hold the half-built model: free it before
+            # anything is reloaded.
+            del plan
             _release_frames(failure)
             gc.collect()
             if device.type == "cuda":
@@ -434,7 +419,7 @@ class Engine:
             family=loaded.family,
             architecture=source.architecture,
             path=str(source.origin),
-            device=str(device) if split is None else ",".join(split.devices),
+            device=plan.devices_text,
             dtype=_dtype_name(dtype),
             parameters=loaded.parameters,
             weight_bytes=loaded.weight_bytes,
@@ -511,7 +496,7 @@ class Engine:
         started = time.perf_counter()
         freed = loaded.info.weight_bytes + loaded.runtime.model.cache_bytes()
         device = loaded.runtime.device
-        split = getattr(loaded.runtime.model, "split", None)  # a layer split frees every device's part
+        split = loaded.runtime.model.split  # a layer split frees every device's part
         devices = [device] if split is None else sorted({type(device)(d) for d in split.devices}, key=str)
         before = sum(_allocated(d) for d in devices)
         self._parked = _Parked(loaded.request, loaded.info, loaded.snapshots)
@@ -661,33 +646,23 @@ def _conversion_ticks(
     return tick
 
 
-def _free_bytes(device: str) -> int:
-    import torch
+def _fill_and_start(
+    plan: LoadPlan,
+    request: LoadRequest,
+    tick: Callable[[int, int], None],
+    stop_if_cancelled: Callable[[], None],
+) -> tuple[LoadedModel, Runtime]:
+    """The planned model filled from its files, and the runtime (and CUDA graphs) around it."""
+    from ds4desk.engine.graphs import graphs_wanted
+    from ds4desk.engine.loader import fill
+    from ds4desk.engine.runtime import Runtime
 
-    from ds4desk.engine.devices import free_memory_bytes
-
-    return free_memory_bytes(torch.device(device))
-
-
-def _split_devices(request: LoadRequest) -> tuple[str, ...] | None:
-    """The devices of a layer split, resolved (BAD_REQUEST for one that does not exist); None
-    when the request runs on one device."""
-    from ds4desk.engine.devices import resolve_device
-    from ds4desk.engine.split import check_devices
-
-    if request.devices is None:
-        if request.layer_split is not None:
-            raise EngineFailure(ErrorCode.BAD_REQUEST, "a layer split needs the devices it splits over")
-        return None
-    words = tuple(word.strip().lower() for word in request.devices)
-    check_devices(words)
-    resolved = []
-    for word in words:
-        try:
-            resolved.append(str(resolve_device(word)))
-        except EngineFailure as failure:
-            raise EngineFailure(ErrorCode.BAD_REQUEST, failure.error.detail) from None
-    return tuple(resolved)
+    loaded = fill(plan, tick)
+    stop_if_cancelled()  # after the last tensor: still before the swap
+    device = plan.device
+    graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)
+    chunk = request.chunk or _auto_chunk(device.type)
+    return loaded, Runtime(loaded.model, device, context=plan.context, chunk=chunk, graphs=graphs)
 
 
 def _release_frames(error: BaseException | None) -> None:

@@ -18,32 +18,21 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
+
+from ds4desk.engine.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 
 SMALLEST_SPAN = 256
 
 
-class GraphableModel(Protocol):
-    supports_graphs: bool
-
-    @property
-    def context(self) -> int: ...
-
-    def decode_graphable(self, token: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor: ...
-
-
-def graphs_wanted(setting: bool | None, device: torch.device, model: object) -> bool:
-    """None (the default) means on for CUDA and off for HIP, whose graphs are less proven."""
-    if device.type != "cuda" or not getattr(model, "supports_graphs", False):
-        return False
-    split = getattr(model, "split", None)
-    if split is not None and split.multi_device and not hasattr(model, "decode_shard"):
-        # A graph is captured on one device's stream: a split over several GPUs needs a model that
-        # decodes shard by shard (one graph each); the others decode eagerly.
+def graphs_wanted(setting: bool | None, device: torch.device, model: CausalLM) -> bool:
+    """None (the default) means on for CUDA and off for HIP, whose graphs are less proven. A split
+    over several GPUs is captured shard by shard (a graph runs on one device's stream), which every
+    model can do: decode_shard is part of the contract."""
+    if device.type != "cuda" or not model.supports_graphs:
         return False
     if setting is None:
         return torch.version.hip is None
@@ -70,23 +59,19 @@ class _Captured:
 class GraphedDecode:
     """Owns the graphs of one model's cache; `step` is a drop-in for forward(token, pos, "last").
 
-    A model split over several GPUs (one with `decode_shard`) gets a graph per shard and span: a
-    graph is captured on one device's stream. Between replays the previous shard's outputs are
+    A model split over several GPUs gets a graph per shard (`decode_shard`) and span: a graph is
+    captured on one device's stream. Between replays the previous shard's outputs are
     copied into the next one's static inputs; copies between devices are ordered after the source
     device's stream and before the destination's, so no shard reads a buffer still being written."""
 
-    def __init__(self, model: GraphableModel, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, device: torch.device) -> None:
         self.model = model
         self.device = device
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.spans = span_buckets(model.context)
-        self._set_length = getattr(model, "set_length", None)
-        split = getattr(model, "split", None)
-        if split is not None and split.multi_device:
-            self.devices: list[torch.device] = list(model.decode_devices())  # type: ignore[attr-defined]
-        else:
-            self.devices = [device]
+        split = model.split
+        self.devices = list(model.decode_devices()) if split is not None and split.multi_device else [device]
         # Static inputs per shard: the first reads (token, pos); later ones are sized at capture.
         self._inputs: list[tuple[torch.Tensor, ...]] = [(self.token, self.pos)]
         self._pools = {d: torch.cuda.graph_pool_handle() for d in self.devices}
@@ -122,8 +107,7 @@ class GraphedDecode:
                 for dst, src in zip(self._inputs[shard + 1], captured.outputs[shard], strict=True):
                     dst.copy_(src)
         self._next_pos = pos + 1 if self._chained else None
-        if self._set_length is not None:
-            self._set_length(pos + 1)  # a model that tracks its length on the host learns it here
+        self.model.set_length(pos + 1)  # a model that tracks its length on the host learns it here
         # On the last shard's device: sampling runs wherever the logits are, and a greedy step
         # reads only the pick, so no step copies the vocabulary's logits between GPUs.
         return captured.outputs[-1][0], captured.greedy
@@ -138,7 +122,7 @@ class GraphedDecode:
     def _run(self, shard: int, span: int) -> tuple[torch.Tensor, ...]:
         if len(self.devices) == 1:
             return (self.model.decode_graphable(self.token, self.pos, span),)
-        return self.model.decode_shard(shard, self._inputs[shard], span)  # type: ignore[attr-defined]
+        return self.model.decode_shard(shard, self._inputs[shard], span)
 
     def _capture(self, span: int) -> _Captured:
         self.pos.fill_(span - 1)

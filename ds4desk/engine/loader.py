@@ -1,27 +1,34 @@
-"""Loading a model from a ModelSource onto a device.
+"""The load sequence: plan once on one meta model, then fill that same model from the files.
 
-The module is built on the meta device (no memory), every expected tensor is checked against the
-checkpoint's header before a byte is read, then the parameters get real storage and each tensor
-is copied straight from the mmapped file into its parameter: the model never exists twice.
+`plan_load` builds the model on the meta device (no memory) exactly once and decides everything a
+load needs before a byte is read or the current model is let go: whether FP8 / FP4 weights stay
+packed, every expected tensor checked against the checkpoint's headers, the memory the weights and
+the cache take, and the layer split over several devices. `fill` then gives the planned model real
+storage and copies each tensor straight from the mmapped file into its parameter: the model never
+exists twice. The engine thread, the window's preview (`preflight`) and `ds4desk check` all plan
+through here, so they agree on what a load takes.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.api import EngineFailure, ErrorCode, LoadRequest
+from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
 from ds4desk.engine.loading.quantized import ShardReader, copy_packed_into, copy_tensor_into
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.base import CausalLM, load_failure
 from ds4desk.engine.models.registry import ARCHITECTURES, build_model, family_for
-from ds4desk.engine.split import ShardPlan
+from ds4desk.engine.split import ShardPlan, check_devices, plan_for
 
 
 @dataclass(slots=True)
@@ -32,9 +39,135 @@ class LoadedModel:
     weight_bytes: int
 
 
+@dataclass(slots=True)
+class MemoryNeed:
+    """What a model takes on one device, before it is loaded."""
+
+    parameters: int
+    weight_bytes: int
+    cache_bytes: int
+    context: int  # the asked-for context, clamped to the model's maximum
+
+    @property
+    def needed(self) -> int:
+        return self.weight_bytes + self.cache_bytes
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    """Everything decided before the load takes memory; `fill` carries it out."""
+
+    source: ModelSource
+    family: str
+    model: CausalLM  # on the meta device, already placed when split
+    device: torch.device  # the first shard's device (every layer's, unsplit)
+    dtype: torch.dtype
+    quantized: bool  # FP8 / FP4 weights stay packed (see keeps_quantized)
+    memory: MemoryNeed
+    split: ShardPlan | None
+    needs: dict[str, int]  # bytes each device takes (str(device) -> bytes)
+    by_file: dict[Path, list[str]]  # the tensors to read from each file
+
+    @property
+    def context(self) -> int:
+        return self.memory.context
+
+    @property
+    def devices_text(self) -> str:
+        """Where the model runs, as ModelInfo shows it: "cuda:0", or "cuda:0,cuda:1" for a split."""
+        return str(self.device) if self.split is None else ",".join(self.split.devices)
+
+
 # None: keep a DeepSeek-V4 checkpoint's FP8 / FP4 weights packed where keeps_quantized finds it pays;
 # True / False force it (tests run the packed path on the CPU, whose kernels dequantize on the fly).
 KEEP_QUANTIZED: bool | None = None
+
+
+# ---- where: the request's device words as torch objects -------------------------------------------
+
+
+def resolve_placement(request: LoadRequest) -> tuple[torch.device, torch.dtype, tuple[str, ...] | None]:
+    """(first device, dtype, the resolved devices of a layer split or None) for a load request;
+    BAD_REQUEST for a split device that does not exist, LOAD_FAILED for an unknown device or dtype."""
+    split_devices = _split_devices(request)
+    device = resolve_device(request.device) if split_devices is None else torch.device(split_devices[0])
+    return device, resolve_dtype(request.dtype, device), split_devices
+
+
+def _split_devices(request: LoadRequest) -> tuple[str, ...] | None:
+    if request.devices is None:
+        if request.layer_split is not None:
+            raise EngineFailure(ErrorCode.BAD_REQUEST, "a layer split needs the devices it splits over")
+        return None
+    words = tuple(word.strip().lower() for word in request.devices)
+    check_devices(words)
+    resolved = []
+    for word in words:
+        try:
+            resolved.append(str(resolve_device(word)))
+        except EngineFailure as failure:
+            raise EngineFailure(ErrorCode.BAD_REQUEST, failure.error.detail) from None
+    return tuple(resolved)
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+
+def plan_load(
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    context: int,
+    split_devices: Sequence[str] | None = None,
+    layer_split: Sequence[int] | None = None,
+    free_of: Callable[[str], int] | None = None,
+) -> LoadPlan:
+    """The plan for loading `source` on `device` in `dtype` with a `context`-token cache, or split
+    over `split_devices` (`layer_split` layers each, else planned from `free_of(device)`, the free
+    bytes of a device). Builds the meta model once (twice only where the quantized build turns out
+    not to match the checkpoint) and checks every tensor's name, shape and dtype: LOAD_FAILED,
+    BAD_REQUEST (a split that does not fit the model) or OUT_OF_MEMORY (no split fits) otherwise."""
+    family = family_for(source.architecture)
+    devices = [device] if split_devices is None else [torch.device(d) for d in split_devices]
+    model, quantized = _build_for(source, dtype, devices)
+    by_file = _check_against(model, source)
+    memory = _memory_need(source, model, dtype, quantized, context)
+    split = None
+    needs = {str(device): memory.needed}
+    if split_devices is not None:
+        free = free_of or (lambda name: free_memory_bytes(torch.device(name)))
+        split, needs = plan_for(split_devices, layer_split, model, memory.context, free)
+        model.place(split)
+    return LoadPlan(source, family, model, device, dtype, quantized, memory, split, needs, by_file)
+
+
+def clamp_context(config: dict[str, Any], context: int) -> int:
+    return min(context, int(config.get("max_position_embeddings") or context))
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _memory_need(
+    source: ModelSource, model: CausalLM, dtype: torch.dtype, quantized: bool, context: int
+) -> MemoryNeed:
+    """The weights in `dtype` (packed: as the packed parameters take them) and the cache for `context`."""
+    parameters = sum(math.prod(entry.shape) for entry in source.tensors.values())
+    weight_bytes = parameters * dtype_bytes(dtype)
+    if quantized:
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    context = clamp_context(source.config, context)
+    return MemoryNeed(parameters, weight_bytes, model.cache_bytes_for(context), context)
+
+
+def _build_for(source: ModelSource, dtype: torch.dtype, devices: list[torch.device]) -> tuple[CausalLM, bool]:
+    """The meta model and whether it keeps the checkpoint's FP8 / FP4 weights packed."""
+    if _packing_pays(source, devices):
+        packed = build_model(source.architecture, source.config, dtype, True)
+        if _stored_packed(packed, source):
+            return packed, True
+    return build_model(source.architecture, source.config, dtype, False), False
 
 
 def keeps_quantized(source: ModelSource, devices: list[torch.device]) -> bool:
@@ -43,9 +176,32 @@ def keeps_quantized(source: ModelSource, devices: list[torch.device]) -> bool:
     bf16's expert bytes (and where full-size Flash only fits that way). Elsewhere they are
     dequantized at load. Only a checkpoint whose every weight the quantized model keeps packed is
     stored packed qualifies (an `--expert-dtype fp8` conversion does not)."""
+    if not _packing_pays(source, devices):
+        return False
+    return _stored_packed(build_model(source.architecture, source.config, torch.bfloat16, True), source)
+
+
+def _packing_pays(source: ModelSource, devices: list[torch.device]) -> bool:
+    """The family can keep weights packed and the devices (or KEEP_QUANTIZED) want it."""
     if ARCHITECTURES.get(source.architecture, ("", ""))[0] != "deepseek_v4":
         return False
-    model = build_model(source.architecture, source.config, torch.bfloat16, True)
+    if KEEP_QUANTIZED is not None:
+        return KEEP_QUANTIZED
+    return all(_runs_fp8(d) for d in devices)
+
+
+def _runs_fp8(device: torch.device) -> bool:
+    # is_available first: `ds4desk check --devices cuda:0,cuda:1` plans on machines without a GPU.
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+
+
+def _stored_packed(model: CausalLM, source: ModelSource) -> bool:
+    """Every parameter the quantized `model` keeps packed is stored packed in the checkpoint."""
     for name, meta in model.named_parameters():
         if _is_scale(name, meta):
             continue
@@ -53,12 +209,7 @@ def keeps_quantized(source: ModelSource, devices: list[torch.device]) -> bool:
         entry = source.tensors.get(name)
         if want is not None and (entry is None or entry.encoding != want):
             return False
-    if KEEP_QUANTIZED is not None:
-        return KEEP_QUANTIZED
-    return all(
-        d.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(d) >= (9, 0)
-        for d in devices
-    )
+    return True
 
 
 def _is_scale(name: str, meta: torch.Tensor) -> bool:
@@ -85,6 +236,10 @@ def check_tensors(
     keeps_quantized) and check every tensor it needs against the headers (name, shape, dtype) before
     any memory is taken. Returns the meta model and, per file, the names to read from it."""
     model = build_model(source.architecture, source.config, dtype, quantized)
+    return model, _check_against(model, source)
+
+
+def _check_against(model: CausalLM, source: ModelSource) -> dict[Path, list[str]]:
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, meta in model.named_parameters():
         if _is_scale(name, meta):
@@ -109,7 +264,16 @@ def check_tensors(
                 f"tensor {name} has dtype {entry.dtype}; this family loads {sorted(_FLOAT_DTYPES)}"
             )
         by_file[Path(entry.file)].append(name)
-    return model, by_file
+    return by_file
+
+
+# ---- the fill -------------------------------------------------------------------------------------
+
+
+def fill(plan: LoadPlan, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+    """Give the planned model real storage and copy the checkpoint into it: the loaded model.
+    `progress(done, total)` runs after each tensor; an exception it raises stops the load there."""
+    return _fill(plan.source, plan.model, plan.by_file, plan.device, plan.split, progress)
 
 
 def load_model(
@@ -120,11 +284,23 @@ def load_model(
     split: ShardPlan | None = None,
     quantized: bool = False,
 ) -> LoadedModel:
-    """Build the model for `source` and fill it from its safetensors files on `device` in `dtype`
-    (or, with `split`, each layer on its shard's device; see ds4desk.engine.split).
-    `progress(done, total)` runs after each tensor; an exception it raises stops the load there."""
-    family = family_for(source.architecture)
+    """`source` on `device` in `dtype` (or, with `split`, each layer on its shard's device), packed
+    only when `quantized` says so: no planning, for tests and benchmarks that choose for themselves."""
     model, by_file = check_tensors(source, dtype, quantized)
+    if split is not None:
+        model.place(split)
+    return _fill(source, model, by_file, device, split, progress)
+
+
+def _fill(
+    source: ModelSource,
+    model: CausalLM,
+    by_file: dict[Path, list[str]],
+    device: torch.device,
+    split: ShardPlan | None,
+    progress: Callable[[int, int], None] | None,
+) -> LoadedModel:
+    family = family_for(source.architecture)
     total = sum(len(names) for names in by_file.values())
     done = 0
 
@@ -134,8 +310,6 @@ def load_model(
         if progress is not None:
             progress(done, total)
 
-    if split is not None:
-        model.place(split)
     try:
         model.materialize(device)
         params = dict(model.named_parameters())

@@ -1,14 +1,16 @@
 """Preflight: what a dropped path is and whether it fits, from its headers alone.
 
 Nothing here allocates weights: safetensors and GGUF headers give the names and shapes, and the
-model is built on the meta device to size its KV cache. The engine's own load uses `memory_needed`
-too, so the preview and the load agree on what fits. Safe to call from any thread.
+load plan (`loader.plan_load`, the engine's own) builds the model on the meta device to size the
+weights and the KV cache, so the preview and the load agree on what fits. `check_model` is what
+`ds4desk check PATH` prints. Safe to call from any thread.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,84 +18,59 @@ import torch
 
 from ds4desk.engine.api import EngineError, EngineFailure, ErrorCode, ModelPreview
 from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
-from ds4desk.engine.loader import check_tensors
+from ds4desk.engine.loader import MemoryNeed, check_tensors, clamp_context, dtype_bytes, plan_load
 from ds4desk.engine.loading import detect
 from ds4desk.engine.loading.gguf_header import read_gguf_header
 from ds4desk.engine.loading.gguf_import import _plan, imported_folder
+from ds4desk.engine.loading.quant_checks import stored_bytes
 from ds4desk.engine.loading.source import ModelSource
-from ds4desk.engine.models.registry import ARCHITECTURES, build_model
+from ds4desk.engine.models.registry import ARCHITECTURES, build_model, family_for
+from ds4desk.engine.tokenizer import ChatTokenizer
 
 GB = 1e9
 
 
-@dataclass(slots=True)
-class MemoryPlan:
-    """What a model takes on a device, before it is loaded."""
-
-    parameters: int
-    weight_bytes: int
-    cache_bytes: int
-    context: int  # the asked-for context, clamped to the model's maximum
-
-    @property
-    def needed(self) -> int:
-        return self.weight_bytes + self.cache_bytes
+def _planned(source: ModelSource, device: torch.device, dtype: torch.dtype, context: int) -> MemoryNeed:
+    return plan_load(source, device, dtype, context).memory
 
 
-def clamp_context(config: dict[str, Any], context: int) -> int:
-    return min(context, int(config.get("max_position_embeddings") or context))
-
-
-def memory_needed(
-    source: ModelSource, dtype: torch.dtype, context: int, quantized: bool = False
-) -> MemoryPlan:
-    """Checks every tensor's name and shape against the architecture (LOAD_FAILED otherwise) and sizes
-    the weights in `dtype` (`quantized`: as the packed parameters take them) and the cache for
-    `context`."""
-    meta, _ = check_tensors(source, dtype, quantized)
-    parameters = sum(math.prod(entry.shape) for entry in source.tensors.values())
-    weight_bytes = parameters * _itemsize(dtype)
-    if quantized:
-        weight_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())
-    context = clamp_context(source.config, context)
-    return MemoryPlan(parameters, weight_bytes, meta.cache_bytes_for(context), context)
-
-
-def _gguf_plan(
-    path: Path, cache_dir: Path | None, dtype: torch.dtype, context: int
-) -> tuple[str, MemoryPlan]:
+def _gguf_need(
+    path: Path, cache_dir: Path | None, device: torch.device, dtype: torch.dtype, context: int
+) -> tuple[str, MemoryNeed]:
     """A GGUF not imported yet: its header gives the config and every tensor (the import, which
     converts the weights, happens at load time). One imported before is read like a folder."""
     if cache_dir is not None:
         folder = imported_folder(path, cache_dir)
         if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
             source = detect.inspect_folder(folder)
-            return source.architecture, memory_needed(source, dtype, context)
+            return source.architecture, _planned(source, device, dtype, context)
     header = read_gguf_header(path)  # checks the whole header and every tensor's byte range
     config, plan = _plan(path, header)
     architecture = str(config["architectures"][0])  # type: ignore[index]
     meta = build_model(architecture, config, dtype)
     parameters = sum(math.prod(p.source.shape) for p in plan)
     context = clamp_context(config, context)
-    return architecture, MemoryPlan(
-        parameters, parameters * _itemsize(dtype), meta.cache_bytes_for(context), context
+    return architecture, MemoryNeed(
+        parameters, parameters * dtype_bytes(dtype), meta.cache_bytes_for(context), context
     )
 
 
-def _plan_for(path: Path, cache_dir: Path | None, dtype: torch.dtype, context: int) -> tuple[str, MemoryPlan]:
-    if path.is_file() and detect._is_gguf(path):
-        return _gguf_plan(path, cache_dir, dtype, context)
+def _need_for(
+    path: Path, cache_dir: Path | None, device: torch.device, dtype: torch.dtype, context: int
+) -> tuple[str, MemoryNeed]:
+    if path.is_file() and detect.is_gguf(path):
+        return _gguf_need(path, cache_dir, device, dtype, context)
     # Folders and files of a folder: detect never touches the cache for those.
-    source = detect.inspect_model(path, cache_dir or Path("."))
+    source = detect.read_source(path, cache_dir or Path("."))
     if source.tokenizer_file is None:
         raise EngineFailure(
             ErrorCode.LOAD_FAILED,
             f"no tokenizer.json in {source.folder}: ds4desk needs a fast-tokenizer file next to the weights",
         )
-    return source.architecture, memory_needed(source, dtype, context)
+    return source.architecture, _planned(source, device, dtype, context)
 
 
-def inspect_model(
+def preview_model(
     path: str | Path,
     device: str = "auto",
     dtype: str | None = None,
@@ -103,7 +80,8 @@ def inspect_model(
     resident: tuple[str, int] = ("", 0),
     free_bytes: int | None = None,
 ) -> ModelPreview:
-    """Never raises: a truncated, foreign or corrupt file comes back as `error` with a clear message.
+    """What loading `path` would take, for the window's model card. Never raises: a truncated,
+    foreign or corrupt file comes back as `error` with a clear message.
     `resident`: (device, bytes) the current model takes, given back if it is unloaded.
     `free_bytes`: the free memory to plan against (None: ask the device)."""
     shown = str(path)
@@ -113,7 +91,7 @@ def inspect_model(
         torch_dtype = resolve_dtype(dtype, torch_device)
         if context < 2:
             raise EngineFailure(ErrorCode.BAD_REQUEST, "context must be at least 2")
-        architecture, plan = _plan_for(target, cache_dir, torch_dtype, context)
+        architecture, need = _need_for(target, cache_dir, torch_device, torch_dtype, context)
     except EngineFailure as failure:
         return ModelPreview(shown, error=failure.error, message=failure.error.detail)
     except (MemoryError, RecursionError) as exc:
@@ -132,17 +110,17 @@ def inspect_model(
         shown,
         family=ARCHITECTURES.get(architecture, ("", ""))[0],
         architecture=architecture,
-        parameters=plan.parameters,
-        weight_bytes=plan.weight_bytes,
-        cache_bytes=plan.cache_bytes,
+        parameters=need.parameters,
+        weight_bytes=need.weight_bytes,
+        cache_bytes=need.cache_bytes,
         free_bytes=free_bytes,
         device=str(torch_device),
         dtype=str(torch_dtype).removeprefix("torch."),
-        context=plan.context,
+        context=need.context,
     )
     reclaimable = resident[1] if resident[0] == preview.device else 0
-    preview.fits = free_bytes is None or plan.needed <= free_bytes + reclaimable
-    preview.needs_unload = free_bytes is not None and preview.fits and plan.needed > free_bytes
+    preview.fits = free_bytes is None or need.needed <= free_bytes + reclaimable
+    preview.needs_unload = free_bytes is not None and preview.fits and need.needed > free_bytes
     preview.message = _message(preview, reclaimable)
     return preview
 
@@ -165,10 +143,6 @@ def _message(p: ModelPreview, reclaimable: int) -> str:
     return f"{sizes}; {_gb(p.free_bytes)} free on {p.device}"
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _gb(n: int) -> str:
     return f"{n / GB:.1f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
 
@@ -178,3 +152,101 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(n)
+
+
+# ---- ds4desk check ---------------------------------------------------------------------------------
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = config.get(key)
+        if type(value) is int and value > 0:
+            return value
+    return None
+
+
+@dataclass(slots=True)
+class ModelReport:
+    """What `ds4desk check PATH` prints."""
+
+    path: Path  # what the user pointed at
+    folder: Path  # the HF folder (in the cache for a GGUF)
+    family: str
+    architecture: str
+    parameters: int
+    dtype: str  # the dtype most parameters are stored in
+    weight_bytes: int
+    tensor_count: int
+    tokenizer: str
+    has_chat_template: bool
+    context_length: int | None
+    dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> parameters stored in it
+
+    def describe(self) -> str:
+        source = str(self.path)
+        if self.folder != self.path:
+            source += f" (imported to {self.folder})"
+        dtypes = ", ".join(f"{d} {_count(n)}" for d, n in sorted(self.dtypes.items(), key=lambda kv: -kv[1]))
+        lines = [
+            f"model:         {source}",
+            f"architecture:  {self.architecture} ({self.family} family)",
+            f"parameters:    {_count(self.parameters)} in {self.tensor_count} tensors",
+            f"weights:       {self.dtype}, {_size(self.weight_bytes)}"
+            + (f" ({dtypes})" if len(self.dtypes) > 1 else ""),
+            f"tokenizer:     {self.tokenizer}",
+            f"chat template: {'yes' if self.has_chat_template else 'no'}",
+            f"context:       {self.context_length if self.context_length else 'unknown'} tokens",
+        ]
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _check_hash_tables(source: ModelSource) -> None:
+    """The one check that needs values, not headers: the small hash-routing tables."""
+    from ds4desk.engine.loading.quantized import ShardReader, read_tensor
+    from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
+    from ds4desk.engine.models.deepseek_v4.modules import check_hash_table
+
+    experts = DeepseekV4Config.from_hf(source.config).num_experts
+    with ShardReader() as reader:
+        for name, entry in source.tensors.items():
+            if name.endswith("mlp.gate.tid2eid"):
+                check_hash_table(name, read_tensor(reader, name, entry), experts)
+
+
+def check_model(path: Path, cache_dir: Path) -> ModelReport:
+    """`ds4desk check PATH`: read `path` fully (tokenizer, template, every tensor's name and shape
+    against the architecture, DeepSeek-V4's hash-routing tables) without loading any weights."""
+    source = detect.read_source(path, cache_dir)
+    check_tensors(source)
+    if family_for(source.architecture) == "deepseek_v4":
+        _check_hash_tables(source)
+    per_dtype: Counter[str] = Counter()
+    weight_bytes = 0
+    for entry in source.tensors.values():
+        per_dtype["FP4" if entry.encoding == "fp4_block32" else entry.dtype] += math.prod(entry.shape)
+        weight_bytes += stored_bytes(entry)  # quantized: with scales and every part
+    if source.tokenizer_file is None:
+        tokenizer = "none (no tokenizer.json)"
+    else:
+        tokenizer = ChatTokenizer.from_source(source).describe()
+    return ModelReport(
+        path=source.origin,
+        folder=source.folder,
+        family=family_for(source.architecture),
+        architecture=source.architecture,
+        parameters=sum(per_dtype.values()),
+        dtype=per_dtype.most_common(1)[0][0],
+        weight_bytes=weight_bytes,
+        tensor_count=len(source.tensors),
+        tokenizer=tokenizer,
+        has_chat_template=source.chat_template is not None,
+        context_length=context_length(source.config),
+        dtypes=dict(per_dtype),
+    )

@@ -11,16 +11,18 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.chat_template import ChatTemplate
-from ds4desk.engine.loading.deepseek_v4_names import is_model_args_config
 from ds4desk.engine.models.deepseek_v4.chat import ARCHITECTURE as DEEPSEEK_V4
 from ds4desk.engine.models.deepseek_v4.chat import EOS as V4_EOS
 from ds4desk.engine.models.deepseek_v4.chat import encode_deepseek_v4_chat
+
+if TYPE_CHECKING:
+    from ds4desk.engine.loading.source import ModelSource
 
 MAX_TOKENIZER_BYTES = 512 * 1024 * 1024
 MAX_JSON_BYTES = 32 * 1024 * 1024
@@ -87,7 +89,15 @@ class ChatTokenizer:
     chat_format: str = "plain"
 
     @classmethod
-    def from_folder(cls, folder: Path, chat_template: str | None) -> ChatTokenizer:
+    def from_source(cls, source: ModelSource) -> ChatTokenizer:
+        """The tokenizer of a detected checkpoint: its architecture picks a built-in chat format."""
+        return cls.from_folder(source.folder, source.chat_template, source.architecture)
+
+    @classmethod
+    def from_folder(
+        cls, folder: Path, chat_template: str | None, architecture: str | None = None
+    ) -> ChatTokenizer:
+        """`architecture`: config.json's, as detection reads it (None: read the folder's config)."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
@@ -118,7 +128,9 @@ class ChatTokenizer:
             special_tokens=special,
             add_bos_token=tok_config.get("add_bos_token") is True,
         )
-        if chat_template is None and _architecture(folder) == DEEPSEEK_V4:
+        if architecture is None:
+            architecture = _folder_architecture(folder)
+        if chat_template is None and architecture == DEEPSEEK_V4:
             self.chat_format = "deepseek_v4"
         self.stop_ids = self._find_stop_ids(folder)
         if chat_template is not None:
@@ -206,15 +218,14 @@ class ChatTokenizer:
         return text
 
 
-def _architecture(folder: Path) -> str | None:
-    with contextlib.suppress(EngineFailure):  # config.json is checked (and reported) elsewhere
-        config = _read_json(folder / "config.json")
-        archs = config.get("architectures")
-        if isinstance(archs, list) and archs and isinstance(archs[0], str):
-            return archs[0]
-        # DeepSeek configs may name only the model type, or use the reference code's spelling.
-        if config.get("model_type") == "deepseek_v4" or is_model_args_config(config):
-            return DEEPSEEK_V4
+def _folder_architecture(folder: Path) -> str | None:
+    """The architecture the folder's config.json names, in whichever spelling detection knows (a
+    config may name only the model type, or use DeepSeek's reference-code keys); None when it names
+    none ds4desk runs. config.json is checked, and reported, by the load itself."""
+    from ds4desk.engine.loading.detect import read_config
+
+    with contextlib.suppress(EngineFailure):
+        return str(read_config(folder)["architectures"][0])
     return None
 
 

@@ -69,7 +69,7 @@ class ChatBackend(Protocol):
 
     # ---- opening models (drag and drop, File > Open, recent models) ---------------------------------
 
-    async def inspect(self, request: LoadRequest) -> ModelPreview:
+    async def preview(self, request: LoadRequest) -> ModelPreview:
         """What loading request.path would take, from its headers (nothing allocated), off the loop
         thread. Never raises: a file that is no model comes back in ModelPreview.error."""
         ...

@@ -8,6 +8,7 @@ answers are asyncio tasks awaiting the ChatBackend, and their text arrives in ba
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -18,9 +19,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
-    QComboBox,
     QDockWidget,
-    QFileDialog,
     QHBoxLayout,
     QLabel,
     QMainWindow,
@@ -39,7 +38,6 @@ from ds4desk.engine.api import (
     LoadResult,
     MemoryStats,
     ModelInfo,
-    ParkResult,
     SaveSnapshot,
     TextDelta,
 )
@@ -52,19 +50,18 @@ from ds4desk.ui.chat_view import ChatView, NoteKind, counts_as_thinking
 from ds4desk.ui.composer import Composer
 from ds4desk.ui.markdown_render import split_thinking
 from ds4desk.ui.markdown_render import with_think_tag as _with_think_tag
-from ds4desk.ui.model_loader import ModelLoader
-from ds4desk.ui.park_readout import ParkReadout
+from ds4desk.ui.model_loader import LoaderHooks, ModelLoader
+from ds4desk.ui.park_controls import ParkControls, ParkHooks
 from ds4desk.ui.perf_panel import PerfPanel
 from ds4desk.ui.settings_dialog import SettingsDialog
 from ds4desk.ui.sidebar import UNTITLED, Sidebar
 from ds4desk.ui.slot_panel import SlotPanel
-from ds4desk.ui.stats_format import format_bytes, stats_footer
+from ds4desk.ui.stats_format import stats_footer
 from ds4desk.ui.theme import ThemeWatcher
 
 log = logging.getLogger(__name__)
 
 WINDOW_TITLE = "ds4desk"
-PARK_CHOICES = (("All models", "all"), ("Target model", "target"), ("Draft model", "draft"))
 
 
 @dataclass(slots=True)
@@ -121,8 +118,6 @@ class MainWindow(QMainWindow):
         self.current_chat_id: int | None = None
         self._generation: _Generation | None = None
         self._send_task: asyncio.Task[GenerateResult | None] | None = None
-        self._load_task: asyncio.Task[LoadResult] | None = None
-        self._park_task: asyncio.Task[ParkResult] | None = None
         self._closed = False
 
         self.setWindowTitle(WINDOW_TITLE)
@@ -132,7 +127,23 @@ class MainWindow(QMainWindow):
         self._build_slot_and_perf_docks()
         self._build_actions()
         self._build_status_bar()
-        self.model_loader = ModelLoader(self)  # drops, File > Open recent, load progress and cancel
+        # Drops, File > Open recent, load progress and Cancel; it owns the running load.
+        self.model_loader = ModelLoader(
+            self,
+            backend,
+            settings,
+            LoaderHooks(
+                load=lambda path: self.load_model(path, remember=True),
+                say=self.set_status,
+                warn=functools.partial(self.set_status, error=True),
+                status_text=self.status_label.text,
+                show_error=self.chat_view.add_error,
+                save_settings=self._save_settings,
+                closed=lambda: self._closed,
+            ),
+            open_action=self.open_model_action,
+            device_override=device_override,
+        )
         self._follow_theme()
         self._refresh_sidebar()
         self._show_model(backend.model_info)
@@ -200,37 +211,21 @@ class MainWindow(QMainWindow):
         splitter.setChildrenCollapsible(False)
         self.setCentralWidget(splitter)
 
-    def _build_park_row(self) -> QWidget:
-        """Park / Unpark sit right above the composer: freeing the GPU for something else and
-        getting it back are everyday actions, not settings."""
-        self.park_selector = QComboBox(objectName="ParkSelector")
-        for label, selector in PARK_CHOICES:
-            self.park_selector.addItem(label, selector)
-        self.park_selector.setToolTip("Which model Park and Unpark act on")
-        self.park_selector.setAccessibleName("Model to park")
-        self.park_button = QPushButton("Park", objectName="ParkButton")
-        self.park_button.setToolTip("Free the model's memory; the next answer loads it back")
-        self.park_button.setAccessibleName("Park")
-        self.park_button.clicked.connect(self.start_park)
-        self.unpark_button = QPushButton("Unpark", objectName="UnparkButton")
-        self.unpark_button.setToolTip("Load the parked model back now")
-        self.unpark_button.setAccessibleName("Unpark")
-        self.unpark_button.clicked.connect(self.start_unpark)
-        row = QHBoxLayout()
-        row.setContentsMargins(16, 0, 16, 0)
-        row.setSpacing(6)
-        row.addWidget(QLabel("Memory:"))
-        row.addWidget(self.park_selector)
-        for button in (self.park_button, self.unpark_button):
-            button.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # keep the focus in the composer
-            row.addWidget(button)
-        row.addStretch(1)
+    def _build_park_row(self) -> ParkControls:
         idle_s = self.settings.idle_park_minutes * 60 if self.settings.idle_park_minutes > 0 else None
-        self.park_readout = ParkReadout(idle_s, on_expired=self.refresh_memory)
-        row.addWidget(self.park_readout)
-        box = QWidget(objectName="ParkRow")
-        box.setLayout(row)
-        return box
+        hooks = ParkHooks(
+            say=self.set_status,
+            warn=functools.partial(self.set_status, error=True),
+            model_changed=lambda: self._show_model(self.backend.model_info),
+            show_memory=self._show_memory,
+            refresh_memory=self.refresh_memory,
+            closed=lambda: self._closed,
+        )
+        self.park_controls = controls = ParkControls(self.backend, idle_s, hooks)
+        self.park_selector = controls.park_selector
+        self.park_button, self.unpark_button = controls.park_button, controls.unpark_button
+        self.park_readout = controls.park_readout
+        return controls
 
     def _build_slot_and_perf_docks(self) -> None:
         """Snapshot slots and live speed, hidden until asked for (View menu)."""
@@ -272,12 +267,6 @@ class MainWindow(QMainWindow):
         if not self._closed:
             self._show_memory(stats)
 
-    def _restart_idle_countdown(self) -> None:
-        if self.backend.parked or self.backend.model_info is None:
-            self.park_readout.stop()
-        else:
-            self.park_readout.restart()
-
     def _panel_tasks(self) -> list[asyncio.Future[Any]]:
         """The docks' background reads, so wait_idle (and a clean shutdown) waits for them too."""
         tasks = [self._memory_task, self.slot_panel._task, self.perf_panel._memory_task]
@@ -295,7 +284,6 @@ class MainWindow(QMainWindow):
         self.open_model_action = QAction("&Open model…", self)
         self.open_model_action.setShortcut(QKeySequence("Ctrl+O"))
         self.open_model_action.setStatusTip("Load a model folder (safetensors) or a .gguf file")
-        self.open_model_action.triggered.connect(self._on_open_model)
         self.new_chat_action = QAction("&New chat", self)
         self.new_chat_action.setShortcut(QKeySequence("Ctrl+N"))
         self.new_chat_action.triggered.connect(self.new_chat)
@@ -374,7 +362,7 @@ class MainWindow(QMainWindow):
             self.set_status(f"Internal error: {summary} (details in the crash log)", error=True)
 
     def _show_model(self, info: ModelInfo | None) -> None:
-        self._update_park_buttons()
+        self.park_controls.update_buttons()
         if info is None:
             self.model_label.setText("No model loaded")
             self.model_label.setToolTip("")
@@ -386,68 +374,11 @@ class MainWindow(QMainWindow):
             f"context {info.context}, tokenizer {info.tokenizer}\n{info.path}"
         )
 
-    # ---- parking ----------------------------------------------------------------------------
-
-    @property
-    def parking(self) -> bool:
-        return self._park_task is not None and not self._park_task.done()
-
-    def _update_park_buttons(self) -> None:
-        """Park only what is loaded, unpark only what is parked, and one action at a time."""
-        has_model = self.backend.model_info is not None
-        parked = self.backend.parked
-        self.park_button.setEnabled(has_model and not parked and not self.parking)
-        self.unpark_button.setEnabled(has_model and parked and not self.parking)
-
-    def start_park(self) -> asyncio.Task[ParkResult]:
-        return self._start_park_action(park=True)
-
-    def start_unpark(self) -> asyncio.Task[ParkResult]:
-        return self._start_park_action(park=False)
-
-    def _start_park_action(self, *, park: bool) -> asyncio.Task[ParkResult]:
-        selector = str(self.park_selector.currentData())
-        self._park_task = asyncio.ensure_future(self.set_parked(park, selector))
-        self._update_park_buttons()  # now, not when the task first runs: a second click must see it
-        return self._park_task
-
-    async def set_parked(self, park: bool, selector: str) -> ParkResult:
-        """Park or unpark `selector` and say what it freed or took; never raises."""
-        self.set_status(f"{'Parking' if park else 'Unparking'} ({selector})…")
-        try:
-            result = await (self.backend.park(selector) if park else self.backend.unpark(selector))
-        except Exception as exc:  # the backend promises not to raise; a bug must not kill the window
-            log.exception("park/unpark raised")
-            # LOAD_FAILED is only the nearest code: what the user sees is the detail.
-            error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
-            result = ParkResult(selector, self.backend.parked, error=error)
-        if self._closed:
-            return result
-        self._park_task = None  # done: the buttons below must not count it as running
-        self._show_model(self.backend.model_info)
-        if result.error is None:
-            self._restart_idle_countdown()
-        if result.memory is not None:
-            self._show_memory(result.memory)
-        else:
-            self.refresh_memory()
-        if result.error is not None:
-            action = "park" if park else "unpark"
-            self.set_status(f"Could not {action} the model: {result.error.detail}", error=True)
-        elif result.bytes:
-            moved = f"freed {format_bytes(result.bytes)}" if park else f"loaded {format_bytes(result.bytes)}"
-            done = "Parked" if park else "Unparked"
-            self.set_status(f"{done} ({selector}): {moved} in {result.seconds:.1f} s")
-        else:
-            self.set_status(f"{'Park' if park else 'Unpark'} ({selector}): nothing to do")
-        return result
-
     # ---- model loading --------------------------------------------------------------------
 
     def start_load(self, path: str | None = None, *, remember: bool = False) -> asyncio.Task[LoadResult]:
         """Load in the background; a message sent meanwhile waits for it."""
-        self._load_task = asyncio.ensure_future(self.load_model(path, remember=remember))
-        return self._load_task
+        return self.model_loader.track(asyncio.ensure_future(self.load_model(path, remember=remember)))
 
     async def load_model(self, path: str | None = None, *, remember: bool = False) -> LoadResult:
         """`remember`: a successful load becomes the model to load next time."""
@@ -467,7 +398,7 @@ class MainWindow(QMainWindow):
         self.open_model_action.setEnabled(True)
         self._show_model(self.backend.model_info)  # a failed load may have kept the previous model
         if result.ok and result.info is not None:
-            self._restart_idle_countdown()
+            self.park_controls.restart_idle_countdown()
             self.refresh_memory()
             if self.slot_dock.isVisible():
                 self.slot_panel.refresh()
@@ -485,26 +416,6 @@ class MainWindow(QMainWindow):
             self.set_status(f"Could not load the model: {detail}", error=True)
             self.chat_view.add_error(f"Could not load the model ({label}): {detail}")
         return result
-
-    def _on_open_model(self) -> None:
-        path = self._choose_model_path()
-        if path:
-            self.model_loader.open_path(path)
-
-    def _choose_model_path(self) -> str | None:
-        """One dialog for both kinds: a .gguf file, or any file of a model folder (its folder is
-        used). The engine decides whether it is a model."""
-        start = self.settings.last_model or str(Path.home())
-        path, _ = QFileDialog.getOpenFileName(
-            self,
-            "Open model",
-            str(Path(start).parent if Path(start).is_file() else start),
-            "Models (*.gguf config.json *.safetensors);;All files (*)",
-        )
-        if not path:
-            return None
-        chosen = Path(path)
-        return str(chosen if chosen.suffix.lower() == ".gguf" else chosen.parent)
 
     def open_settings(self) -> SettingsDialog:
         """Settings (Ctrl+,): window-modal, not blocking; OK saves them."""
@@ -679,7 +590,7 @@ class MainWindow(QMainWindow):
     async def wait_idle(self) -> None:
         """Until no load, park or answer is running (tests, and a clean shutdown)."""
         while True:
-            tasks = (self._load_task, self._send_task, self._park_task, *self._panel_tasks())
+            tasks = (self.model_loader.task, self._send_task, self.park_controls.task, *self._panel_tasks())
             pending = [t for t in tasks if t is not None and not t.done()]
             if not pending:
                 return
@@ -726,9 +637,10 @@ class MainWindow(QMainWindow):
             return None
 
         # The engine keeps the current model answering while the next one loads: only wait without one.
-        if self._load_task is not None and not self._load_task.done() and self.backend.model_info is None:
+        load = self.model_loader.task
+        if load is not None and not load.done() and self.backend.model_info is None:
             self.set_status("Waiting for the model to finish loading…")
-            await asyncio.wait([self._load_task])
+            await asyncio.wait([load])
             if self._closed:
                 return None
 
@@ -826,7 +738,7 @@ class MainWindow(QMainWindow):
         else:
             self.set_status("Ready")
         self.perf_panel.end_answer(result.stats)
-        self._restart_idle_countdown()
+        self.park_controls.restart_idle_countdown()
         self.refresh_memory()
         if self.slot_dock.isVisible():
             self.slot_panel.refresh()

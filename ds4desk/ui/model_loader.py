@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QEvent, QMimeData, QObject
 from PySide6.QtGui import QAction, QDragEnterEvent, QDropEvent
-from PySide6.QtWidgets import QMenu, QProgressBar, QPushButton, QWidget
+from PySide6.QtWidgets import QFileDialog, QMainWindow, QMenu, QProgressBar, QPushButton, QWidget
 
 from ds4desk.engine.api import EngineError, ErrorCode, LoadRequest, LoadResult, ModelPreview
-from ds4desk.settings import MAX_RECENT_MODELS
-
-if TYPE_CHECKING:
-    from ds4desk.ui.main_window import MainWindow
+from ds4desk.settings import MAX_RECENT_MODELS, Settings
+from ds4desk.ui.backend import ChatBackend
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +39,44 @@ def remembered(recent: list[str], path: str) -> list[str]:
     return [path, *(p for p in recent if p != path)][:MAX_RECENT_MODELS]
 
 
+@dataclass(slots=True, frozen=True)
+class LoaderHooks:
+    """What the loader asks of the window it serves, and nothing more."""
+
+    load: Callable[[str], Awaitable[LoadResult]]  # the window's load of a checked path, remembered
+    say: Callable[[str], None]  # the status line
+    warn: Callable[[str], None]  # the status line, as an error
+    status_text: Callable[[], str]  # what the status line says now
+    show_error: Callable[[str], None]  # a line in the conversation
+    save_settings: Callable[[], None]
+    closed: Callable[[], bool]  # the window has closed: touch no widget
+
+
 class ModelLoader(QObject):
-    def __init__(self, window: MainWindow) -> None:
+    """Owns the running load (`task`): one at a time, whoever started it."""
+
+    def __init__(
+        self,
+        window: QMainWindow,
+        backend: ChatBackend,
+        settings: Settings,
+        hooks: LoaderHooks,
+        *,
+        open_action: QAction,
+        device_override: str | None = None,
+    ) -> None:
+        """`open_action`: File > Open model…, under which Open recent goes. `device_override`: the
+        --device flag, used for this session's loads only."""
         super().__init__(window)
         self._window = window
+        self._backend = backend
+        self._settings = settings
+        self._hooks = hooks
+        self._open_action = open_action
+        self._device_override = device_override
         self.last_preview: ModelPreview | None = None
         self.progress_updates = 0  # how many batches of progress reached the bar
-        self._open_task: asyncio.Task[LoadResult] | None = None
+        self.task: asyncio.Task[LoadResult] | None = None  # the load running or last run
 
         self.progress_bar = QProgressBar(objectName="LoadProgress")
         self.progress_bar.setMaximumWidth(220)
@@ -60,6 +90,7 @@ class ModelLoader(QObject):
         bar.addPermanentWidget(self.cancel_button)
         self._show_progress(False)
 
+        open_action.triggered.connect(self._on_open_model)
         self.recent_menu = QMenu("Open &recent", window, objectName="RecentModelsMenu")
         self.recent_menu.setToolTipsVisible(True)
         self._insert_recent_menu()
@@ -77,8 +108,12 @@ class ModelLoader(QObject):
 
     @property
     def loading(self) -> bool:
-        task = self._window._load_task
-        return task is not None and not task.done()
+        return self.task is not None and not self.task.done()
+
+    def track(self, task: asyncio.Task[LoadResult]) -> asyncio.Task[LoadResult]:
+        """`task` is now the running load: a message sent meanwhile waits for it."""
+        self.task = task
+        return task
 
     # ---- drag and drop ----------------------------------------------------------------------
 
@@ -90,7 +125,7 @@ class ModelLoader(QObject):
             return self._drag_event(event, kind)  # type: ignore[arg-type]
         except Exception as exc:  # whatever was dropped, the window goes on
             log.exception("handling a drop failed")
-            self._window.set_status(f"Could not take what was dropped: {exc}", error=True)
+            self._hooks.warn(f"Could not take what was dropped: {exc}")
             return True
 
     def _drag_event(self, event: QDragEnterEvent | QDropEvent, kind: QEvent.Type) -> bool:
@@ -100,9 +135,7 @@ class ModelLoader(QObject):
         event.acceptProposedAction()
         if kind == QEvent.Type.Drop:
             if len(paths) > 1:
-                self._window.set_status(
-                    f"{len(paths)} items dropped: opening the first, {Path(paths[0]).name}"
-                )
+                self._hooks.say(f"{len(paths)} items dropped: opening the first, {Path(paths[0]).name}")
             self.open_path(paths[0])
         return True
 
@@ -111,28 +144,23 @@ class ModelLoader(QObject):
     def open_path(self, path: str) -> asyncio.Task[LoadResult] | None:
         """Preflight `path`, then load it; None (and a status line) while another load runs."""
         if self.loading:
-            self._window.set_status(
-                "A model is still loading: cancel it (Cancel, bottom right) before opening another.",
-                error=True,
+            self._hooks.warn(
+                "A model is still loading: cancel it (Cancel, bottom right) before opening another."
             )
             return None
-        self._open_task = asyncio.ensure_future(self._open(path))
-        # The window's load task: a message sent meanwhile waits for it, and wait_idle sees it.
-        self._window._load_task = self._open_task
-        return self._open_task
+        return self.track(asyncio.ensure_future(self._open(path)))
 
     async def _open(self, path: str) -> LoadResult:
-        window = self._window
         name = Path(path).name or path
-        request = window.settings.load_request(path, window._device_override)
-        window.set_status(f"Checking {name}…")
+        request = self._settings.load_request(path, self._device_override)
+        self._hooks.say(f"Checking {name}…")
         try:
-            preview = await window.backend.inspect(request)
+            preview = await self._backend.preview(request)
         except Exception as exc:  # the backend promises not to raise; a bug must not kill the window
-            log.exception("inspect raised")
+            log.exception("preview raised")
             error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
             preview = ModelPreview(path, error=error, message=error.detail)
-        if window._closed:
+        if self._hooks.closed():
             return LoadResult(error=EngineError(ErrorCode.CANCELLED, "the window closed"))
         self.last_preview = preview
         if preview.error is not None:
@@ -140,12 +168,32 @@ class ModelLoader(QObject):
         if not preview.fits:
             error = EngineError(ErrorCode.OUT_OF_MEMORY, preview.message)
             return self._refuse(error, f"{name} does not fit: {preview.message}")
-        return await window.load_model(path, remember=True)
+        return await self._hooks.load(path)
+
+    def _on_open_model(self) -> None:
+        path = self._choose_model_path()
+        if path:
+            self.open_path(path)
+
+    def _choose_model_path(self) -> str | None:
+        """One dialog for both kinds: a .gguf file, or any file of a model folder (its folder is
+        used). The engine decides whether it is a model."""
+        start = self._settings.last_model or str(Path.home())
+        path, _ = QFileDialog.getOpenFileName(
+            self._window,
+            "Open model",
+            str(Path(start).parent if Path(start).is_file() else start),
+            "Models (*.gguf config.json *.safetensors);;All files (*)",
+        )
+        if not path:
+            return None
+        chosen = Path(path)
+        return str(chosen if chosen.suffix.lower() == ".gguf" else chosen.parent)
 
     def _refuse(self, error: EngineError, text: str) -> LoadResult:
         """Nothing was loaded or let go: say why, in the status bar and in the conversation."""
-        self._window.set_status(text, error=True)
-        self._window.chat_view.add_error(text)
+        self._hooks.warn(text)
+        self._hooks.show_error(text)
         return LoadResult(error=error)
 
     async def load(self, request: LoadRequest) -> LoadResult:
@@ -154,21 +202,21 @@ class ModelLoader(QObject):
         if preview is not None and preview.path == request.path:
             self.progress_bar.setToolTip(preview.message)
             if preview.needs_unload:
-                self._window.set_status(
-                    f"{self._window.status_label.text()} Memory holds only one model: the current one is "
+                self._hooks.say(
+                    f"{self._hooks.status_text()} Memory holds only one model: the current one is "
                     "unloaded first and cannot answer until this one is ready."
                 )
         self._on_progress(0, 0, "tensors")
         self.cancel_button.setEnabled(True)
         self._show_progress(True)
         try:
-            return await self._window.backend.load(request, self._on_progress)
+            return await self._backend.load(request, self._on_progress)
         finally:
-            if not self._window._closed:
+            if not self._hooks.closed():
                 self._show_progress(False)
 
     def _on_progress(self, done: int, total: int, unit: str) -> None:
-        if self._window._closed:
+        if self._hooks.closed():
             return
         self.progress_updates += 1
         bar = self.progress_bar
@@ -183,9 +231,9 @@ class ModelLoader(QObject):
     def cancel(self) -> None:
         if not self.loading:
             return
-        self._window.backend.cancel_load()
+        self._backend.cancel_load()
         self.cancel_button.setEnabled(False)  # once is enough; the load stops at its next tensor
-        self._window.set_status("Cancelling the load…")
+        self._hooks.say("Cancelling the load…")
 
     def _show_progress(self, shown: bool) -> None:
         self.progress_bar.setVisible(shown)
@@ -195,7 +243,7 @@ class ModelLoader(QObject):
 
     def _insert_recent_menu(self) -> None:
         """Under File > Open model…, wherever the File menu is."""
-        opener = self._window.open_model_action
+        opener = self._open_action
         for action in self._window.menuBar().actions():
             menu = action.menu()
             if isinstance(menu, QMenu) and opener in menu.actions():
@@ -210,7 +258,7 @@ class ModelLoader(QObject):
 
     def remember(self, path: str) -> None:
         """A model loaded from `path`: the one to open next time, first in the recent list."""
-        settings = self._window.settings
+        settings = self._settings
         settings.last_model = path
         settings.recent_models = remembered(settings.recent_models, path)
         self.rebuild_recent_menu()
@@ -218,7 +266,7 @@ class ModelLoader(QObject):
     def rebuild_recent_menu(self) -> None:
         menu = self.recent_menu
         menu.clear()
-        recent = self._window.settings.recent_models
+        recent = self._settings.recent_models
         for path in recent:
             action = QAction(Path(path).name or path, menu)
             action.setToolTip(path)
@@ -233,8 +281,8 @@ class ModelLoader(QObject):
         menu.addAction("Clear recent models").triggered.connect(self.clear_recent)
 
     def clear_recent(self) -> None:
-        self._window.settings.recent_models = []
-        self._window._save_settings()
+        self._settings.recent_models = []
+        self._hooks.save_settings()
         self.rebuild_recent_menu()
 
     def recent_paths(self) -> list[str]:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from ds4desk.cli import main as cli_main
 from ds4desk.engine import Engine, EngineClient
 from ds4desk.engine.loading.default_model import default_model_path
-from ds4desk.engine.loading.detect import inspect_model
+from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.history import History
 from ds4desk.settings import Settings
@@ -30,7 +30,7 @@ def good_model(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> P
     """A tiny random llama with SmolLM2's real tokenizer: loads in a blink."""
     folder = tmp_path_factory.mktemp("good") / "tiny-llama"
     make_hf_model("llama", vocab_size=49152).save_pretrained(folder, safe_serialization=True)
-    smol = inspect_model(default_model_path(), model_cache).folder
+    smol = read_source(default_model_path(), model_cache).folder
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smol / name, folder / name)
     return folder

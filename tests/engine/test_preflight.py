@@ -14,7 +14,7 @@ import pytest
 from ds4desk.engine import Engine, EngineClient, ErrorCode, GenerateRequest, LoadRequest, ModelPreview
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.preflight import inspect_model
+from ds4desk.engine.preflight import preview_model
 from tests.engine.tiny_dense import TINY_CONFIGS, save_tiny
 
 TOKENIZER = Path(__file__).with_name("tiny_tokenizer.json")
@@ -47,7 +47,7 @@ def assert_failed(preview: ModelPreview, *words: str) -> None:
 
 def test_a_dense_folder(dense: Path) -> None:
     cfg = TINY_CONFIGS["llama"]
-    preview = inspect_model(dense, "cpu", None, 4096)
+    preview = preview_model(dense, "cpu", None, 4096)
     assert preview.error is None and preview.fits and not preview.needs_unload
     assert (preview.family, preview.architecture) == ("llama", "LlamaForCausalLM")
     assert (preview.device, preview.dtype) == ("cpu", "float32")
@@ -64,13 +64,13 @@ def test_a_dense_folder(dense: Path) -> None:
     assert preview.free_bytes is not None and preview.free_bytes > 0
     assert "free on cpu" in preview.message and "LlamaForCausalLM" in preview.message
 
-    half = inspect_model(dense / "model.safetensors", "cpu", "bfloat16", 64)  # a file of the folder
+    half = preview_model(dense / "model.safetensors", "cpu", "bfloat16", 64)  # a file of the folder
     assert half.ok and half.weight_bytes == params * 2 and half.cache_bytes == layers * 2 * kv_dim * 64 * 2
 
 
 def test_a_deepseek_v4_folder(tmp_path: Path) -> None:
     state = make_tiny("deepseek_v4", tmp_path / "v4")
-    preview = inspect_model(tmp_path / "v4", "cpu", None, 128)
+    preview = preview_model(tmp_path / "v4", "cpu", None, 128)
     assert preview.error is None and preview.fits
     assert (preview.family, preview.architecture) == ("deepseek_v4", "DeepseekV4ForCausalLM")
     assert preview.parameters == sum(t.numel() for t in state.values())
@@ -80,7 +80,7 @@ def test_a_deepseek_v4_folder(tmp_path: Path) -> None:
 
 def test_the_embedded_gguf_is_read_from_its_header_only(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    preview = inspect_model(default_model_path(), "cpu", None, 2048, cache_dir=cache)
+    preview = preview_model(default_model_path(), "cpu", None, 2048, cache_dir=cache)
     assert preview.error is None and preview.fits
     assert (preview.family, preview.architecture) == ("llama", "LlamaForCausalLM")
     assert preview.parameters == 134_515_008  # SmolLM2-135M, tied embeddings
@@ -95,62 +95,62 @@ def test_a_truncated_safetensors(dense: Path, tmp_path: Path) -> None:
     shutil.copytree(dense, broken)
     weights = broken / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
-    assert_failed(inspect_model(broken, "cpu"), "model.safetensors")
+    assert_failed(preview_model(broken, "cpu"), "model.safetensors")
 
 
 def test_a_gguf_cut_in_half(tmp_path: Path) -> None:
     data = default_model_path().read_bytes()
     half = tmp_path / "half.gguf"
     half.write_bytes(data[: len(data) // 2])
-    assert_failed(inspect_model(half, "cpu", cache_dir=tmp_path / "cache"), "half.gguf", "truncated")
+    assert_failed(preview_model(half, "cpu", cache_dir=tmp_path / "cache"), "half.gguf", "truncated")
 
 
 def test_random_bytes_named_gguf(tmp_path: Path) -> None:
     noise = tmp_path / "noise.gguf"
     noise.write_bytes(os.urandom(4096))
-    assert_failed(inspect_model(noise, "cpu", cache_dir=tmp_path / "cache"), "noise.gguf", "not a valid GGUF")
+    assert_failed(preview_model(noise, "cpu", cache_dir=tmp_path / "cache"), "noise.gguf", "not a valid GGUF")
 
 
 def test_a_folder_without_config(dense: Path, tmp_path: Path) -> None:
     folder = tmp_path / "no-config"
     folder.mkdir()
     shutil.copy(dense / "model.safetensors", folder)
-    assert_failed(inspect_model(folder, "cpu"), "no config.json")
+    assert_failed(preview_model(folder, "cpu"), "no config.json")
 
 
 def test_a_text_file_and_a_missing_path(tmp_path: Path) -> None:
     notes = tmp_path / "notes.txt"
     notes.write_text("hello")
-    assert_failed(inspect_model(notes, "cpu"), "notes.txt is not a model")
-    assert_failed(inspect_model(tmp_path / "gone", "cpu"), "does not exist")
+    assert_failed(preview_model(notes, "cpu"), "notes.txt is not a model")
+    assert_failed(preview_model(tmp_path / "gone", "cpu"), "does not exist")
 
 
 def test_a_folder_without_tokenizer(dense: Path, tmp_path: Path) -> None:
     folder = tmp_path / "no-tok"
     shutil.copytree(dense, folder)
     (folder / "tokenizer.json").unlink()
-    assert_failed(inspect_model(folder, "cpu"), "no tokenizer.json")
+    assert_failed(preview_model(folder, "cpu"), "no tokenizer.json")
 
 
 def test_does_not_fit_says_what_to_do(dense: Path) -> None:
-    full = inspect_model(dense, "cpu", None, 256)
+    full = preview_model(dense, "cpu", None, 256)
     needed = full.weight_bytes + full.cache_bytes
-    refused = inspect_model(dense, "cpu", None, 256, free_bytes=needed - 1)
+    refused = preview_model(dense, "cpu", None, 256, free_bytes=needed - 1)
     assert refused.error is None and not refused.fits and refused.free_bytes == needed - 1
     assert refused.message.startswith(f"needs {needed / 1e6:.1f} MB, ")
     assert "free on cpu: choose a smaller context, another device or a smaller model" in refused.message
 
     # With a model loaded on the same device, unloading it is the way: it fits, but only so.
-    swap = inspect_model(dense, "cpu", None, 256, free_bytes=needed - 1, resident=("cpu", 10**6))
+    swap = preview_model(dense, "cpu", None, 256, free_bytes=needed - 1, resident=("cpu", 10**6))
     assert swap.fits and swap.needs_unload and "only after unloading the current model" in swap.message
-    other = inspect_model(dense, "cpu", None, 256, free_bytes=needed - 1, resident=("cuda:0", 10**9))
+    other = preview_model(dense, "cpu", None, 256, free_bytes=needed - 1, resident=("cuda:0", 10**9))
     assert not other.fits  # memory on another device does not help
-    tight = inspect_model(dense, "cpu", None, 256, free_bytes=1000, resident=("cpu", 10))
+    tight = preview_model(dense, "cpu", None, 256, free_bytes=1000, resident=("cpu", 10))
     assert not tight.fits and "park the current model" in tight.message
 
     # A context the cache cannot hold: the same refusal, from the cache size alone.
     big = tiny_config_copy(dense, max_position_embeddings=2**40)
-    huge = inspect_model(big, "cpu", None, 2**34)
+    huge = preview_model(big, "cpu", None, 2**34)
     assert huge.error is None and not huge.fits and huge.cache_bytes > 10**12
 
 
@@ -164,8 +164,8 @@ def tiny_config_copy(folder: Path, **overrides: object) -> Path:
 
 
 def test_bad_device_and_context_are_errors_not_exceptions(dense: Path) -> None:
-    assert inspect_model(dense, "tpu").error is not None
-    bad = inspect_model(dense, "cpu", None, 1)
+    assert preview_model(dense, "tpu").error is not None
+    bad = preview_model(dense, "cpu", None, 1)
     assert bad.error is not None and bad.error.code == ErrorCode.BAD_REQUEST
 
 
@@ -238,13 +238,13 @@ def test_the_previous_model_answers_while_the_next_one_loads(
         engine.close()
 
 
-def test_client_inspect_and_batched_progress(dense: Path, tmp_path: Path) -> None:
+def test_client_preview_and_batched_progress(dense: Path, tmp_path: Path) -> None:
     engine = Engine(tmp_path / "cache")
     client = EngineClient(engine, updates_per_second=1)
 
     async def run() -> tuple[ModelPreview, ModelPreview, list[tuple[int, int, str]], object]:
-        good = await client.inspect(LoadRequest(path=str(dense), device="cpu", context=64))
-        bad = await client.inspect(LoadRequest(path=str(tmp_path / "missing"), device="cpu"))
+        good = await client.preview(LoadRequest(path=str(dense), device="cpu", context=64))
+        bad = await client.preview(LoadRequest(path=str(tmp_path / "missing"), device="cpu"))
         updates: list[tuple[int, int, str]] = []
         result = await client.load(
             LoadRequest(path=str(dense), device="cpu", context=64), lambda *p: updates.append(p)

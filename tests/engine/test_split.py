@@ -24,7 +24,7 @@ from ds4desk.engine.graphs import graphs_wanted
 from ds4desk.engine.loader import check_tensors, load_model
 from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.models.deepseek_v4 import model as deepseek_v4
+from ds4desk.engine.models import base
 from ds4desk.engine.models.llama import model as llama
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import (
@@ -82,8 +82,7 @@ def prompt(source: ModelSource, count: int, seed: int) -> torch.Tensor:
 def graph_step(model: Any, token: torch.Tensor, pos: int) -> torch.Tensor:
     """decode_graphable as the graph runner drives it (V4 learns its length afterwards)."""
     logits = model.decode_graphable(token.view(1), torch.tensor([pos]), CONTEXT)
-    if hasattr(model, "set_length"):
-        model.set_length(pos + 1)
+    model.set_length(pos + 1)
     return logits
 
 
@@ -142,8 +141,8 @@ def hand_overs(
     source: ModelSource, monkeypatch: pytest.MonkeyPatch
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every (input, output) of the shard hand-off, recorded."""
-    module: Any = deepseek_v4 if source.architecture.startswith("Deepseek") else llama
-    real: Callable[[torch.Tensor, torch.device], torch.Tensor] = module._hand_over
+    # Both families hand over through base.hand_over (their forward and base's decode_graphable).
+    real: Callable[[torch.Tensor, torch.device], torch.Tensor] = base.hand_over
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def spy(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -151,7 +150,7 @@ def hand_overs(
         seen.append((x, out))
         return out
 
-    monkeypatch.setattr(module, "_hand_over", spy)
+    monkeypatch.setattr(base, "hand_over", spy)
     return seen
 
 
@@ -350,19 +349,22 @@ def test_model_bytes_places_weights_and_caches(source: ModelSource) -> None:
     assert sum(plan.layers) == len(layers) and needs == {"cpu": sum(layers) + first + last}
 
 
-def test_graphs_stay_off_for_a_split_over_several_gpus() -> None:
-    class Model:
-        supports_graphs = True
-        split: ShardPlan | None = None
-
-    model = Model()
+def test_a_split_over_several_gpus_keeps_its_graphs(source: ModelSource) -> None:
+    """Every model decodes shard by shard (decode_shard is part of the model contract), so a split
+    over several GPUs is captured as one graph per shard: the split never turns graphs off, the
+    setting and the device do."""
+    layers = source.config["num_hidden_layers"]
+    meta, _ = check_tensors(source)
+    assert meta.supports_graphs
+    meta.place(ShardPlan(("cuda:0", "cuda:1"), (1, layers - 1)))
+    assert meta.split is not None and meta.split.multi_device
     cuda = torch.device("cuda", 0)
-    assert graphs_wanted(True, cuda, model)
-    model.split = ShardPlan(("cuda:0", "cuda:0"), (1, 1))  # one GPU: a graph can still hold it
-    assert graphs_wanted(True, cuda, model)
-    model.split = ShardPlan(("cuda:0", "cuda:1"), (1, 1))
-    assert not graphs_wanted(True, cuda, model)
-    assert not graphs_wanted(None, cuda, model)
+    assert graphs_wanted(True, cuda, meta)
+    assert not graphs_wanted(False, cuda, meta)
+    assert graphs_wanted(None, cuda, meta) == (torch.version.hip is None)
+    assert not graphs_wanted(True, CPU, meta)
+    meta.supports_graphs = False  # a family whose decode step cannot be captured
+    assert not graphs_wanted(True, cuda, meta)
 
 
 # ---- the engine, the CLI and the settings ---------------------------------------------------------

@@ -105,10 +105,10 @@ def test_the_engine_spells_the_close_itself_when_none_is_given(model_cache: Path
     """The window cannot know token ids: an empty close sequence means the tokenizer's `</think>`."""
     from ds4desk.engine import Engine, GenerateRequest, LoadRequest
     from ds4desk.engine.loading.default_model import default_model_path
-    from ds4desk.engine.loading.detect import inspect_model
+    from ds4desk.engine.loading.detect import read_source
     from ds4desk.engine.tokenizer import ChatTokenizer
 
-    source = inspect_model(default_model_path(), model_cache)
+    source = read_source(default_model_path(), model_cache)
     spelled = ChatTokenizer.from_folder(source.folder, source.chat_template).encode("</think>")
     assert len(spelled) >= 1
     engine = Engine(model_cache)

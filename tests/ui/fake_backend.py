@@ -257,7 +257,7 @@ class FakeBackend:
     # ---- opening models: preflight, load progress and cancel ------------------------------------
 
     previews: dict[str, ModelPreview] = field(default_factory=dict)  # by path; else a preview that fits
-    inspect_requests: list[LoadRequest] = field(default_factory=list)
+    preview_requests: list[LoadRequest] = field(default_factory=list)
     load_steps: int = 0  # tensors a load reports progress for (0: none)
     pause_load_at: int | None = None  # the load waits after this step until cancel_load or resume_load
     cancel_load_calls: int = 0
@@ -265,8 +265,8 @@ class FakeBackend:
     _load_resume: asyncio.Event | None = None
     _load_cancelled: bool = False
 
-    async def inspect(self, request: LoadRequest) -> ModelPreview:
-        self.inspect_requests.append(request)
+    async def preview(self, request: LoadRequest) -> ModelPreview:
+        self.preview_requests.append(request)
         await asyncio.sleep(self.delay_s)
         path = request.path or "<embedded>"
         if path in self.previews:

@@ -65,7 +65,7 @@ def test_unavailable_backend_answers_with_errors(loop) -> None:
     backend = UnavailableBackend("engine missing")
     assert isinstance(backend, ChatBackend)  # every method the window may call is there
     assert loop.run_until_complete(backend.load(LoadRequest())).error.detail == "engine missing"
-    preview = loop.run_until_complete(backend.inspect(LoadRequest(path="/m")))
+    preview = loop.run_until_complete(backend.preview(LoadRequest(path="/m")))
     assert not preview.ok and preview.message == "engine missing"
     assert loop.run_until_complete(backend.slots()).error.detail == "engine missing"
     assert loop.run_until_complete(backend.memory()).total == 0

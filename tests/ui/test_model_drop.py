@@ -86,7 +86,7 @@ def test_a_dropped_model_is_checked_then_loaded_and_remembered(
     assert event.isAccepted()
     run(window.wait_idle())
 
-    assert [r.path for r in backend.inspect_requests] == [str(folder)]
+    assert [r.path for r in backend.preview_requests] == [str(folder)]
     assert [r.path for r in backend.load_requests][-1] == str(folder)
     assert "fake-llama-1b" in window.model_label.text()
     assert "loaded in" in window.status_label.text() and window.status_label.property("error") is False
@@ -247,7 +247,7 @@ def test_recent_models_survive_a_restart(window_with_settings_file: Any, run: An
     assert second.model_loader.recent_menu.menuAction() in file_menu.actions()
     second.model_loader.recent_menu.actions()[2].trigger()
     run(second.wait_idle())
-    assert [r.path for r in backend.inspect_requests] == [str(models[1])]
+    assert [r.path for r in backend.preview_requests] == [str(models[1])]
     assert backend.load_requests[-1].path == str(models[1])
     assert second.model_loader.recent_paths()[0] == str(models[1])
 

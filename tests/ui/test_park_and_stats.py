@@ -19,8 +19,8 @@ def click(qtbot, button) -> None:
 
 
 def finish(window: MainWindow, run) -> None:
-    assert window._park_task is not None
-    run(window._park_task)
+    assert window.park_controls.task is not None
+    run(window.park_controls.task)
 
 
 def test_park_then_unpark_from_the_buttons(qtbot, make_window, run) -> None:

@@ -140,10 +140,10 @@ def test_park_row_shows_memory_after_each_action(qtbot, make_window, run) -> Non
     assert label.text() == "allocated 4.40 GB  ·  reserved 4.50 GB  ·  free 75.50 GB"  # after the load
 
     click(qtbot, window.park_button)
-    run(window._park_task)  # type: ignore[arg-type]
+    run(window.park_controls.task)  # type: ignore[arg-type]
     assert label.text() == "allocated 0 B  ·  reserved 0 B  ·  free 80.00 GB"
     click(qtbot, window.unpark_button)
-    run(window._park_task)  # type: ignore[arg-type]
+    run(window.park_controls.task)  # type: ignore[arg-type]
     assert label.text().startswith("allocated 4.40 GB")
     assert label.accessibleName() and window.park_readout.countdown_label.text() == ""  # auto-park off
 

@@ -2,17 +2,15 @@
 
 Accepted: a Hugging Face model folder (config.json + safetensors + tokenizer files), a file inside
 one (config.json, a .safetensors shard), or a single .gguf file, which is imported into a folder in
-the cache first. Tensor shapes are checked against the architecture by the model registry
-(`check_model` asks it; loading does too).
+the cache first. What comes back is a ModelSource: the config (in one spelling, whatever the
+checkpoint used), every tensor's header entry and the tokenizer files. Tensor shapes are checked
+against the architecture later, on the meta model (`loader.plan_load`, `preflight.check_model`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +18,9 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading import deepseek_v4_names
 from ds4desk.engine.loading.gguf_header import GGUF_MAGIC
 from ds4desk.engine.loading.gguf_import import import_gguf
-from ds4desk.engine.loading.quant_checks import stored_bytes
 from ds4desk.engine.loading.safetensors_header import read_safetensors_header
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
-from ds4desk.engine.models.registry import ARCHITECTURES, family_for
+from ds4desk.engine.models.registry import ARCHITECTURES
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files of a HF folder that a user may drop instead of the folder itself.
@@ -47,7 +44,7 @@ def _fail(message: str) -> EngineFailure:
     return EngineFailure(ErrorCode.LOAD_FAILED, message)
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf(path: Path) -> bool:
     if path.suffix.lower() == ".gguf":
         return True
     try:
@@ -57,7 +54,7 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
-def inspect_model(path: Path, cache_dir: Path) -> ModelSource:
+def read_source(path: Path, cache_dir: Path) -> ModelSource:
     """What `path` is, as a loadable folder; LOAD_FAILED with a human message for anything else."""
     path = Path(path).expanduser()
     try:
@@ -70,7 +67,7 @@ def inspect_model(path: Path, cache_dir: Path) -> ModelSource:
         return inspect_folder(path)
     if not is_file:
         raise _fail(f"{path} is not a model: expected a folder with config.json or a .gguf file")
-    if _is_gguf(path):
+    if is_gguf(path):
         return _inspect_gguf(path, Path(cache_dir))
     if path.suffix == ".safetensors" or path.name in FOLDER_FILES:
         return inspect_folder(path.parent)
@@ -246,113 +243,9 @@ def find_chat_template(folder: Path) -> str | None:
     return None
 
 
-def context_length(config: dict[str, Any]) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = config.get(key)
-        if type(value) is int and value > 0:
-            return value
-    return None
-
-
-@dataclass(slots=True)
-class ModelReport:
-    """What `ds4desk check PATH` prints."""
-
-    path: Path  # what the user pointed at
-    folder: Path  # the HF folder (in the cache for a GGUF)
-    family: str
-    architecture: str
-    parameters: int
-    dtype: str  # the dtype most parameters are stored in
-    weight_bytes: int
-    tensor_count: int
-    tokenizer: str
-    has_chat_template: bool
-    context_length: int | None
-    dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> parameters stored in it
-
-    def describe(self) -> str:
-        source = str(self.path)
-        if self.folder != self.path:
-            source += f" (imported to {self.folder})"
-        dtypes = ", ".join(f"{d} {_count(n)}" for d, n in sorted(self.dtypes.items(), key=lambda kv: -kv[1]))
-        lines = [
-            f"model:         {source}",
-            f"architecture:  {self.architecture} ({self.family} family)",
-            f"parameters:    {_count(self.parameters)} in {self.tensor_count} tensors",
-            f"weights:       {self.dtype}, {_size(self.weight_bytes)}"
-            + (f" ({dtypes})" if len(self.dtypes) > 1 else ""),
-            f"tokenizer:     {self.tokenizer}",
-            f"chat template: {'yes' if self.has_chat_template else 'no'}",
-            f"context:       {self.context_length if self.context_length else 'unknown'} tokens",
-        ]
-        return "\n".join(lines)
-
-
-def _count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(n)
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
-
-
-def _check_hash_tables(source: ModelSource) -> None:
-    """The one check that needs values, not headers: the small hash-routing tables."""
-    from ds4desk.engine.loading.quantized import ShardReader, read_tensor
-    from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Config, check_hash_table
-
-    experts = DeepseekV4Config.from_hf(source.config).num_experts
-    with ShardReader() as reader:
-        for name, entry in source.tensors.items():
-            if name.endswith("mlp.gate.tid2eid"):
-                check_hash_table(name, read_tensor(reader, name, entry), experts)
-
-
-def check_model(path: Path, cache_dir: Path) -> ModelReport:
-    """Inspect `path` fully (tokenizer, template, every tensor's name and shape against the
-    architecture) without loading any weights."""
-    from ds4desk.engine.loader import check_tensors  # torch: only `check` needs it here
-    from ds4desk.engine.tokenizer import ChatTokenizer
-
-    source = inspect_model(path, cache_dir)
-    check_tensors(source)
-    if source.architecture == "DeepseekV4ForCausalLM":
-        _check_hash_tables(source)
-    per_dtype: Counter[str] = Counter()
-    weight_bytes = 0
-    for entry in source.tensors.values():
-        per_dtype["FP4" if entry.encoding == "fp4_block32" else entry.dtype] += math.prod(entry.shape)
-        weight_bytes += stored_bytes(entry)  # quantized: with scales and every part
-    if source.tokenizer_file is None:
-        tokenizer = "none (no tokenizer.json)"
-    else:
-        tokenizer = ChatTokenizer.from_folder(source.folder, source.chat_template).describe()
-    return ModelReport(
-        path=source.origin,
-        folder=source.folder,
-        family=family_for(source.architecture),
-        architecture=source.architecture,
-        parameters=sum(per_dtype.values()),
-        dtype=per_dtype.most_common(1)[0][0],
-        weight_bytes=weight_bytes,
-        tensor_count=len(source.tensors),
-        tokenizer=tokenizer,
-        has_chat_template=source.chat_template is not None,
-        context_length=context_length(source.config),
-        dtypes=dict(per_dtype),
-    )
-
-
 __all__ = [
-    "ModelReport",
-    "check_model",
     "inspect_folder",
-    "inspect_model",
+    "is_gguf",
+    "read_config",
+    "read_source",
 ]

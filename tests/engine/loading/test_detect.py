@@ -1,4 +1,4 @@
-"""inspect_model / check_model: what a dropped path is, and a clear message for everything else."""
+"""read_source / check_model: what a dropped path is, and a clear message for everything else."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.default_model import default_model_path
-from ds4desk.engine.loading.detect import check_model, inspect_model
+from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.registry import ARCHITECTURES
+from ds4desk.engine.preflight import check_model
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -64,7 +65,7 @@ def make_folder(root: Path, *, config: object = CONFIG, weights: bool = True, to
 
 def _error(path: Path, cache: Path) -> str:
     with pytest.raises(EngineFailure) as exc:
-        inspect_model(path, cache)
+        read_source(path, cache)
     assert exc.value.error.code == ErrorCode.LOAD_FAILED
     return exc.value.error.detail
 
@@ -72,7 +73,7 @@ def _error(path: Path, cache: Path) -> str:
 def test_folder_and_files_inside_it(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "m")
     for dropped in (folder, folder / "config.json", folder / "model.safetensors", folder / "tokenizer.json"):
-        source = inspect_model(dropped, tmp_path / "cache")
+        source = read_source(dropped, tmp_path / "cache")
         assert source.folder == folder and source.origin == folder
         assert source.architecture == "LlamaForCausalLM" and source.config["hidden_size"] == 8
         assert set(source.tensors) == set(_tensors())
@@ -167,7 +168,7 @@ def test_sharded_folder(tmp_path: Path) -> None:
     names = list(_tensors())
     index = {n: f"model-0000{1 if i < 2 else 2}-of-00002.safetensors" for i, n in enumerate(names)}
     _shard(folder, index)
-    source = inspect_model(folder, tmp_path / "cache")
+    source = read_source(folder, tmp_path / "cache")
     assert set(source.tensors) == set(names)
     assert source.tensors[names[2]].file.name == "model-00002-of-00002.safetensors"
 
@@ -194,17 +195,17 @@ def test_bad_shard_index(tmp_path: Path, mutate, problem: str) -> None:  # type:
 
 def test_chat_template_sources(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "m")
-    assert inspect_model(folder, tmp_path).chat_template == TEMPLATE
+    assert read_source(folder, tmp_path).chat_template == TEMPLATE
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
-    assert inspect_model(folder, tmp_path).chat_template == "D"
+    assert read_source(folder, tmp_path).chat_template == "D"
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": "J"}))
-    assert inspect_model(folder, tmp_path).chat_template == "J"
+    assert read_source(folder, tmp_path).chat_template == "J"
     (folder / "chat_template.jinja").write_text("JINJA")
-    assert inspect_model(folder, tmp_path).chat_template == "JINJA"
+    assert read_source(folder, tmp_path).chat_template == "JINJA"
     for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
         (folder / name).unlink()
-    assert inspect_model(folder, tmp_path).chat_template is None
+    assert read_source(folder, tmp_path).chat_template is None
 
 
 def test_check_model_report_for_a_folder(tmp_path: Path) -> None:

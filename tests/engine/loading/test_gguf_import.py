@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading import default_model, gguf_import
 from ds4desk.engine.loading.default_model import default_model_path
-from ds4desk.engine.loading.detect import inspect_model
+from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.loading.gguf_import import (
     gguf_tensor_name,
     import_gguf,
@@ -80,8 +80,8 @@ def test_second_import_reuses_the_cache(smollm: Path, model_cache: Path) -> None
 
 
 @pytest.mark.slow
-def test_inspect_model_on_a_gguf_points_at_the_imported_folder(smollm: Path, model_cache: Path) -> None:
-    source = inspect_model(default_model_path(), model_cache)
+def test_read_source_on_a_gguf_points_at_the_imported_folder(smollm: Path, model_cache: Path) -> None:
+    source = read_source(default_model_path(), model_cache)
     assert source.folder == smollm and source.origin == default_model_path()
     assert source.architecture == "LlamaForCausalLM" and source.tokenizer_file == smollm / "tokenizer.json"
     assert source.chat_template is not None and "<|im_start|>" in source.chat_template

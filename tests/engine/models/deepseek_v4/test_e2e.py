@@ -15,9 +15,10 @@ from ds4desk.cli import main
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loader import check_tensors, load_model
 from ds4desk.engine.loading import deepseek_v4_names as names
-from ds4desk.engine.loading.detect import check_model, inspect_folder
+from ds4desk.engine.loading.detect import inspect_folder
 from ds4desk.engine.loading.quantized import ShardReader, quantize_fp8_block128, read_tensor
 from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny, write_tokenizer
+from ds4desk.engine.preflight import check_model
 
 CPU = torch.device("cpu")
 IDS = torch.tensor([0, 5, 17, 42, 99, 7, 7, 250, 3, 11, 64, 128, 200, 31, 2, 9, 77, 150])
