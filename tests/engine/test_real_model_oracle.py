@@ -77,8 +77,15 @@ def test_float32_cpu_matches_transformers(
     assert result.ok, result.error
     assert len(result.tokens) == NEW_TOKENS
     greedy, logprobs = reference_run(reference, result.prompt_tokens, result.tokens)
-    assert result.tokens == greedy
     assert result.logprobs == pytest.approx(logprobs, abs=1e-3)
+    # float32 sums in a CPU-dependent order (SIMD width, threads): the two greedy paths may part only
+    # where the reference itself had a near-tie between our token and its own choice.
+    parted = next(
+        (i for i, (ours, its) in enumerate(zip(result.tokens, greedy, strict=True)) if ours != its), None
+    )
+    if parted is not None:
+        ref = teacher_forced(reference, result.prompt_tokens, result.tokens)[parted]
+        assert float(ref.max() - ref[result.tokens[parted]]) < 1e-4, f"parted at step {parted}"
 
 
 def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
