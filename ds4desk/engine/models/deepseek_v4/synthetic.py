@@ -15,19 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds4desk.engine.kernels.quant.fp8_fp4 import fp4_dequantize
-from ds4desk.engine.models.deepseek_v4.model import (
-    CSA,
-    HASH_MOE,
-    HCA,
-    MOE,
-    SLIDING,
-    DeepseekV4Config,
-    DeepseekV4Model,
-)
+from ds4desk.engine.kernels.quant.fp4 import fp4_dequantize
+from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from ds4desk.engine.split import ShardPlan
 
-# The published Flash config (fact sheet, symbols table), in transformers' keys.
+# The published DeepSeek-V4-Flash config, in transformers' keys.
 FLASH_CONFIG: dict[str, Any] = {
     "vocab_size": 129280,
     "hidden_size": 4096,

@@ -19,7 +19,7 @@ CONVERSATION = [
     {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back"},
     {"role": "user", "content": "2+2?"},
 ]
-# Fact sheet §10: BOS + system text + <｜User｜>…<｜Assistant｜>; earlier assistant turns render as
+# DeepSeek-V4's chat format: BOS + system text + <｜User｜>…<｜Assistant｜>; earlier assistant turns render as
 # `</think>answer<EOS>` with their reasoning dropped; chat mode ends `</think>`, thinking `<think>`.
 CHAT = (
     "<｜begin▁of▁sentence｜>You are terse."

@@ -92,7 +92,7 @@ def test_flash_split_matches_a_layer_by_layer_bf16_reference(flash: DeepseekV4Mo
                 del reference
                 torch.cuda.empty_cache()
         assert reference is not None
-        weight = reference._head_weight().t()
+        weight = reference.head_weight().t()
         # The head on the quantized model's own last streams, and at the end of the reference's chain.
         forced_logits = (
             torch.mm(reference._hc_head(captured[-1][1][-1:]), weight).float()[0].to(logits.device)

@@ -13,6 +13,7 @@ import torch
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.kernels.deepseek_v4 import index_scores as v4_index_scores
 from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
+from ds4desk.engine.kernels.launch import force
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from tests.engine.tiny_v4 import TINY_V4_CONFIG, save_tiny_v4
@@ -25,15 +26,12 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bf16_prefill(model: DeepseekV4Model, ids: list[int], chunk: int, fused: bool) -> torch.Tensor:
-    v4_hc_fused.FUSED = v4_norm_rope.FUSED = v4_index_scores.FUSED = None if fused else False
-    try:
-        with torch.inference_mode():
-            parts = [
-                model.forward(torch.tensor(ids[s : s + chunk], device="cuda"), s, "all").cpu()
-                for s in range(0, len(ids), chunk)
-            ]
-    finally:
-        v4_hc_fused.FUSED = v4_norm_rope.FUSED = v4_index_scores.FUSED = None
+    switches = (v4_hc_fused.SWITCH, v4_norm_rope.SWITCH, v4_index_scores.SWITCH)
+    with force(dict.fromkeys(switches, None if fused else False)), torch.inference_mode():
+        parts = [
+            model.forward(torch.tensor(ids[s : s + chunk], device="cuda"), s, "all").cpu()
+            for s in range(0, len(ids), chunk)
+        ]
     return torch.cat(parts)
 
 

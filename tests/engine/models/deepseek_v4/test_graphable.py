@@ -18,7 +18,8 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny, random_state
-from ds4desk.engine.models.deepseek_v4.model import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import source_from_folder
 
@@ -104,7 +105,7 @@ def step_op_names(
     span: int,
 ) -> dict[tuple[bool, int], list[str]]:
     """The aten ops of each graphable step start..stop-1 after a prefill of ids[:start], with
-    `module.FUSED` on for `fused` and off for `eager`: {(on, pos): names}."""
+    `module.SWITCH` forced on for `fused` and off for `eager`: {(on, pos): names}."""
     recorded: dict[tuple[bool, int], list[str]] = {}
     with torch.inference_mode():
         for model, on in ((fused, True), (eager, False)):
@@ -112,12 +113,8 @@ def step_op_names(
             stepper = Stepper(model)
             for pos in range(start, stop):
                 seen = OpNames()
-                module.FUSED = on
-                try:
-                    with seen:
-                        stepper.step(ids[pos], pos, span)
-                finally:
-                    module.FUSED = None
+                with module.SWITCH.force(on), seen:
+                    stepper.step(ids[pos], pos, span)
                 recorded[(on, pos)] = seen.names
     return recorded
 

@@ -16,16 +16,9 @@ from safetensors.torch import load_file, save_file
 from ds4desk.engine.api import EngineFailure, ErrorCode, SamplingParams
 from ds4desk.engine.loader import check_tensors, load_model
 from ds4desk.engine.loading.source import ModelSource
-from ds4desk.engine.models.deepseek_v4.model import (
-    CSA,
-    HASH_MOE,
-    HCA,
-    MOE,
-    SLIDING,
-    DeepseekV4Config,
-    DeepseekV4Model,
-)
-from ds4desk.engine.models.llama.model import DenseConfig
+from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
+from ds4desk.engine.models.llama.config import DenseConfig
 from ds4desk.engine.runtime import Runtime
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.tiny_v4 import TINY_V4_CONFIG, save_tiny_v4
@@ -167,7 +160,7 @@ def test_flash_config_builds_the_checkpoint_shapes() -> None:
     cfg = DeepseekV4Config.from_hf(FLASH_CONFIG)
     assert cfg.layer_types[:4] == (SLIDING, SLIDING, CSA, HCA) and cfg.layer_types[-1] == CSA
     assert cfg.mlp_layer_types[2:4] == (HASH_MOE, MOE)
-    # YaRN over 32 pairs: 0..15 keep their speed, 25..31 are slowed 16x, a ramp between (§1).
+    # YaRN over 32 pairs: 0..15 keep their speed, 25..31 are slowed 16x, a ramp between.
     rope = cfg.compress_rope
     assert rope.dim == 64 and cfg.main_rope.yarn_factor == 1.0
     inv = rope.inverse_frequencies(CPU)

@@ -17,7 +17,8 @@ from ds4desk.engine.loader import keeps_quantized, load_model
 from ds4desk.engine.loading.detect import inspect_folder
 from ds4desk.engine.loading.quantized import ShardReader
 from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny
-from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Config, DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from ds4desk.engine.models.deepseek_v4.synthetic import build_quantized, copy_dequantized, dense_layer
 from ds4desk.engine.split import ShardPlan
 

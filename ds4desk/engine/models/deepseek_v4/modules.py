@@ -1,0 +1,198 @@
+"""DeepSeek-V4's parameters: `nn.Module`s that only hold weights, named as transformers'
+DeepseekV4ForCausalLM names them, so a checkpoint in that layout loads by name. The math that uses
+them lives in the model's mixins (attention.py, moe.py, hyper.py, decode.py) and ops.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds4desk.engine.formats import FP4_BLOCK, FP8_BLOCK
+from ds4desk.engine.models.base import load_failure
+from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, SLIDING, DeepseekV4Config
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class Weight(nn.Module):
+    """A `.weight` holder: linear layers and norms (the math lives in ops.py and the mixins)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(shape, dtype)
+
+
+class Fp8Weight(nn.Module):
+    """A linear weight kept in FP8 e4m3 with a float32 multiplier per 128 x 128 block (the format
+    DeepSeek's official checkpoints store these linears in): half the bytes of bf16 per decode
+    step, and Hopper's FP8 matrix units for prefill (kernels/quant/fp8.fp8_linear)."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        rows, cols = shape
+        self.weight = _param(shape, torch.float8_e4m3fn)
+        self.weight_scale_inv = _param((-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)), torch.float32)
+
+
+def _linear_weight(shape: tuple[int, int], dtype: torch.dtype, fp8: bool) -> nn.Module:
+    return Fp8Weight(shape) if fp8 else Weight(shape, dtype)
+
+
+class HyperConnection(nn.Module):
+    """A hyper-connection site's weights: `fn` maps the normed streams to pre, post and comb."""
+
+    def __init__(self, mult: int, hidden: int) -> None:
+        super().__init__()
+        rows = (2 + mult) * mult  # pre (m) | post (m) | comb (m x m)
+        self.fn = _param((rows, mult * hidden), torch.float32)
+        self.base = _param((rows,), torch.float32)
+        self.scale = _param((3,), torch.float32)
+
+
+class HyperHead(nn.Module):
+    """The final collapse of the streams before the norm and the head (pre weights only)."""
+
+    def __init__(self, mult: int, hidden: int) -> None:
+        super().__init__()
+        self.hc_fn = _param((mult, mult * hidden), torch.float32)
+        self.hc_base = _param((mult,), torch.float32)
+        self.hc_scale = _param((1,), torch.float32)
+
+
+class Compressor(nn.Module):
+    """Gated pooling of `rate` tokens into one entry of `dim`; `overlap` (CSA) doubles the width:
+    each token feeds the next window (first half) and its own (second half)."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.kv_proj = Weight((width, hidden), dtype)
+        self.gate_proj = Weight((width, hidden), dtype)
+        self.position_bias = _param((rate, width), torch.float32)
+        self.kv_norm = Weight((dim,), torch.float32)
+
+
+class Scorer(nn.Module):
+    """The indexer's per-head weights of a query token."""
+
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weights_proj = Weight((heads, hidden), dtype)
+
+
+class Indexer(Compressor):
+    """CSA's lightning indexer: a compressor of its own keys plus a low-rank multi-head query."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp8: bool) -> None:
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_rate, True, dtype)
+        self.q_b_proj = _linear_weight((cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank), dtype, fp8)
+        self.scorer = Scorer(cfg.hidden_size, cfg.index_heads, dtype)
+
+
+class Attention(nn.Module):
+    """One layer's attention; CSA / HCA layers add a compressor (CSA's with an indexer)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer_type: str, dtype: torch.dtype, fp8: bool) -> None:
+        super().__init__()
+        hidden, heads, dim = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        self.q_a_proj = _linear_weight((cfg.q_lora_rank, hidden), dtype, fp8)
+        self.q_a_norm = Weight((cfg.q_lora_rank,), torch.float32)
+        self.q_b_proj = _linear_weight((heads * dim, cfg.q_lora_rank), dtype, fp8)
+        self.kv_proj = _linear_weight((dim, hidden), dtype, fp8)
+        self.kv_norm = Weight((dim,), torch.float32)
+        # Grouped (a batched matmul): bf16 even in quantized models, as the official converter leaves it.
+        self.o_a_proj = Weight((cfg.o_groups * cfg.o_lora_rank, heads * dim // cfg.o_groups), dtype)
+        self.o_b_proj = _linear_weight((hidden, cfg.o_groups * cfg.o_lora_rank), dtype, fp8)
+        self.sinks = _param((heads,), torch.float32)
+        self.compressor: Compressor | None = None
+        if layer_type != SLIDING:
+            self.compressor = Compressor(hidden, dim, cfg.rate(layer_type), layer_type == CSA, dtype)
+            if layer_type == CSA:
+                self.compressor.indexer = Indexer(cfg, dtype, fp8)
+
+
+class Router(nn.Module):
+    """The MoE gate: expert scores, and a token-id table (hash layers) or a selection bias."""
+
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param((cfg.num_experts, cfg.hidden_size), dtype)
+        if hashed:
+            # token id -> its experts; validated at finish_loading.
+            self.tid2eid = _param((cfg.vocab_size, cfg.experts_per_token), torch.int64)
+        else:
+            # Added to the scores for choosing experts only, never to their weights.
+            self.e_score_correction_bias = _param((cfg.num_experts,), torch.float32)
+
+
+class Experts(nn.Module):
+    """Every routed expert's SwiGLU weights, stacked: bf16 (or `dtype`), or packed FP4."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp4: bool) -> None:
+        super().__init__()
+        experts, hidden, width = cfg.num_experts, cfg.hidden_size, cfg.expert_size
+        if not fp4:
+            self.gate_up_proj = _param((experts, 2 * width, hidden), dtype)  # gate rows, then up rows
+            self.down_proj = _param((experts, hidden, width), dtype)
+            return
+        # Packed FP4 as the official checkpoint stores them (two values a byte, a UE8M0 exponent
+        # byte per 32): a quarter of bf16's bytes, which is what lets Flash fit on two GPUs.
+        self.gate_up_proj = _param((experts, 2 * width, hidden // 2), torch.uint8)
+        self.gate_up_proj_scale = _param((experts, 2 * width, hidden // FP4_BLOCK), torch.uint8)
+        self.down_proj = _param((experts, hidden, width // 2), torch.uint8)
+        self.down_proj_scale = _param((experts, hidden, width // FP4_BLOCK), torch.uint8)
+
+
+class SharedExpert(nn.Module):
+    """The expert every token goes through (its linears FP8 when quantized)."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp8: bool) -> None:
+        super().__init__()
+        self.gate_proj = _linear_weight((cfg.expert_size, cfg.hidden_size), dtype, fp8)
+        self.up_proj = _linear_weight((cfg.expert_size, cfg.hidden_size), dtype, fp8)
+        self.down_proj = _linear_weight((cfg.hidden_size, cfg.expert_size), dtype, fp8)
+
+
+class Moe(nn.Module):
+    """One layer's FFN: router, routed experts and the shared expert."""
+
+    def __init__(self, cfg: DeepseekV4Config, hashed: bool, dtype: torch.dtype, quantized: bool) -> None:
+        super().__init__()
+        self.gate = Router(cfg, hashed, dtype)
+        self.experts = Experts(cfg, dtype, quantized)
+        self.shared_experts = SharedExpert(cfg, dtype, quantized)
+
+
+class Layer(nn.Module):
+    """One decoder layer: attention and MoE, each with its norm and hyper-connection site."""
+
+    def __init__(self, cfg: DeepseekV4Config, index: int, dtype: torch.dtype, quantized: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, cfg.layer_types[index], dtype, quantized)
+        self.mlp = Moe(cfg, cfg.mlp_layer_types[index] == HASH_MOE, dtype, quantized)
+        self.input_layernorm = Weight((cfg.hidden_size,), torch.float32)
+        self.post_attention_layernorm = Weight((cfg.hidden_size,), torch.float32)
+        self.attn_hc = HyperConnection(cfg.hc_mult, cfg.hidden_size)
+        self.ffn_hc = HyperConnection(cfg.hc_mult, cfg.hidden_size)
+
+
+class Backbone(nn.Module):
+    """transformers' `model.`: the embedding, the layers, the final norm and hyper-connection head."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, quantized: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Weight((cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nn.ModuleList(Layer(cfg, i, dtype, quantized) for i in range(cfg.num_layers))
+        self.norm = Weight((cfg.hidden_size,), torch.float32)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size)
+
+
+def check_hash_table(name: str, table: torch.Tensor, num_experts: int) -> None:
+    """A hash-routing table may only name experts that exist (LOAD_FAILED otherwise)."""
+    bad = (table < 0) | (table >= num_experts)
+    if bool(bad.any()):
+        raise load_failure(
+            f"tensor {name} names expert {int(table[bad][0])}; the model has experts 0..{num_experts - 1}"
+        )

@@ -1,0 +1,160 @@
+"""DeepSeek-V4's FFN: every layer is a mixture of experts plus one shared expert.
+
+The router scores experts by sqrt(softplus(x · W)); the first layers route by a token-id table
+(hash routing), the rest pick the top `experts_per_token` by score plus a correction bias that
+chooses but never weighs. The picked experts' weights are renormalised and scaled by
+`routed_scaling_factor`; each expert is a SwiGLU with its inputs clamped to `swiglu_limit`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ds4desk.engine.kernels.deepseek_v4 import route as v4_route
+from ds4desk.engine.kernels.dense import gemv as decode_kernels
+from ds4desk.engine.kernels.quant.fp4 import fp4_experts_gemv, fp4_grouped_matmul
+from ds4desk.engine.kernels.quant.fp8 import fp8_row_, fp8_row_fits
+from ds4desk.engine.models.deepseek_v4 import ops
+from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
+from ds4desk.engine.models.deepseek_v4.modules import Moe, SharedExpert
+
+
+class MixtureOfExperts:
+    """DeepseekV4Model's MoE methods (a mixin): `_moe` for a prefill chunk, `_decode_moe` for the
+    graphable decode step."""
+
+    config: DeepseekV4Config
+    # Graphable MoE: None picks by cost (see _decode_moe); True / False force all experts / a gather.
+    graph_dense_moe: bool | None = None
+
+    def _moe(self, moe: Moe, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        gate = moe.gate
+        scores = F.softplus((x @ gate.weight.t()).float()).sqrt()  # [T, E]
+        tid2eid = getattr(gate, "tid2eid", None)
+        if tid2eid is not None:
+            chosen = tid2eid[ids]
+        else:
+            chosen = (scores + gate.e_score_correction_bias).topk(cfg.experts_per_token, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+
+        # Grouped by expert: the (token, slot) pairs sorted by expert and one host read of the group
+        # sizes; no per-token work.
+        count, k = chosen.shape
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # pair indices, by expert
+        sizes = torch.bincount(flat, minlength=cfg.num_experts)
+        host_sizes = sizes.tolist()
+        experts, limit = moe.experts, cfg.swiglu_limit
+        largest, width = max(host_sizes), x.shape[1]
+        if cfg.num_experts * largest <= 2 * count * k and experts.gate_up_proj.dtype != torch.uint8:
+            # Balanced enough (so most experts have tokens: their weights are read anyway): two
+            # batched GEMMs over all experts, each group padded to the largest, at most twice the
+            # rows (and memory) of the pairs themselves. The padded rows are gathered straight
+            # from x (a padding row repeats token 0: its output is never read), and each pair's
+            # output straight from the result: one pass over the rows each way.
+            ranked = flat.index_select(0, order)  # the expert of each sorted pair
+            starts = (torch.cumsum(sizes, 0) - sizes).index_select(0, ranked)
+            offset = torch.arange(count * k, device=x.device) - starts  # rank within its group
+            slots = ranked * largest + offset  # each sorted pair's row in the padded [E, largest] layout
+            sources = order.new_zeros(cfg.num_experts * largest).index_copy_(0, slots, order // k)
+            padded = x.index_select(0, sources).view(cfg.num_experts, largest, width)
+            hidden = ops.swiglu(
+                *torch.bmm(padded, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1), limit
+            )
+            ys = torch.bmm(hidden, experts.down_proj.transpose(1, 2)).view(-1, width)
+            by_pair = ys.index_select(0, torch.empty_like(slots).index_copy_(0, order, slots))
+        else:
+            inputs = x.index_select(0, order // k)  # [T k, D], by expert
+            if experts.gate_up_proj.dtype == torch.uint8:
+                # Packed FP4: one grouped kernel a projection widens the weight tiles in registers
+                # (no bf16 copy of an expert, one launch for all of them).
+                scales = experts.gate_up_proj_scale
+                gate_up = fp4_grouped_matmul(inputs, host_sizes, experts.gate_up_proj, scales)
+                hidden = ops.swiglu(*gate_up.chunk(2, dim=-1), limit)
+                grouped = fp4_grouped_matmul(hidden, host_sizes, experts.down_proj, experts.down_proj_scale)
+            else:  # one GEMM pair per expert that has tokens
+                parts, first = [], 0
+                for expert, size in enumerate(host_sizes):
+                    if size:
+                        gate_up = inputs[first : first + size] @ experts.gate_up_proj[expert].t()
+                        parts.append(
+                            ops.swiglu(*gate_up.chunk(2, dim=-1), limit) @ experts.down_proj[expert].t()
+                        )
+                        first += size
+                grouped = torch.cat(parts)
+            by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)  # back to (token, slot) order
+        return v4_route.mix(weights, by_pair) + ops.shared_expert(moe.shared_experts, x, limit)
+
+    def _decode_moe(self, moe: Moe, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """_moe for one token without a host sync: the router is one op (v4_route), the picked
+        experts are read by id on the device (packed FP4, or bf16 on the GEMV kernels), their
+        outputs mixed in one op and the shared expert added in its down projection. Without those
+        kernels the routed experts' weights are gathered by index (what scales to 256 experts), or,
+        when the active experts are a large share of all (a gather is a copy plus a read of k
+        experts), every expert runs and the unchosen ones weigh zero."""
+        cfg = self.config
+        gate = moe.gate
+        tid2eid = getattr(gate, "tid2eid", None)
+        bias = None if tid2eid is not None else gate.e_score_correction_bias
+        picked, weights = v4_route.route(
+            ops.linear(x, gate), bias, tid2eid, token, cfg.experts_per_token, cfg.routed_scaling_factor
+        )  # [k], float32 [k]
+        experts, limit = moe.experts, cfg.swiglu_limit
+        if experts.gate_up_proj.dtype == torch.uint8:  # packed FP4: the kernel reads the picked experts
+            gate_up = fp4_experts_gemv(x, picked, experts.gate_up_proj, experts.gate_up_proj_scale)
+            # [k, D], the clamped SwiGLU of gate_up [k, 2I] taken inside the down projection.
+            y = fp4_experts_gemv(gate_up, picked, experts.down_proj, experts.down_proj_scale, limit)
+            return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
+        if decode_kernels.one_row(x, experts.gate_up_proj.flatten(0, 1)) and decode_kernels.fits(
+            experts.down_proj.flatten(0, 1)
+        ):
+            # Only the picked experts' rows are read, and the clamped SwiGLU is the down
+            # projection's input: two kernels.
+            gate_up = x.new_empty((picked.numel(), experts.gate_up_proj.shape[1]))
+            decode_kernels.experts_gemv(x, experts.gate_up_proj, picked, gate_up)
+            y = x.new_empty((picked.numel(), experts.down_proj.shape[1]))
+            decode_kernels.experts_gemv(gate_up, experts.down_proj, picked, y, limit)
+            return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
+        dense = self.graph_dense_moe
+        if dense is None:
+            dense = cfg.num_experts <= 3 * cfg.experts_per_token
+        vector = x.view(-1)
+        if dense:
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            weights = x.new_zeros((cfg.num_experts,), dtype=torch.float32).scatter_(0, picked, weights)
+        else:
+            gate_up = experts.gate_up_proj.index_select(0, picked)  # [k, 2I, D]
+            down = experts.down_proj.index_select(0, picked)  # [k, D, I]
+        hidden = ops.swiglu(*torch.matmul(gate_up, vector).chunk(2, dim=-1), limit)  # [E or k, I]
+        y = torch.bmm(down, hidden.unsqueeze(-1)).squeeze(-1)  # [E or k, D]
+        return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
+
+    def _add_shared_expert(self, shared: SharedExpert, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """routed [1, D] plus the shared expert's output for x; on the GEMV kernels (bf16, or FP8 on
+        the one-row FP8 kernel) three kernels, the SwiGLU and the sum inside the down projection."""
+        limit = self.config.swiglu_limit
+        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        if gate.dtype == torch.float8_e4m3fn:
+            scales = [m.weight_scale_inv for m in (shared.gate_proj, shared.up_proj, shared.down_proj)]
+            width = gate.shape[0]
+            if (
+                fp8_row_fits(x, gate, scales[0])
+                and fp8_row_fits(x, up, scales[1])
+                and fp8_row_fits(x, down, scales[2])
+                and routed.is_contiguous()
+                and routed.dtype == x.dtype
+            ):
+                gate_up = x.new_empty((1, 2 * width))
+                fp8_row_(x, gate, scales[0], gate_up[:, :width])
+                fp8_row_(x, up, scales[1], gate_up[:, width:])
+                return fp8_row_(gate_up, down, scales[2], routed, swiglu_limit=limit, residual=True)
+        if decode_kernels.one_row(x, gate) and decode_kernels.one_row(x, up) and decode_kernels.fits(down):
+            width = gate.shape[0]
+            gate_up = x.new_empty((1, 2 * width))
+            decode_kernels.gemv(x, gate, gate_up[:, :width])
+            decode_kernels.gemv(x, up, gate_up[:, width:])
+            return decode_kernels.gemv_add_(routed, gate_up, down, None, silu=True, swiglu_limit=limit)
+        return routed + ops.shared_expert(shared, x, limit)

@@ -1,0 +1,100 @@
+"""DeepSeek-V4's math on tensors: norms, the interleaved partial rotation, the hyper-connection
+mix / collapse / expand, linears (bf16 or FP8) and the clamped SwiGLU. Free functions of tensors and
+weight holders, shared by prefill (attention.py, moe.py, hyper.py) and the graphable decode step
+(decode.py); each is the eager form a fused kernel in kernels/deepseek_v4/ must equal."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds4desk.engine.kernels.dense import gemv as decode_kernels
+from ds4desk.engine.kernels.quant.fp8 import fp8_linear
+from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
+
+
+def position(start: int, device: torch.device) -> torch.Tensor:
+    """A chunk's first position as the int64 [1] device tensor the norm_rope kernel reads (a fill,
+    no copy)."""
+    return torch.full((1,), start, dtype=torch.int64, device=device)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """RMSNorm in float32; the (float32) weight multiplies before the cast to `dtype` (x's by
+    default), as V4 keeps it. F.rms_norm is one fused kernel on CUDA (spelled out it is seven)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(dtype or x.dtype)
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation e^{iφ} of each rotary pair (complex64 [.., r / 2]) from a table's rows."""
+    return torch.complex(cos, sin)
+
+
+def norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    turn: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """rms_norm then rope_, both in float32, cast once at the end (to x's dtype by default)."""
+    return rope_(F.rms_norm(x.float(), (x.shape[-1],), weight, eps), turn).to(dtype or x.dtype)
+
+
+def rope_(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2 * turn.shape[-1] dims of x in interleaved pairs (2i, 2i + 1) by `turn`
+    (see rotation; its conjugate rotates back), in float32 (one complex product), in place: x is
+    always a fresh activation. Returns x."""
+    dims = 2 * turn.shape[-1]
+    rot = x[..., -dims:]
+    pairs = torch.view_as_complex(rot.float().unflatten(-1, (-1, 2)))
+    rot.copy_(torch.view_as_real(pairs * turn).flatten(-2))
+    return x
+
+
+def hc_mix(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hyper-connection projection of the RMS-normed flattened streams, float32 [T, rows], and
+    the float32 streams [T, m, D] (which the collapse reuses)."""
+    flat = streams.reshape(streams.shape[0], -1).float()
+    mixed = torch.mm(F.rms_norm(flat, (flat.shape[-1],), None, eps), fn.t())
+    return mixed, flat.view(streams.shape)
+
+
+def collapse(streams32: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Σ_j pre_j X_j: the block input, float32 [T, D] (normed before it is cast: one rounding)."""
+    return torch.bmm(pre.unsqueeze(1), streams32).squeeze(1)
+
+
+def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'_k = post_k y + Σ_j C[j, k] X_j (Cᵀ X: C is not symmetric), as one batched product
+    [Cᵀ | post] @ [X; y]."""
+    mix = torch.cat([comb.transpose(1, 2), post.unsqueeze(-1)], dim=-1).to(streams.dtype)  # [T, m, m + 1]
+    return torch.bmm(mix, torch.cat([streams, y.unsqueeze(1)], dim=1))
+
+
+def linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
+    """x @ Wᵀ for a Weight or an Fp8Weight (which never leaves FP8: the kernel dequantizes)."""
+    weight = holder.weight
+    if weight.dtype == torch.float8_e4m3fn:
+        return fp8_linear(x, weight, holder.weight_scale_inv)
+    return decode_kernels.linear(x, weight)
+
+
+def shared_expert(shared: SharedExpert, x: torch.Tensor, limit: float) -> torch.Tensor:
+    """The shared expert's SwiGLU FFN of x (every token goes through it)."""
+    act = swiglu(linear(x, shared.gate_proj), linear(x, shared.up_proj), limit)
+    return linear(act, shared.down_proj)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(g, limit)) * clamp(u, ±limit)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def index_weights(x: torch.Tensor, indexer: Indexer, heads: int, dim: int) -> torch.Tensor:
+    """The indexer's per-head weights with both scales folded in, float32 [T, Hi]: the score is
+    Σ_h w_h Hi^-½ ReLU(q_h · k) di^-½ = Σ_h (w_h Hi^-½ di^-½) ReLU(q_h · k)."""
+    return decode_kernels.linear(x, indexer.scorer.weights_proj.weight).float() * (heads**-0.5 * dim**-0.5)
