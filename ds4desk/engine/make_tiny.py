@@ -74,7 +74,8 @@ SPECIAL_TOKENS = (BOS, EOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</t
 
 # Official tensors stored as F32 (everything else unquantized is BF16 there).
 _F32_SUFFIXES = ("_fn", "_base", "_scale", "attn_sink", ".ape", "gate.bias")
-# Official tensors quantized to FP8 by --fp8 (fact sheet §8); routed experts go to FP4.
+# Official tensors quantized to FP8 by --fp8 (128 x 128 blocks, as the official checkpoints); routed
+# experts go to FP4.
 _FP8_SUFFIXES = (
     "attn.wq_a.weight",
     "attn.wq_b.weight",

@@ -49,7 +49,7 @@ TINY_V4_CONFIG: dict[str, Any] = {
     "hc_sinkhorn_iters": 20,
     "hc_eps": 1e-6,
     # Many indexer heads: with few, ReLU zeros make exact top-k ties that break differently
-    # between implementations (fact sheet §11.13).
+    # between implementations.
     "index_n_heads": 16,
     "index_head_dim": 16,
     "index_topk": 6,
