@@ -22,3 +22,9 @@ def ds4_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def model_cache(ds4_home: Path) -> Path:
     return resolve_data_dirs(ds4_home).create().model_cache
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    """A fresh chat-history database path (the file does not exist yet)."""
+    return tmp_path / "history.sqlite3"

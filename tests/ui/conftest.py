@@ -48,11 +48,6 @@ def run(loop: qasync.QEventLoop) -> Callable[[Coroutine[Any, Any, T]], T]:
     return loop.run_until_complete
 
 
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "history.sqlite3"
-
-
 WindowFactory = Callable[..., MainWindow]
 
 
