@@ -12,7 +12,8 @@ import torch
 from ds4desk.engine.api import EngineFailure, ErrorCode, FinishReason, SamplingParams
 from ds4desk.engine.loader import LoadedModel, load_model
 from ds4desk.engine.loading.source import ModelSource
-from ds4desk.engine.models.llama.model import DenseConfig, DenseModel
+from ds4desk.engine.models.llama.config import DenseConfig
+from ds4desk.engine.models.llama.model import DenseModel
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.sampling import sample
 from tests.engine.tiny_dense import TINY_CONFIGS, save_tiny
@@ -240,37 +241,6 @@ def test_invalid_config_is_load_failed(tiny, change: dict, named: str) -> None:
         load(dataclasses.replace(source, config=config))
     assert info.value.error.code == ErrorCode.LOAD_FAILED
     assert named in info.value.error.detail
-
-
-def test_old_style_rope_keys_are_read() -> None:
-    config = {
-        **TINY_CONFIGS["llama"],
-        "architectures": ["LlamaForCausalLM"],
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "type": "llama3",
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    }
-    rope = DenseConfig.from_hf(config).rope
-    assert (rope.theta, rope.kind, rope.factor, rope.original_max_positions) == (
-        500000.0,
-        "llama3",
-        32.0,
-        8192,
-    )
-    plain = {k: v for k, v in config.items() if k != "rope_scaling"}
-    assert DenseConfig.from_hf(plain).rope.kind == "default"
-
-
-def test_qwen_sliding_window_only_when_enabled() -> None:
-    base = {**TINY_CONFIGS["qwen2"], "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16}
-    assert DenseConfig.from_hf(base).sliding_windows == (None, None)
-    enabled = {**base, "use_sliding_window": True, "max_window_layers": 1}
-    assert DenseConfig.from_hf(enabled).sliding_windows == (None, 16)
 
 
 # --- sampling ------------------------------------------------------------------------------------
