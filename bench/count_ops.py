@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.deepseek_v4 import decode_attention as v4_decode_attention
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
@@ -49,7 +50,9 @@ from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
 from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
 from ds4desk.engine.kernels.deepseek_v4 import route as v4_route
 from ds4desk.engine.make_tiny import TINY_CONFIG, random_state
+from ds4desk.engine.models.deepseek_v4 import config as v4_config
 from ds4desk.engine.models.deepseek_v4 import model as v4
+from ds4desk.engine.models.deepseek_v4 import ops as v4_ops
 
 # Every fused op of the model (a custom op: one op here, its kernels on the GPU).
 FUSED_MODULES = (
@@ -78,9 +81,9 @@ SHAPES: dict[str, Any] = {
     "n_routed_experts": 8,
     "num_experts_per_tok": 6,
     "num_hidden_layers": 4,
-    "layer_types": [v4.SLIDING, v4.CSA, v4.HCA, v4.CSA],
-    "mlp_layer_types": [v4.HASH_MOE, v4.MOE, v4.MOE, v4.MOE],
-    "compress_rates": {v4.CSA: 4, v4.HCA: 128},
+    "layer_types": [v4_config.SLIDING, v4_config.CSA, v4_config.HCA, v4_config.CSA],
+    "mlp_layer_types": [v4_config.HASH_MOE, v4_config.MOE, v4_config.MOE, v4_config.MOE],
+    "compress_rates": {v4_config.CSA: 4, v4_config.HCA: 128},
     "sliding_window": 128,
     "index_n_heads": 64,
     "index_head_dim": 32,
@@ -163,8 +166,8 @@ def _label_methods(model: v4.DeepseekV4Model, counter: OpCounter) -> None:
     for name in ("_moe", "_decode_moe"):
         wrap(name, lambda *a: "moe")
     # Module-level hc helpers are called from the block code: label them too.
-    for name in ("_collapse", "_expand", "_hc_mix"):
-        func = getattr(v4, name, None)
+    for name in ("collapse", "expand", "hc_mix"):
+        func = getattr(v4_ops, name, None)
         if func is None:
             continue
 
@@ -173,7 +176,7 @@ def _label_methods(model: v4.DeepseekV4Model, counter: OpCounter) -> None:
             with counter.phase(label):
                 return __func(*args, **kwargs)
 
-        setattr(v4, name, labelled_func)
+        setattr(v4_ops, name, labelled_func)
 
 
 def build(dtype: torch.dtype, context: int) -> v4.DeepseekV4Model:
@@ -393,11 +396,8 @@ def main() -> None:
     modes = ((False, "eager ops (CPU, or no Triton)"), (True, "fused ops (CUDA + Triton)"))
     for fused, what in modes:
         print(f"\n=== {what} ===")
-        for module in FUSED_MODULES:
-            module.FUSED = fused
-        results["fused" if fused else "eager"] = count(model, counter, args)
-    for module in FUSED_MODULES:
-        module.FUSED = None
+        with launch.force({module.SWITCH: fused for module in FUSED_MODULES}):
+            results["fused" if fused else "eager"] = count(model, counter, args)
     if args.json:
         print(json.dumps({"dtype": args.dtype, **results}))
 

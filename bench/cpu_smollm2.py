@@ -28,7 +28,7 @@ import torch
 
 from ds4desk.engine import Engine, GenerateRequest, LoadRequest
 from ds4desk.engine.loading.default_model import default_model_path
-from ds4desk.engine.loading.detect import inspect_model
+from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.loading.gguf_import import gguf_tensor_name, permute_rope_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -195,7 +195,7 @@ def main() -> None:
 
     cache = args.cache or Path(tempfile.mkdtemp(prefix="ds4bench-"))
     gguf_q4 = default_model_path()
-    folder = inspect_model(gguf_q4, cache).folder
+    folder = read_source(gguf_q4, cache).folder
     try:
         import llama_cpp  # noqa: F401
 

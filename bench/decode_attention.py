@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="time only the default block / programs")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
-    if not torch.cuda.is_available() or not da.available(torch.device("cuda")):
+    if not torch.cuda.is_available() or not da.enabled(torch.device("cuda")):
         raise SystemExit("needs an NVIDIA GPU with Triton")
     rows: list[dict[str, object]] = []
     with torch.inference_mode():

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.kernels import launch as triton_launch
+from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.dense import gemv as kd
 
 HIDDEN, FFN, QKV, VOCAB = 2048, 8192, 3072, 49152
@@ -98,9 +98,8 @@ def bench_shape(name: str, n: int, k: int, kind: str, configs: list[tuple[int, i
     kd.OVERRIDE = None
     row["default_config"] = list(kd.gemv_config(n, k))
     row["kernel_us"] = graph_time(kernel_side, copies) * 1e6
-    triton_launch.PDL = False
-    row["kernel_no_pdl_us"] = graph_time(kernel_side, copies) * 1e6
-    triton_launch.PDL = None
+    with launch.PDL.force(False):
+        row["kernel_no_pdl_us"] = graph_time(kernel_side, copies) * 1e6
     row["kernel_tb_s"] = size / row["kernel_us"] / 1e6
     row["torch_tb_s"] = size / row["torch_us"] / 1e6
     if configs:

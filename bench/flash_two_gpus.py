@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from ds4desk.engine.api import SamplingParams
-from ds4desk.engine.kernels import launch as triton_launch
+from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
-from ds4desk.engine.kernels.quant import fp8_fp4 as quant_kernels
+from ds4desk.engine.kernels.quant import fp4
 from ds4desk.engine.models.deepseek_v4.synthetic import build_quantized, flash_config
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import explicit_plan
@@ -108,36 +108,35 @@ def profile(model, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
-    triton_launch.PDL = False
-    runtime = Runtime(model, torch.device("cuda:0"), context=8192, chunk=4096, graphs=True)
-    try:
-        run(runtime, prompt[:256], 4)  # warm-up
-        for what, ids, new in (
-            ("prefill 4096", prompt, 1),
-            ("8 prompt tokens + 16 decode steps", prompt[:8], 17),
-        ):
-            with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                run(runtime, ids, new)
+    with launch.PDL.force(False):
+        runtime = Runtime(model, torch.device("cuda:0"), context=8192, chunk=4096, graphs=True)
+        try:
+            run(runtime, prompt[:256], 4)  # warm-up
+            for what, ids, new in (
+                ("prefill 4096", prompt, 1),
+                ("8 prompt tokens + 16 decode steps", prompt[:8], 17),
+            ):
+                with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    run(runtime, ids, new)
+                    sync()
+                table = prof.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=28, max_name_column_width=70
+                )
+                print(f"== {what}\n{table}", flush=True)
+            token = torch.tensor([prompt[8]], device="cuda:0")
+            pos = torch.tensor([8], device="cuda:0")
+            with torch.inference_mode(), profiler(activities=[ProfilerActivity.CUDA]) as prof:
+                model.decode_graphable(token, pos, 512)
                 sync()
-            table = prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=28, max_name_column_width=70
+            kernels = sorted(
+                (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start,
             )
-            print(f"== {what}\n{table}", flush=True)
-        token = torch.tensor([prompt[8]], device="cuda:0")
-        pos = torch.tensor([8], device="cuda:0")
-        with torch.inference_mode(), profiler(activities=[ProfilerActivity.CUDA]) as prof:
-            model.decode_graphable(token, pos, 512)
-            sync()
-        kernels = sorted(
-            (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-            key=lambda e: e.time_range.start,
-        )
-        print(f"== one eager decode step: {len(kernels)} kernels; the first 240 in order (us)")
-        for event in kernels[:240]:
-            print(f"{event.time_range.elapsed_us():8.1f}  {event.name[:90]}")
-    finally:
-        runtime.close()
-        triton_launch.PDL = None
+            print(f"== one eager decode step: {len(kernels)} kernels; the first 240 in order (us)")
+            for event in kernels[:240]:
+                print(f"{event.time_range.elapsed_us():8.1f}  {event.name[:90]}")
+        finally:
+            runtime.close()
 
 
 def main() -> None:
@@ -151,7 +150,7 @@ def main() -> None:
     parser.add_argument("--attention-config", help="the prefill attention kernel's launch settings (JSON)")
     args = parser.parse_args()
     if args.grouped_block:
-        quant_kernels.GROUPED_BLOCK = tuple(int(v) for v in args.grouped_block.split(","))
+        fp4.GROUPED_BLOCK = tuple(int(v) for v in args.grouped_block.split(","))
     if args.attention_config:
         v4_prefill_attention.LAUNCH_CONFIG = json.loads(args.attention_config)
 
@@ -176,7 +175,7 @@ def main() -> None:
         "parameters": params,
         "build_s": build_s,
         "weights_gib": {d: weights[d] / 2**30 for d in DEVICES},
-        "grouped_block": list(quant_kernels.GROUPED_BLOCK),
+        "grouped_block": list(fp4.GROUPED_BLOCK),
         "prefill_attention_config": v4_prefill_attention.LAUNCH_CONFIG,
     }
     bandwidth, rate = copy_bandwidth(), matrix_rate()

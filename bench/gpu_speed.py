@@ -211,56 +211,54 @@ def bench_ds4desk_dense(
     kernels: bool = True,
     pdl: bool = True,
 ) -> dict[str, object]:
-    from ds4desk.engine.kernels import launch as triton_launch
+    from ds4desk.engine.kernels import launch
     from ds4desk.engine.kernels.dense import gemv as decode_kernels
-    from ds4desk.engine.loading.detect import inspect_model
+    from ds4desk.engine.loading.detect import read_source
 
-    decode_kernels.FUSED = None if kernels else False
-    triton_launch.PDL = None if pdl else False
-
-    device = torch.device("cuda")
-    source = inspect_model(folder, folder.parent / "cache")
-    model = load_model(source, device, torch.bfloat16).model
-    model.decode_attention = decode_attention
-    runtime = Runtime(model, device, context=max(PROMPTS) + NEW_TOKENS + 8, chunk=chunk, graphs=graphs)
-    vocab = DENSE["vocab_size"]
-    name = "ds4desk" if graphs else "ds4desk-eager"
-    if decode_attention != "triton":
-        name += f"-{decode_attention}"
-    if not kernels:
-        name += "-cublas"
-    if not pdl:
-        name += "-nopdl"
-    row: dict[str, object] = {
-        "engine": name,
-        "graphs": graphs,
-        "decode_attention": decode_attention,
-        "fused_decode_kernels": kernels,
-        "programmatic_dependent_launch": pdl,
-    }
-    greedy = SamplingParams(temperature=0.0)
-    with torch.inference_mode():
-        for count in PROMPTS:
-            ids = prompt_ids(count, vocab)
-            prefill_s = timed(lambda ids=ids: runtime.prefill_logits(ids))
-            row[f"prefill_{count}_tok_s"] = count / prefill_s
-            ttfts, decodes = [], []
-            for _ in range(3):
-                out = runtime.generate(ids, greedy, NEW_TOKENS, set(), lambda _t: None, lambda: False)
-                assert len(out.tokens) == NEW_TOKENS
-                ttfts.append(out.stats.time_to_first_token_s)
-                decodes.append(out.stats.decode_tok_s)
-            row[f"ttft_{count}_s"] = statistics.median(ttfts)
-            row[f"decode_{count}_tok_s"] = statistics.median(decodes)
-        if graphs:
-            ids = prompt_ids(4096, vocab)
-            for size in CHUNKS:
-                runtime.chunk = size
-                row[f"prefill_4096_chunk_{size}_tok_s"] = 4096 / timed(
-                    lambda ids=ids: runtime.prefill_logits(ids)
-                )
-    runtime.close()
-    decode_kernels.FUSED = triton_launch.PDL = None
+    settings = {decode_kernels.SWITCH: None if kernels else False, launch.PDL: None if pdl else False}
+    with launch.force(settings):
+        device = torch.device("cuda")
+        source = read_source(folder, folder.parent / "cache")
+        model = load_model(source, device, torch.bfloat16).model
+        model.decode_attention = decode_attention
+        runtime = Runtime(model, device, context=max(PROMPTS) + NEW_TOKENS + 8, chunk=chunk, graphs=graphs)
+        vocab = DENSE["vocab_size"]
+        name = "ds4desk" if graphs else "ds4desk-eager"
+        if decode_attention != "triton":
+            name += f"-{decode_attention}"
+        if not kernels:
+            name += "-cublas"
+        if not pdl:
+            name += "-nopdl"
+        row: dict[str, object] = {
+            "engine": name,
+            "graphs": graphs,
+            "decode_attention": decode_attention,
+            "fused_decode_kernels": kernels,
+            "programmatic_dependent_launch": pdl,
+        }
+        greedy = SamplingParams(temperature=0.0)
+        with torch.inference_mode():
+            for count in PROMPTS:
+                ids = prompt_ids(count, vocab)
+                prefill_s = timed(lambda ids=ids: runtime.prefill_logits(ids))
+                row[f"prefill_{count}_tok_s"] = count / prefill_s
+                ttfts, decodes = [], []
+                for _ in range(3):
+                    out = runtime.generate(ids, greedy, NEW_TOKENS, set(), lambda _t: None, lambda: False)
+                    assert len(out.tokens) == NEW_TOKENS
+                    ttfts.append(out.stats.time_to_first_token_s)
+                    decodes.append(out.stats.decode_tok_s)
+                row[f"ttft_{count}_s"] = statistics.median(ttfts)
+                row[f"decode_{count}_tok_s"] = statistics.median(decodes)
+            if graphs:
+                ids = prompt_ids(4096, vocab)
+                for size in CHUNKS:
+                    runtime.chunk = size
+                    row[f"prefill_4096_chunk_{size}_tok_s"] = 4096 / timed(
+                        lambda ids=ids: runtime.prefill_logits(ids)
+                    )
+        runtime.close()
     gc.collect()
     torch.cuda.empty_cache()
     return row

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.loader import load_model
-from ds4desk.engine.loading.detect import inspect_model
+from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.runtime import Runtime
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0, help="also profile a prefill of this many tokens")
     args = parser.parse_args()
     device = torch.device("cuda")
-    source = inspect_model(args.model, args.model.parent / "cache")
+    source = read_source(args.model, args.model.parent / "cache")
     model = load_model(source, device, torch.bfloat16).model
     context = max(args.depth + 300, args.prefill)
     runtime = Runtime(model, device, context=context, chunk=max(4096, args.prefill), graphs=True)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import gpu_deepseek_v4 as v4
 from bench.gpu_speed import timed
 from ds4desk.engine.loader import load_model
-from ds4desk.engine.loading.detect import inspect_model
+from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.deepseek_v4 import model as deepseek_v4
 from ds4desk.engine.runtime import Runtime
 
@@ -153,7 +153,7 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix="ds4v4-")) / "model"
         v4.write_model(folder)
     device = torch.device("cuda")
-    model = load_model(inspect_model(folder, folder.parent / "cache"), device, torch.bfloat16).model
+    model = load_model(read_source(folder, folder.parent / "cache"), device, torch.bfloat16).model
     runtime = Runtime(model, device, context=args.prompt + 8, chunk=args.chunks[0], graphs=False)
     ids = v4.prompt(args.prompt)
     rates: dict[int, float] = {}

@@ -1,4 +1,4 @@
-"""The quantized matmul kernels of ds4desk/engine/kernels/quant/fp8_fp4.py on one NVIDIA GPU.
+"""The quantized matmul kernels of ds4desk/engine/kernels/quant/ (fp8.py, fp4.py) on one NVIDIA GPU.
 
     PYTHONPATH=. python3 bench/quant_kernels.py [--sweep] [--out bench/results/quant_kernels.json]
 
@@ -14,7 +14,7 @@ against per-expert fp4_dequantize + bf16 matmul, in TFLOP/s. Every case reports 
 the dequantized reference.
 
 --sweep also times the FP8 GEMV and the FP4 GEMV under alternative launch settings
-(quant_kernels.OVERRIDES) and reports the best per shape, to tune fp8_config / fp4_config.
+(fp8.OVERRIDES, fp4.OVERRIDES) and reports the best per shape, to tune fp8_config / fp4_config.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ds4desk.engine.kernels.quant import fp8_fp4 as qk
+from ds4desk.engine.kernels.quant import fp4, fp8
 
 # (N, K) of the FP8 linears: wkv, wq_a, wo_b / shared experts, wo_a-ish, wq_b, indexer.wq_b, ...
 FP8_SHAPES = [
@@ -99,13 +99,13 @@ def bench_fp8(n: int, k: int, results: list[dict[str, Any]]) -> None:
     copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / fp8_bytes)))
     weights = fp8_weights(n, k, copies)
     dense_copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / (2 * n * k))))
-    dense = [qk.fp8_dequantize(w, s, torch.bfloat16) for w, s in weights[:dense_copies]]
+    dense = [fp8.fp8_dequantize(w, s, torch.bfloat16) for w, s in weights[:dense_copies]]
     for m in FP8_ROWS:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        path = "triton_gemv" if m <= qk.GEMV_MAX_ROWS else "scaled_mm"
-        got = qk.fp8_linear(x, *weights[0])
+        path = "triton_gemv" if m <= fp8.GEMV_MAX_ROWS else "scaled_mm"
+        got = fp8.fp8_linear(x, *weights[0])
         err = rel_error(got, x.float() @ dense[0].float().t())
-        ours = time_graph(lambda i, x=x: qk.fp8_linear(x, *weights[i]), copies)
+        ours = time_graph(lambda i, x=x: fp8.fp8_linear(x, *weights[i]), copies)
         base = time_graph(lambda i, x=x: x @ dense[i].t(), dense_copies)
         flops = 2 * m * n * k
         row = {
@@ -137,13 +137,13 @@ def bench_fp4(n: int, k: int, results: list[dict[str, Any]]) -> None:
     expert_bytes = n * k // 2 + n * k // 32
     for shared in (True, False):
         x = torch.randn(1 if shared else ACTIVE, k, device="cuda", dtype=torch.bfloat16)
-        got = qk.fp4_experts_gemv(x, ids[0], packed, scale)
-        dense0 = qk.fp4_dequantize_many(
+        got = fp4.fp4_experts_gemv(x, ids[0], packed, scale)
+        dense0 = fp4.fp4_dequantize_many(
             packed.index_select(0, ids[0]), scale.index_select(0, ids[0]), torch.float32
         )
         want = torch.bmm(dense0, x.float().expand(ACTIVE, k).unsqueeze(-1)).squeeze(-1)
         err = rel_error(got, want)
-        ours = time_graph(lambda i, x=x: qk.fp4_experts_gemv(x, ids[i], packed, scale), len(ids))
+        ours = time_graph(lambda i, x=x: fp4.fp4_experts_gemv(x, ids[i], packed, scale), len(ids))
         row = {
             "op": "fp4_experts_gemv", "shared_x": shared, "experts": ACTIVE, "n": n, "k": k,
             "us": ours * 1e6, "gbps": ACTIVE * expert_bytes / ours / 1e9,
@@ -158,7 +158,7 @@ def bench_fp4(n: int, k: int, results: list[dict[str, Any]]) -> None:
     # The bf16 floor: six GEMVs on dense experts (a dense copy of 32 experts, cycled: 6 x 32 x 2 N K
     # bytes, over the L2 cache).
     pool = min(32, EXPERTS)
-    dense = qk.fp4_dequantize_many(packed[:pool], scale[:pool], torch.bfloat16)
+    dense = fp4.fp4_dequantize_many(packed[:pool], scale[:pool], torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     base = time_graph(lambda i: [x @ dense[(i * ACTIVE + j) % pool].t() for j in range(ACTIVE)], 64)
     results.append(
@@ -168,11 +168,11 @@ def bench_fp4(n: int, k: int, results: list[dict[str, Any]]) -> None:
 
     # fp4_dequantize: one expert to bf16 (prefill), against the torch form.
     copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / (expert_bytes + 2 * n * k))))
-    got = qk.fp4_dequantize(packed[0], scale[0], torch.bfloat16)
-    err = rel_error(got, qk.fp4_dequantize_many(packed[:1], scale[:1], torch.float32)[0])
-    ours = time_graph(lambda i: qk.fp4_dequantize(packed[i], scale[i], torch.bfloat16), copies)
+    got = fp4.fp4_dequantize(packed[0], scale[0], torch.bfloat16)
+    err = rel_error(got, fp4.fp4_dequantize_many(packed[:1], scale[:1], torch.float32)[0])
+    ours = time_graph(lambda i: fp4.fp4_dequantize(packed[i], scale[i], torch.bfloat16), copies)
     torch_form = time_graph(
-        lambda i: qk.fp4_dequantize_many(packed[i : i + 1], scale[i : i + 1], torch.bfloat16), copies
+        lambda i: fp4.fp4_dequantize_many(packed[i : i + 1], scale[i : i + 1], torch.bfloat16), copies
     )
     traffic = expert_bytes + 2 * n * k
     row = {
@@ -195,21 +195,21 @@ def bench_grouped(n: int, k: int, results: list[dict[str, Any]]) -> None:
     picks = torch.randint(0, EXPERTS, (PREFILL_TOKENS * ACTIVE,), generator=gen)
     sizes = torch.bincount(picks, minlength=EXPERTS).tolist()
     x = torch.randn(sum(sizes), k, device="cuda", dtype=torch.bfloat16)
-    got = qk.fp4_grouped_matmul(x, sizes, packed, scale)
+    got = fp4.fp4_grouped_matmul(x, sizes, packed, scale)
     first = sizes[0]
-    dense0 = qk.fp4_dequantize_many(packed[:1], scale[:1], torch.float32)[0]
+    dense0 = fp4.fp4_dequantize_many(packed[:1], scale[:1], torch.float32)[0]
     err = rel_error(got[:first], x[:first].float() @ dense0.t())
 
     def per_expert() -> torch.Tensor:
         out = x.new_empty((x.shape[0], n))
         start = 0
         for expert, size in enumerate(sizes):
-            weight = qk.fp4_dequantize(packed[expert], scale[expert], torch.bfloat16)
+            weight = fp4.fp4_dequantize(packed[expert], scale[expert], torch.bfloat16)
             torch.matmul(x[start : start + size], weight.t(), out=out[start : start + size])
             start += size
         return out
 
-    ours = _time_eager(lambda: qk.fp4_grouped_matmul(x, sizes, packed, scale))
+    ours = _time_eager(lambda: fp4.fp4_grouped_matmul(x, sizes, packed, scale))
     base = _time_eager(per_expert)
     flops = 2 * x.shape[0] * n * k
     row = {
@@ -256,23 +256,23 @@ GROUPED_CONFIGS = [
 
 def sweep_grouped(results: list[dict[str, Any]]) -> None:
     """Time the grouped FP4 prefill kernel under each of GROUPED_CONFIGS (BLOCK_M, BLOCK_N, BLOCK_K,
-    warps, stages) at the Flash shapes; the best is what quant_kernels.GROUPED_BLOCK should hold."""
-    default = qk.GROUPED_BLOCK
+    warps, stages) at the Flash shapes; the best is what fp4.GROUPED_BLOCK should hold."""
+    default = fp4.GROUPED_BLOCK
     gen = torch.Generator().manual_seed(2)
     picks = torch.randint(0, EXPERTS, (PREFILL_TOKENS * ACTIVE,), generator=gen)
     sizes = torch.bincount(picks, minlength=EXPERTS).tolist()
     for n, k in FP4_SHAPES:
         packed, scale = fp4_experts(n, k)
         x = torch.randn(sum(sizes), k, device="cuda", dtype=torch.bfloat16)
-        qk.GROUPED_BLOCK = default
-        want = qk.fp4_grouped_matmul(x, sizes, packed, scale)
+        fp4.GROUPED_BLOCK = default
+        want = fp4.fp4_grouped_matmul(x, sizes, packed, scale)
         timed = []
 
         def call(x: torch.Tensor = x, packed: torch.Tensor = packed, scale: torch.Tensor = scale) -> object:
-            return qk.fp4_grouped_matmul(x, sizes, packed, scale)
+            return fp4.fp4_grouped_matmul(x, sizes, packed, scale)
 
         for config in GROUPED_CONFIGS:
-            qk.GROUPED_BLOCK = config
+            fp4.GROUPED_BLOCK = config
             try:
                 err = rel_error(call(), want.float())
                 seconds = _time_eager(call)
@@ -280,7 +280,7 @@ def sweep_grouped(results: list[dict[str, Any]]) -> None:
                 print(f"  grouped {config}: {type(exc).__name__}", flush=True)
                 continue
             timed.append((seconds, config, err))
-        qk.GROUPED_BLOCK = default
+        fp4.GROUPED_BLOCK = default
         timed.sort()
         flops = 2 * x.shape[0] * n * k
         rows = [
@@ -311,7 +311,7 @@ def sweep_fp8(n: int, k: int) -> dict[str, Any]:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 
     def call(i: int) -> object:
-        return qk.fp8_linear(x, *weights[i])
+        return fp8.fp8_linear(x, *weights[i])
 
     settings = [
         (block_n, split, warps, stages)
@@ -329,7 +329,7 @@ def sweep_fp8(n: int, k: int) -> dict[str, Any]:
     )
     return {
         "op": "sweep_fp8_gemv", "n": n, "k": k, "best": best, "best_us": best_t * 1e6,
-        "best_gbps": n * k / best_t / 1e9, "default": qk.fp8_config(1, n, k, _sms()),
+        "best_gbps": n * k / best_t / 1e9, "default": fp8.fp8_config(1, n, k, _sms()),
         "default_us": default * 1e6,
     }  # fmt: skip
 
@@ -341,7 +341,7 @@ def sweep_fp4(n: int, k: int) -> dict[str, Any]:
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 
     def call(i: int) -> object:
-        return qk.fp4_experts_gemv(x, ids[i], packed, scale)
+        return fp4.fp4_experts_gemv(x, ids[i], packed, scale)
 
     settings = [
         (block_n, block_k, warps, stages)
@@ -359,7 +359,7 @@ def sweep_fp4(n: int, k: int) -> dict[str, Any]:
     )
     return {
         "op": "sweep_fp4_gemv", "n": n, "k": k, "best": best, "best_us": best_t * 1e6,
-        "best_gbps": moved / best_t / 1e9, "default": qk.fp4_config(ACTIVE, n, k, _sms()),
+        "best_gbps": moved / best_t / 1e9, "default": fp4.fp4_config(ACTIVE, n, k, _sms()),
         "default_us": default * 1e6,
     }  # fmt: skip
 
@@ -371,14 +371,14 @@ def decode_sweep(results: list[dict[str, Any]]) -> None:
         copies = max(2, min(64, math.ceil(L2_FLUSH_BYTES / (n * k))))
         weights = fp8_weights(n, k, copies)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        want = x.float() @ qk.fp8_dequantize(*weights[0], torch.float32).t()
+        want = x.float() @ fp8.fp8_dequantize(*weights[0], torch.float32).t()
 
         def call(i: int, x: torch.Tensor = x, weights: list = weights) -> object:
-            return qk.fp8_linear(x, *weights[i])
+            return fp8.fp8_linear(x, *weights[i])
 
         timed: dict[str, float] = {}
         for row_kernel in (False, True):
-            qk.FP8_ROW = row_kernel
+            fp8.FP8_ROW = row_kernel
             timed["row" if row_kernel else "split"] = time_graph(call, copies, replays=3)
         err = rel_error(call(0), want)  # the one-row kernel's (FP8_ROW is left on)
         settings = [
@@ -391,7 +391,7 @@ def decode_sweep(results: list[dict[str, Any]]) -> None:
         best_t, best = _best(settings, "fp8_row", call, copies)
         row = {
             "op": "decode_fp8_gemv", "n": n, "k": k, "split_us": timed["split"] * 1e6,
-            "row_us": timed["row"] * 1e6, "row_default": qk.fp8_row_config(n, k), "best": best,
+            "row_us": timed["row"] * 1e6, "row_default": fp8.fp8_row_config(n, k), "best": best,
             "best_us": best_t * 1e6, "best_gbps": n * k / best_t / 1e9, "rel_error": err,
         }  # fmt: skip
         results.append(row)
@@ -401,11 +401,11 @@ def decode_sweep(results: list[dict[str, Any]]) -> None:
         gen = torch.Generator().manual_seed(1)
         ids = [torch.randperm(EXPERTS, generator=gen)[:ACTIVE].cuda() for _ in range(CALLS_PER_GRAPH)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        dense = qk.fp4_dequantize_many(packed[ids[0]], scale[ids[0]], torch.float32)
+        dense = fp4.fp4_dequantize_many(packed[ids[0]], scale[ids[0]], torch.float32)
         want = torch.einsum("enk,k->en", dense, x[0].float())
 
         def call4(i: int, x: torch.Tensor = x, packed=packed, scale=scale, ids=ids) -> object:  # type: ignore[no-untyped-def]
-            return qk.fp4_experts_gemv(x, ids[i], packed, scale)
+            return fp4.fp4_experts_gemv(x, ids[i], packed, scale)
 
         row4: dict[str, Any] = {"op": "decode_fp4_gemv", "n": n, "k": k}
         moved = ACTIVE * (n * k // 2 + n * k // 32)
@@ -426,13 +426,13 @@ def _best(
     timings = []
     try:
         for setting in settings:
-            qk.OVERRIDES[kind] = setting
+            (fp4 if kind == "fp4" else fp8).OVERRIDES[kind] = setting
             try:
                 timings.append((time_graph(call, copies, replays=3), setting))
             except Exception as exc:  # a setting the compiler rejects: skip it
                 print(f"  {kind} {setting} failed: {exc}", flush=True)
     finally:
-        qk.OVERRIDES[kind] = None
+        (fp4 if kind == "fp4" else fp8).OVERRIDES[kind] = None
     return min(timings)
 
 

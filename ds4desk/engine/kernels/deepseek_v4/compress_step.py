@@ -28,20 +28,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
-from ds4desk.engine.kernels.launch import next_power_of_two, nvidia, on_its_device
+from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, nvidia, on_its_device
 
-# None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never
-# (the model's own eager ops); True: always through the custom op (on the CPU its body is the
-# eager math of `reference`: what bench/count_ops.py uses to count a fused step without a GPU).
-FUSED: bool | None = None
+# Default: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable; NVIDIA only: the
+# kernel was written for (and checked on) CUDA, never on ROCm). Forced on: always through the custom
+# op (on the CPU its body is the eager math of `reference`: what bench/count_ops.py uses to count a
+# fused step without a GPU); off: the model's own eager ops.
+SWITCH = Switch(
+    "deepseek_v4.compress_step",
+    "DeepSeek-V4's decode compressor step (pool, norm, rope, row writes) as one kernel",
+    lambda where: nvidia(where) and _triton_kernel() is not None,
+)
 
 
-def use_fused(like: torch.Tensor) -> bool:
-    """Whether the model's decode step should call `compress_step` for tensors like `like`."""
-    if FUSED is not None:
-        return FUSED
-    # NVIDIA only: the kernel was written for (and checked on) CUDA, never on ROCm.
-    return nvidia(like) and _triton_kernel() is not None
+def enabled(where: Where) -> bool:
+    """Whether the model's decode step should call `compress_step` for tensors on `where`."""
+    return SWITCH.on(where)
 
 
 def fuse_projections(module: nn.Module) -> None:
@@ -185,7 +187,7 @@ def _fused_op(
     sin: torch.Tensor,
     eps: float,
 ) -> None:
-    kernel = _triton_kernel() if _kernel_runs_on(kv) else None
+    kernel = _triton_kernel() if SWITCH.kernel_runs_on(kv) else None
     run = reference if kernel is None else kernel
     run(kv, gate, bias, norm, state_kv, state_gate, prev_kv, prev_gate, rows, pos, cos, sin, eps)
 
@@ -193,12 +195,6 @@ def _fused_op(
 @_fused_op.register_fake
 def _(kv, gate, bias, norm, state_kv, state_gate, prev_kv, prev_gate, rows, pos, cos, sin, eps) -> None:
     return None
-
-
-def _kernel_runs_on(tensor: torch.Tensor) -> bool:
-    """The op's body runs the Triton kernel on CUDA tensors (the tests' interpreter run replaces
-    this to run it on CPU tensors)."""
-    return tensor.is_cuda
 
 
 @functools.cache

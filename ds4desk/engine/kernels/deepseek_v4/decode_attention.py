@@ -24,12 +24,17 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.kernels.launch import next_power_of_two, nvidia, on_its_device
+from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, nvidia, on_its_device
 
-# None: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable); False: never
-# (the eager ops); True: always through the custom op (on the CPU its body is the eager math: what
-# bench/count_ops.py uses to count a fused step without a GPU).
-FUSED: bool | None = None
+# Default: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable; NVIDIA only:
+# they were written for an H200, never run on ROCm, where is_cuda holds too). Forced on: always through
+# the custom op (on the CPU its body is the eager math: what bench/count_ops.py uses to count a fused
+# step without a GPU); off: the eager ops.
+SWITCH = Switch(
+    "deepseek_v4.decode_attention",
+    "DeepSeek-V4's decode attention core (ring, compressed entries, sink) as two kernels",
+    lambda where: nvidia(where) and _triton_kernel() is not None,
+)
 
 
 def reference(
@@ -84,7 +89,7 @@ def _fused_op(
     scale: float,
     turn: torch.Tensor,
 ) -> torch.Tensor:
-    kernel = _triton_kernel() if q.is_cuda else None
+    kernel = _triton_kernel() if SWITCH.kernel_runs_on(q) else None
     if kernel is None:
         return reference(q, ring, ring_ready, extra, extra_ready, picks, sinks, pos, scale, turn)
     return kernel(q, ring, ring_ready, extra, extra_ready, picks, sinks, pos, scale, turn)
@@ -106,6 +111,11 @@ def _(
     return q.new_empty(q.shape)
 
 
+def enabled(where: Where) -> bool:
+    """Whether decode_attention runs the fused kernels for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where)
+
+
 def decode_attention(
     q: torch.Tensor,
     ring: torch.Tensor,
@@ -118,14 +128,10 @@ def decode_attention(
     scale: float,
     turn: torch.Tensor,
 ) -> torch.Tensor:
-    """out [H, d] (see reference for the arguments), fused where it can be (see FUSED)."""
+    """out [H, d] (see reference for the arguments), fused where it can be (see SWITCH)."""
     if (extra is None) != (extra_ready is None) or (picks is not None and extra is None):
         raise ValueError("extra and extra_ready come together, and picks need extra")
-    fused = FUSED
-    if fused is None:
-        # NVIDIA only: the kernels were written for an H200, never run on ROCm (where is_cuda holds too).
-        fused = nvidia(q) and _triton_kernel() is not None
-    if fused:
+    if enabled(q):
         return _fused_op(q, ring, ring_ready, extra, extra_ready, picks, sinks, pos, scale, turn)
     return reference(q, ring, ring_ready, extra, extra_ready, picks, sinks, pos, scale, turn)
 

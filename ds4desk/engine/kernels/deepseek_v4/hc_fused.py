@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from ds4desk.engine.kernels.deepseek_v4 import hc_kernel as v4_hc_kernel
 from ds4desk.engine.kernels.launch import (
+    Switch,
+    Where,
     is_power_of_two,
     next_power_of_two,
     nvidia,
@@ -37,10 +39,15 @@ from ds4desk.engine.kernels.launch import (
     pdl,
 )
 
-# None: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power
-# of 2); False: never (the model's eager ops); True: always through the custom ops (on the CPU their
-# bodies are the eager math: what bench/count_ops.py uses to count a fused step without a GPU).
-FUSED: bool | None = None
+# Default: the fused kernels where they can run (NVIDIA CUDA tensors, Triton importable, hc_mult a
+# power of 2; NVIDIA only: the kernels were written for and checked on CUDA, never on ROCm). Forced
+# on: always through the custom ops (on the CPU their bodies are the eager math: what
+# bench/count_ops.py uses to count a fused step without a GPU); off: the model's eager ops.
+SWITCH = Switch(
+    "deepseek_v4.hc_fused",
+    "DeepSeek-V4's hyper-connection sites (expand + mix, weights + collapse + norm) in two kernels",
+    lambda where, mult: nvidia(where) and is_power_of_two(mult) and _kernels() is not None,
+)
 
 # Flattened-dim block of the split-K mix kernel, per stream: fn's tile is [rows padded, m * 32].
 _MIX_BLOCK = 32
@@ -60,17 +67,10 @@ _TILED_MIX_STAGES = 3
 _EXPAND_BLOCK = 512
 
 
-def enabled(streams: torch.Tensor, mult: int) -> bool:
-    """Whether a site on `streams` goes through the fused ops (a host decision, made once a step)."""
-    if FUSED is not None:
-        return FUSED
-    # NVIDIA only: the kernels were written for and checked on CUDA, never on ROCm.
-    return nvidia(streams) and is_power_of_two(mult) and _kernels() is not None
-
-
-def _use_kernels(streams: torch.Tensor) -> bool:
-    """Inside an op: the Triton kernels run on CUDA tensors (the tests' interpreter run patches this)."""
-    return streams.is_cuda
+def enabled(where: Where, mult: int) -> bool:
+    """Whether a site on tensors on `where` with hc_mult `mult` goes through the fused ops (a host
+    decision, made once a step; see SWITCH)."""
+    return SWITCH.on(where, mult)
 
 
 # --- the eager math (the model's ops, spelled as deepseek_v4 spells them) -------------------------
@@ -128,7 +128,7 @@ def _expand_mix_op(
     fn: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_kernels(streams):
+    if SWITCH.kernel_runs_on(streams):
         new, z = _kernels().mix(streams, y, post, comb, fn, eps)
         assert new is not None
         return new, z
@@ -145,7 +145,7 @@ def _(streams, y, post, comb, fn, eps):
 def _collapse_norm_op(
     streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    if _use_kernels(streams):
+    if SWITCH.kernel_runs_on(streams):
         return _kernels().collapse_norm(streams, pre, weight, eps, dtype)
     return reference_collapse_norm(streams, pre, weight, eps, dtype)
 
@@ -169,7 +169,7 @@ def _site_impl(
     hc_eps: float,
     eps: float,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_kernels(streams):
+    if SWITCH.kernel_runs_on(streams):
         return _kernels().site(streams, y, post, comb, fn, scale, base, weight, iters, hc_eps, eps)
     new = None
     if y is not None:

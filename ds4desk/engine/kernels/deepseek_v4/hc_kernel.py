@@ -19,12 +19,16 @@ from typing import Any
 
 import torch
 
-from ds4desk.engine.kernels.launch import is_power_of_two, nvidia, on_its_device
+from ds4desk.engine.kernels.launch import Switch, Where, is_power_of_two, nvidia, on_its_device
 
-# None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power of 2);
-# False: never (the eager ops); True: always through the custom op (on the CPU its body is the eager
-# math: what bench/count_ops.py uses to count a fused step without a GPU).
-FUSED: bool | None = None
+# Default: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable, hc_mult a power of
+# 2). Forced on: always through the custom op (on the CPU its body is the eager math: what
+# bench/count_ops.py uses to count a fused step without a GPU); off: the eager ops.
+SWITCH = Switch(
+    "deepseek_v4.hc_kernel",
+    "DeepSeek-V4's hyper-connection weights (gates and Sinkhorn) as one kernel",
+    lambda where, mult: nvidia(where) and is_power_of_two(mult) and _triton_kernel() is not None,
+)
 
 
 def reference(
@@ -56,7 +60,7 @@ def reference(
 def _fused_op(
     z: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, mult: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kernel = _triton_kernel() if z.is_cuda else None
+    kernel = _triton_kernel() if SWITCH.kernel_runs_on(z) else None
     if kernel is None:
         gates, comb = reference(z, scale, base, mult, iters, eps)
         return gates, comb.contiguous()
@@ -69,14 +73,16 @@ def _(z: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, mult: int, iters
     return z.new_empty((count, 2 * mult)), z.new_empty((count, mult, mult))
 
 
+def enabled(where: Where, mult: int) -> bool:
+    """Whether hc_weights runs the fused kernel for tensors on `where` and hc_mult `mult` (see SWITCH)."""
+    return SWITCH.on(where, mult)
+
+
 def hc_weights(
     z: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, mult: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[pre | post] [T, 2m] and C [T, m, m], float32, fused where it can be (see FUSED)."""
-    fused = FUSED
-    if fused is None:
-        fused = nvidia(z) and is_power_of_two(mult) and _triton_kernel() is not None
-    if fused:
+    """[pre | post] [T, 2m] and C [T, m, m], float32, fused where it can be (see SWITCH)."""
+    if enabled(z, mult):
         return _fused_op(z.contiguous(), scale, base, mult, iters, eps)
     return reference(z, scale, base, mult, iters, eps)
 

@@ -20,11 +20,16 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.kernels.launch import next_power_of_two, nvidia, on_its_device
+from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, nvidia, on_its_device
 
-# None: the kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never; True:
-# always through the custom op (on the CPU its body is `reference`).
-FUSED: bool | None = None
+# Default: the kernel where it can run (NVIDIA CUDA tensors, Triton importable; NVIDIA only: the kernel
+# was written for (and checked on) CUDA, never on ROCm). Forced on: always through the custom op (on
+# the CPU its body is `reference`); off: the model's eager math.
+SWITCH = Switch(
+    "deepseek_v4.index_scores",
+    "DeepSeek-V4's lightning-indexer scores of a prefill chunk as one kernel",
+    lambda where: nvidia(where) and _triton_kernel() is not None,
+)
 
 # reference: heads per batched product, so that its [T, heads, E] float32 block stays under this.
 _REFERENCE_BLOCK = 1 << 26
@@ -57,12 +62,9 @@ def visible_entries(count: int, total: int, start: int, rate: int, device: torch
     return torch.arange(total, device=device).unsqueeze(0) < ready.unsqueeze(1)
 
 
-def enabled(like: torch.Tensor) -> bool:
-    """Whether the model's prefill should call `index_scores` for tensors like `like`."""
-    if FUSED is not None:
-        return FUSED
-    # NVIDIA only: the kernel was written for (and checked on) CUDA, never on ROCm.
-    return nvidia(like) and _triton_kernel() is not None
+def enabled(where: Where) -> bool:
+    """Whether the model's prefill should call `index_scores` for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where)
 
 
 def index_scores(
@@ -83,19 +85,13 @@ def index_scores(
 def _fused_op(
     q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: int, rate: int
 ) -> torch.Tensor:
-    kernel = _triton_kernel() if _kernel_runs_on(q) else None
+    kernel = _triton_kernel() if SWITCH.kernel_runs_on(q) else None
     return (reference if kernel is None else kernel)(q, keys, weights, start, rate)
 
 
 @_fused_op.register_fake
 def _(q, keys, weights, start, rate):
     return q.new_empty((q.shape[0], keys.shape[0]), dtype=torch.float32)
-
-
-def _kernel_runs_on(tensor: torch.Tensor) -> bool:
-    """The op's body runs the Triton kernel on CUDA tensors (the tests' interpreter run replaces this
-    to run it on CPU tensors)."""
-    return tensor.is_cuda
 
 
 @functools.cache

@@ -7,7 +7,7 @@ product and the cast back: 3-6 tiny kernels, ~20 a CSA layer, and inside a CUDA 
 each costs a few µs. On NVIDIA GPUs with Triton each use is one kernel (a program a row, the row's
 channels as even / odd halves so a rotary pair is one lane) that reads the position and the table
 rows on the device; it launches early with programmatic dependent launch where there is one
-(triton_launch.pdl). Elsewhere (CPU, ROCm, no Triton) the eager form runs, with the same math.
+(launch.pdl). Elsewhere (CPU, ROCm, no Triton) the eager form runs, with the same math.
 
 The fused path goes through a torch custom op, so a CUDA graph capture and a dispatch-level op
 counter (bench/count_ops.py) see one op whatever runs inside.
@@ -22,20 +22,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.kernels.launch import next_power_of_two, nvidia, on_its_device, pdl
+from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, nvidia, on_its_device, pdl
 
-# None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
-# model's own eager ops); True: always through the custom op (on the CPU its body is the eager math of
-# `reference`: what bench/count_ops.py uses to count a fused step without a GPU).
-FUSED: bool | None = None
+# Default: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable; NVIDIA only: the
+# kernel was written for CUDA, never run on ROCm, where is_cuda holds too). Forced on: always through
+# the custom op (on the CPU its body is the eager math of `reference`: what bench/count_ops.py uses to
+# count a fused step without a GPU); off: the model's own eager ops.
+SWITCH = Switch(
+    "deepseek_v4.norm_rope",
+    "DeepSeek-V4's RMS-norm then rotate (queries, keys, the indexer's queries) as one kernel",
+    lambda where: nvidia(where) and _triton_kernel() is not None,
+)
 
 
-def enabled(like: torch.Tensor) -> bool:
-    """Whether the model's decode step should call `norm_rope` for tensors like `like`."""
-    if FUSED is not None:
-        return FUSED
-    # NVIDIA only: the kernel was written for CUDA, never run on ROCm (where is_cuda holds too).
-    return nvidia(like) and _triton_kernel() is not None
+def enabled(where: Where) -> bool:
+    """Whether the model should call `norm_rope` for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where)
 
 
 def norm_rope(
@@ -120,7 +122,7 @@ def _fused_op(
     out_dtype: torch.dtype,
     group: int,
 ) -> torch.Tensor:
-    kernel = _triton_kernel() if _kernel_runs_on(x) else None
+    kernel = _triton_kernel() if SWITCH.kernel_runs_on(x) else None
     run = reference if kernel is None else kernel
     return run(x, weight, eps, cos, sin, pos, rope_dims, out_dtype, group)
 
@@ -133,12 +135,6 @@ def _(x, weight, eps, cos, sin, pos, rope_dims, out_dtype, group):
 def _group(group: int, x: torch.Tensor) -> int:
     """Rows a table row serves: 0 means all of them."""
     return group or max(1, x.shape[0])
-
-
-def _kernel_runs_on(tensor: torch.Tensor) -> bool:
-    """The op's body runs the Triton kernel on CUDA tensors (the tests' interpreter run replaces this
-    to run it on CPU tensors)."""
-    return tensor.is_cuda
 
 
 def launch_constants(channels: int, rope_dims: int, norm: bool, weighted: bool) -> dict[str, Any]:

@@ -35,11 +35,16 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.kernels.launch import next_power_of_two, nvidia, on_its_device
+from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, nvidia, on_its_device
 
-# None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
-# eager ops); True: always through the custom op (on the CPU its body is the eager math).
-FUSED: bool | None = None
+# Default: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable; NVIDIA only: the
+# kernel is written for (and checked on) NVIDIA GPUs, never on ROCm). Forced on: always through the
+# custom op (on the CPU its body is the eager math); off: the eager ops.
+SWITCH = Switch(
+    "deepseek_v4.prefill_attention",
+    "DeepSeek-V4's prefill attention (window, compressed entries, sink) as one flash-attention kernel",
+    lambda where: nvidia(where) and _triton_kernel() is not None,
+)
 
 
 # The launch blocking (see the module docstring); a launch's keyword arguments override it (the bench).
@@ -100,7 +105,7 @@ def _fused_op(
     sinks: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    kernel = _triton_kernel() if q.is_cuda else None
+    kernel = _triton_kernel() if SWITCH.kernel_runs_on(q) else None
     if kernel is None:
         return reference(q, keys, pad, entries, picks, extra_bias, sinks, scale).contiguous()
     return kernel(q, keys, pad, entries, picks, extra_bias, sinks, scale)
@@ -109,6 +114,11 @@ def _fused_op(
 @_fused_op.register_fake
 def _(q, keys, pad, entries, picks, extra_bias, sinks, scale):
     return q.new_empty(q.shape)
+
+
+def enabled(where: Where) -> bool:
+    """Whether prefill_attention runs the fused kernel for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where)
 
 
 def prefill_attention(
@@ -122,12 +132,8 @@ def prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     """The chunk's attention output [T, H, d] in q's dtype (see `reference` for the arguments), fused
-    where it can be (see FUSED)."""
-    fused = FUSED
-    if fused is None:
-        # NVIDIA only: the kernel is written for (and checked on) NVIDIA GPUs, never on ROCm.
-        fused = nvidia(q) and _triton_kernel() is not None
-    if not fused:
+    where it can be (see SWITCH)."""
+    if not enabled(q):
         return reference(q, keys, pad, entries, picks, extra_bias, sinks, scale)
     return _fused_op(
         q.contiguous(),

@@ -19,11 +19,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.kernels.launch import nvidia, on_its_device, pdl
+from ds4desk.engine.kernels.launch import Switch, Where, nvidia, on_its_device, pdl
 
-# None: the kernels where they run (NVIDIA CUDA tensors, Triton importable); False: never; True:
-# always through the custom ops (on the CPU their bodies are the eager math).
-FUSED: bool | None = None
+# Default: the kernels where they run (NVIDIA CUDA tensors, Triton importable). Forced on: always
+# through the custom ops (on the CPU their bodies are the eager math); off: the eager math.
+SWITCH = Switch(
+    "deepseek_v4.route",
+    "DeepSeek-V4's decode router and expert mix, one kernel each",
+    lambda where: nvidia(where) and _kernels() is not None,
+)
 
 
 def reference_route(
@@ -65,7 +69,7 @@ def _route_op(
     k: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    kernels = _kernels() if logits.is_cuda else None
+    kernels = _kernels() if SWITCH.kernel_runs_on(logits) else None
     if kernels is None:
         chosen, weights = reference_route(logits, bias, table, token, k, scale)
         return chosen.contiguous(), weights.contiguous()
@@ -79,7 +83,7 @@ def _(logits, bias, table, token, k, scale):
 
 @torch.library.custom_op("ds4desk::v4_mix", mutates_args=())
 def _mix_op(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    kernels = _kernels() if y.is_cuda else None
+    kernels = _kernels() if SWITCH.kernel_runs_on(y) else None
     if kernels is None:
         return reference_mix(weights, y)
     return kernels.mix(weights, y)
@@ -90,10 +94,9 @@ def _(weights, y):
     return y.new_empty((y.shape[0] // weights.shape[-1], y.shape[1]))
 
 
-def enabled(t: torch.Tensor) -> bool:
-    if FUSED is not None:
-        return FUSED
-    return nvidia(t) and _kernels() is not None
+def enabled(where: Where) -> bool:
+    """Whether route and mix run the kernels for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where)
 
 
 def route(
@@ -104,14 +107,14 @@ def route(
     k: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See reference_route; one kernel where it can be (see FUSED)."""
+    """See reference_route; one kernel where it can be (see SWITCH)."""
     if enabled(logits):
         return _route_op(logits.contiguous(), bias, table, token, k, scale)
     return reference_route(logits, bias, table, token, k, scale)
 
 
 def mix(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """See reference_mix; one kernel where it can be (see FUSED). Prefill's rows too: no float32
+    """See reference_mix; one kernel where it can be (see SWITCH). Prefill's rows too: no float32
     copy of the [T k, D] expert outputs."""
     if enabled(y):
         return _mix_op(weights.contiguous(), y.contiguous())

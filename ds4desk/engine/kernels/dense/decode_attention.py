@@ -19,11 +19,15 @@ from collections.abc import Callable
 
 import torch
 
-from ds4desk.engine.kernels.launch import nvidia, on_its_device, pdl
+from ds4desk.engine.kernels.launch import Switch, Where, nvidia, on_its_device, pdl
 
-# None: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never (the
-# eager ops); True: always through the custom op (on the CPU its body is the eager math).
-FUSED: bool | None = None
+# Default: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable). Forced on:
+# always through the custom op (on the CPU its body is the eager math); off: the eager ops.
+SWITCH = Switch(
+    "dense.decode_attention",
+    "the dense decode step's attention as two flash-decoding kernels",
+    lambda where: nvidia(where) and _triton_kernel() is not None,
+)
 
 # Keys a program's inner loop reads at once, and how many programs the first kernel aims for per
 # streaming multiprocessor (two: one can load while the other computes).
@@ -63,7 +67,7 @@ def _fused_op(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    kernel = _triton_kernel() if q.is_cuda else None
+    kernel = _triton_kernel() if SWITCH.kernel_runs_on(q) else None
     if kernel is None:
         return reference(q, keys, values, pos, scale, window).contiguous()
     return kernel(q, keys, values, pos, scale, window)
@@ -74,11 +78,9 @@ def _(q, keys, values, pos, scale, window):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def available(device: torch.device) -> bool:
-    """Whether decode_attention runs the fused kernel for tensors on `device` (by default)."""
-    if FUSED is not None:
-        return FUSED
-    return nvidia(device) and _triton_kernel() is not None
+def enabled(where: Where) -> bool:
+    """Whether decode_attention runs the fused kernel for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where)
 
 
 def decode_attention(
@@ -91,7 +93,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of q [KV, G, D] over keys / values [KV, span, D] (views of a cache: strides are
     honoured, the last one must be 1) at the position in `pos` (int64 [1], read on the device), in
-    q's dtype, fused where it can be (see FUSED)."""
+    q's dtype, fused where it can be (see SWITCH)."""
     if (
         q.dim() != 3
         or keys.shape != values.shape
@@ -101,7 +103,7 @@ def decode_attention(
         raise ValueError(
             f"shapes do not fit: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
         )
-    if available(q.device):
+    if enabled(q.device):
         return _fused_op(q, keys, values, pos, scale, window)
     return reference(q, keys, values, pos, scale, window)
 
@@ -160,7 +162,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         F32: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        if PDL:  # launched early (triton_launch.PDL): the cache row at pos comes from the kernel before
+        if PDL:  # launched early (launch.PDL): the cache row at pos comes from the kernel before
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         head = tl.program_id(0)

@@ -17,10 +17,10 @@ experts (`experts_gemv`: the picked experts' rows by id on the device, the clamp
 into the down projection's input).
 
 The GEMVs stream the weight rows at close to the copy bandwidth, and on Hopper they launch early
-(triton_launch.PDL) to stream their first tile while the kernel before them ends; tiles never cross
+(launch.PDL) to stream their first tile while the kernel before them ends; tiles never cross
 a row end (K a multiple of BLOCK_K, N of BLOCK_N), which every checkpoint this app runs satisfies.
-`available` says where the kernels run (NVIDIA GPUs with Triton) and the models keep their torch
-form elsewhere. `reference_*` are the same math in torch, for the tests.
+`enabled` says where the kernels run (NVIDIA GPUs with Triton: see SWITCH) and the models keep their
+torch form elsewhere. `reference_*` are the same math in torch, for the tests.
 """
 
 from __future__ import annotations
@@ -32,20 +32,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.kernels.launch import nvidia, on_its_device, pdl
+from ds4desk.engine.kernels.launch import Switch, Where, nvidia, on_its_device, pdl
 
-# None: the kernels where they can run; False: never (the torch form); True: always (the tests, on
-# Triton's interpreter).
-FUSED: bool | None = None
+# Default: the kernels where they can run (NVIDIA CUDA tensors, Triton importable). Forced on: always
+# (the tests, on Triton's interpreter); off: the torch form. There is no custom op around them: the
+# models call them inside their graphed decode step, where this says they run.
+SWITCH = Switch(
+    "dense.gemv",
+    "the decode step's fused GEMVs (RMSNorm + GEMV, GEMV + residual, RoPE + cache write, experts)",
+    lambda where: nvidia(where) and _kernels() is not None,
+)
 
 # (BLOCK_N, BLOCK_K, num_warps) forced for every shape: what the sweep tries settings with.
 OVERRIDE: tuple[int, int, int] | None = None
 
 
-def available(device: torch.device) -> bool:
-    if FUSED is not None:
-        return FUSED
-    return nvidia(device) and _kernels() is not None
+def enabled(where: Where) -> bool:
+    """Whether the GEMV kernels run for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where)
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -60,7 +64,7 @@ def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.shape[0] == 1
         and x.is_contiguous()
         and x.dtype == weight.dtype
-        and available(x.device)
+        and enabled(x.device)
         and fits(weight)
     )
 

@@ -15,11 +15,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.kernels.launch import nvidia, on_its_device
+from ds4desk.engine.kernels.launch import Switch, Where, nvidia, on_its_device
 
-# None: the kernel where it can run (NVIDIA CUDA tensors, Triton importable); False: never; True:
-# always (the tests, on Triton's interpreter).
-FUSED: bool | None = None
+# Default: the kernel where it can run (NVIDIA CUDA tensors, Triton importable). Forced on, the kernel
+# runs whatever the device (the tests, on Triton's interpreter); there is no custom op around it.
+SWITCH = Switch(
+    "dense.silu_mul",
+    "the dense prefill's SiLU(gate) · up as one kernel",
+    lambda where: nvidia(where) and _triton_kernel() is not None,
+)
 
 _BLOCK = 1024
 
@@ -30,12 +34,16 @@ def reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[:, :width]).mul_(gate_up[:, width:])
 
 
+def enabled(where: Where) -> bool:
+    """Whether silu_mul runs the kernel for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """See `reference`; one kernel where it can be (see FUSED)."""
+    """See `reference`; one kernel where it can be (see SWITCH)."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2W], got {tuple(gate_up.shape)}")
-    fused = FUSED if FUSED is not None else nvidia(gate_up) and _triton_kernel() is not None
-    kernel = _triton_kernel() if fused else None
+    kernel = _triton_kernel() if enabled(gate_up) else None
     return reference(gate_up) if kernel is None else kernel(gate_up.contiguous())
 
 

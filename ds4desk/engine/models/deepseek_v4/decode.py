@@ -239,7 +239,7 @@ class GraphableDecode:
     def _window_step(self, pos: torch.Tensor, rate: int, rows: int, overlap: bool) -> _WindowStep:
         steps = self._steps
         assert steps is not None
-        if v4_compress_step.use_fused(pos):
+        if v4_compress_step.enabled(pos):
             return _WindowStep(pos)  # the fused step derives its window from pos on the device
         slot = pos % rate  # [1]
         step = _WindowStep(pos, slot, (steps[:rate] == slot).unsqueeze(1), slot == rate - 1)

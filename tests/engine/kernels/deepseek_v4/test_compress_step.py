@@ -17,7 +17,9 @@ from safetensors import safe_open
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.models.deepseek_v4.model import CSA, HCA, CompressorState, DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.cache import CompressorState
+from ds4desk.engine.models.deepseek_v4.config import CSA, HCA
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from tests.engine.models.deepseek_v4.test_graphable import (
     Stepper,
     assert_same_state,
@@ -260,7 +262,7 @@ def model_pair(folder: Path, dtype: torch.dtype) -> tuple[DeepseekV4Model, Deeps
 
 
 def fused_steps_equal_eager_steps(folder: Path, dtype: torch.dtype, prefill: int, stop: int) -> None:
-    """Graphable steps with FUSED forced on one model, off on the other, from the same prefill."""
+    """Graphable steps with the op forced on for one model, off for the other, from the same prefill."""
     fused, eager = model_pair(folder, dtype)
     source = source_from_folder(folder)
     ids = tokens(source, stop, seed=29)
@@ -270,12 +272,10 @@ def fused_steps_equal_eager_steps(folder: Path, dtype: torch.dtype, prefill: int
         eager.forward(torch.tensor(ids[:prefill]), 0, "none")
         fused_stepper, eager_stepper = Stepper(fused), Stepper(eager)
         for pos in range(prefill, stop):
-            v4_compress_step.FUSED = True
-            try:
+            with v4_compress_step.SWITCH.force(True):
                 ours = fused_stepper.step(ids[pos], pos, CONTEXT)
-            finally:
-                v4_compress_step.FUSED = False
-            ref = eager_stepper.step(ids[pos], pos, CONTEXT)
+            with v4_compress_step.SWITCH.force(False):
+                ref = eager_stepper.step(ids[pos], pos, CONTEXT)
             assert relative_error(ours, ref) < tol, pos
     if dtype == torch.float32:
         assert_same_state(fused, eager, stop)
@@ -286,12 +286,10 @@ def fused_steps_equal_eager_steps(folder: Path, dtype: torch.dtype, prefill: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_models_fused_steps_equal_its_eager_steps(
-    tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_models_fused_steps_equal_its_eager_steps(tmp_path: Path, dtype: torch.dtype) -> None:
     """On the CPU the op's body is the reference (on CUDA the kernel): the wiring, arguments and
     state the model hands the op."""
-    monkeypatch.setattr(v4_compress_step, "FUSED", None)
+    assert v4_compress_step.SWITCH.forced is None and not v4_compress_step.enabled(torch.zeros(1))
     fused_steps_equal_eager_steps(tmp_path, dtype, prefill=5, stop=CONTEXT)
 
 
@@ -320,7 +318,7 @@ from tests.engine.kernels.deepseek_v4.test_compress_step import fused_steps_equa
 if torch.cuda.is_available():
     test_v4_compress_step.DEVICE = torch.device("cuda")
 else:
-    v4_compress_step._kernel_runs_on = lambda tensor: True  # the interpreter runs on CPU tensors
+    v4_compress_step.SWITCH.kernel_on_cpu = True  # the interpreter runs the kernel on CPU tensors
 folder = Path(sys.argv[1])
 fused_steps_equal_eager_steps(folder / "f32", torch.float32, prefill=6, stop=22)
 fused_steps_equal_eager_steps(folder / "bf16", torch.bfloat16, prefill=3, stop=14)

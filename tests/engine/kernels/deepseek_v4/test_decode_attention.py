@@ -116,12 +116,11 @@ def test_mismatched_extras_are_refused() -> None:
 
 
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-def test_the_custom_op_is_one_op_with_the_same_result(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_custom_op_is_one_op_with_the_same_result(kind: str) -> None:
     args = inputs(kind, 13, seed=5)
     expected = v4_decode_attention.reference(*args)
-    monkeypatch.setattr(v4_decode_attention, "FUSED", True)
     seen = OpNames()
-    with torch.inference_mode(), seen:
+    with v4_decode_attention.SWITCH.force(True), torch.inference_mode(), seen:
         out = v4_decode_attention.decode_attention(*args)
     assert seen.names == ["v4_decode_attention"]  # what a graph capture or an op counter sees
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
@@ -129,7 +128,7 @@ def test_the_custom_op_is_one_op_with_the_same_result(kind: str, monkeypatch: py
 
 def test_the_cpu_runs_the_eager_form_by_default() -> None:
     args = inputs("hca", 13, seed=6)
-    assert v4_decode_attention.FUSED is None
+    assert v4_decode_attention.SWITCH.forced is None and not v4_decode_attention.enabled(args[0])
     seen = OpNames()
     with torch.inference_mode(), seen:
         out = v4_decode_attention.decode_attention(*args)
@@ -198,7 +197,7 @@ from pathlib import Path
 
 import torch
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.models.deepseek_v4 import model as deepseek_v4
+from ds4desk.engine.models.deepseek_v4 import decode as v4_decode
 from ds4desk.engine.kernels.deepseek_v4 import decode_attention as v4_decode_attention
 from ds4desk.engine.loader import load_model
 from tests.engine.tiny_dense import source_from_folder
@@ -221,7 +220,7 @@ def through_the_kernel(*args):
 def steps(dtype, fused):
     # decode_attention is the name the model calls: the eager form, or the Triton kernels (on the
     # CPU that is the interpreter, which the op's own dispatch never picks).
-    deepseek_v4.decode_attention = through_the_kernel if fused else v4_decode_attention.reference
+    v4_decode.decode_attention = through_the_kernel if fused else v4_decode_attention.reference
     model = load_model(source, device, dtype).model
     model.allocate_cache(64)
     token, pos = (torch.zeros(1, dtype=torch.int64, device=device) for _ in range(2))

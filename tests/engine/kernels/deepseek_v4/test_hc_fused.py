@@ -14,6 +14,7 @@ from ds4desk.engine.kernels.deepseek_v4 import hc_kernel as v4_hc_kernel
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models.deepseek_v4 import model as v4
+from ds4desk.engine.models.deepseek_v4 import ops
 from tests.engine.op_names import OpNames
 from tests.engine.tiny_dense import source_from_folder
 from tests.engine.triton_check import run_triton_check
@@ -49,13 +50,13 @@ def site_inputs(
 
 
 def model_site(x: dict[str, torch.Tensor], expand: bool) -> tuple[torch.Tensor, ...]:
-    """What the model computes today: _expand, then _hc_mix, hc_weights, _collapse, _rms_norm."""
+    """What the model computes today: ops.expand, then hc_mix, hc_weights, collapse, rms_norm."""
     streams = x["streams"]
     if expand:
-        streams = v4._expand(streams, x["y"], x["gates"][:, M:], x["comb"])
-    z, streams32 = v4._hc_mix(streams, x["fn"], EPS)
+        streams = ops.expand(streams, x["y"], x["gates"][:, M:], x["comb"])
+    z, streams32 = ops.hc_mix(streams, x["fn"], EPS)
     gates, comb = v4_hc_kernel.reference(z, x["scale"], x["base"], M, ITERS, HC_EPS)
-    h = v4._rms_norm(v4._collapse(streams32, gates[:, :M]), x["weight"], EPS, streams.dtype)
+    h = ops.rms_norm(ops.collapse(streams32, gates[:, :M]), x["weight"], EPS, streams.dtype)
     return streams, h, gates[:, M:], comb
 
 
@@ -64,12 +65,12 @@ def model_site(x: dict[str, torch.Tensor], expand: bool) -> tuple[torch.Tensor, 
 def test_the_eager_bodies_equal_the_model_functions(count: int, dtype: torch.dtype) -> None:
     x = site_inputs(count, 64, seed=count, dtype=dtype)
     post = x["gates"][:, M:]
-    expanded = v4._expand(x["streams"], x["y"], post, x["comb"])
+    expanded = ops.expand(x["streams"], x["y"], post, x["comb"])
     assert torch.equal(v4_hc_fused.reference_expand(x["streams"], x["y"], post, x["comb"]), expanded)
-    z, streams32 = v4._hc_mix(expanded, x["fn"], EPS)
+    z, streams32 = ops.hc_mix(expanded, x["fn"], EPS)
     assert torch.equal(v4_hc_fused.reference_mix(expanded, x["fn"], EPS), z)
     pre = x["gates"][:, :M]
-    h = v4._rms_norm(v4._collapse(streams32, pre), x["weight"], EPS, dtype)
+    h = ops.rms_norm(ops.collapse(streams32, pre), x["weight"], EPS, dtype)
     assert torch.equal(v4_hc_fused.reference_collapse_norm(expanded, pre, x["weight"], EPS, dtype), h)
     for expand in (False, True):
         previous = (x["y"], post, x["comb"]) if expand else None
@@ -105,7 +106,7 @@ def test_each_fused_function_is_one_op(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_cpu_runs_the_eager_form_by_default() -> None:
-    assert v4_hc_fused.FUSED is None
+    assert v4_hc_fused.SWITCH.forced is None
     assert not v4_hc_fused.enabled(torch.zeros(1, M, 8), M)
 
 
@@ -119,7 +120,7 @@ from tests.engine.kernels.deepseek_v4.test_hc_fused import EPS, HC_EPS, ITERS, M
 kernels = v4_hc_fused._kernels()
 assert kernels is not None
 device = "cuda" if torch.cuda.is_available() else "cpu"
-v4_hc_fused._use_kernels = lambda streams: True  # the interpreter runs the kernels on CPU tensors
+v4_hc_fused.SWITCH.kernel_on_cpu = True  # the interpreter runs the kernels on CPU tensors
 # D = 40: a partial mix block and a partial collapse block; 256: several whole blocks; 600 at two
 # tokens: three collapse programs a token, the last one partial; 20 and 70 tokens: a program a
 # token's row and the tiled mix (70: two token blocks, a partial one; 272: a partial dim block).
@@ -182,7 +183,7 @@ def decode_steps(folder: Path, steps: int, device: str = "cpu") -> list[torch.Te
 
 def fused_sites(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Force the fused sites on and count the model's calls of v4_hc_fused.site."""
-    monkeypatch.setattr(v4_hc_fused, "FUSED", True)
+    monkeypatch.setattr(v4_hc_fused.SWITCH, "forced", True)
     seen: list[str] = []
     original = v4_hc_fused.site
 
@@ -237,10 +238,10 @@ from tests.engine.kernels.deepseek_v4.test_hc_fused import decode_steps
 
 folder = pathlib.Path({str(tiny)!r})
 device = "cuda" if torch.cuda.is_available() else "cpu"
-v4_hc_fused.FUSED = False
-eager = decode_steps(folder, 2, device)
-v4_hc_fused.FUSED = True
-v4_hc_fused._use_kernels = lambda streams: True  # the interpreter runs the kernels on CPU tensors
+with v4_hc_fused.SWITCH.force(False):
+    eager = decode_steps(folder, 2, device)
+v4_hc_fused.SWITCH.forced = True
+v4_hc_fused.SWITCH.kernel_on_cpu = True  # the interpreter runs the kernels on CPU tensors
 fused = decode_steps(folder, 2, device)
 for ours, ref in zip(fused, eager, strict=True):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
@@ -259,10 +260,10 @@ from tests.engine.kernels.deepseek_v4.test_hc_fused import prefill
 
 folder = pathlib.Path({str(tiny)!r})
 device = "cuda" if torch.cuda.is_available() else "cpu"
-v4_hc_fused.FUSED = False
-eager, eager_last = prefill(folder, 40, device)
-v4_hc_fused.FUSED = True
-v4_hc_fused._use_kernels = lambda streams: True  # the interpreter runs the kernels on CPU tensors
+with v4_hc_fused.SWITCH.force(False):
+    eager, eager_last = prefill(folder, 40, device)
+v4_hc_fused.SWITCH.forced = True
+v4_hc_fused.SWITCH.kernel_on_cpu = True  # the interpreter runs the kernels on CPU tensors
 for chunk in (40, 8):
     fused, fused_last = prefill(folder, chunk, device)
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)

@@ -64,7 +64,7 @@ def test_the_custom_op_is_one_op_with_the_reference_result() -> None:
 
 
 def test_the_cpu_takes_the_eager_path_by_default() -> None:
-    assert v4_index_scores.FUSED is None
+    assert v4_index_scores.SWITCH.forced is None
     assert not v4_index_scores.enabled(torch.zeros(1))
 
 
@@ -131,12 +131,8 @@ def prefill(folder: Path, fused: bool | None, device: str = "cpu") -> torch.Tens
     assert isinstance(model, DeepseekV4Model)
     model.allocate_cache(64)
     ids = torch.tensor([(5 * i + 2) % 50 for i in range(40)], device=device)
-    v4_index_scores.FUSED = fused
-    try:
-        with torch.inference_mode():
-            return torch.cat([model.forward(ids[s : s + 16], s, "all") for s in range(0, 40, 16)])
-    finally:
-        v4_index_scores.FUSED = None
+    with v4_index_scores.SWITCH.force(fused), torch.inference_mode():
+        return torch.cat([model.forward(ids[s : s + 16], s, "all") for s in range(0, 40, 16)])
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +161,7 @@ from tests.engine.kernels.deepseek_v4.test_index_scores import prefill
 folder = pathlib.Path({str(tiny)!r})
 device = "cuda" if torch.cuda.is_available() else "cpu"
 eager = prefill(folder, False, device)
-v4_index_scores._kernel_runs_on = lambda tensor: True  # the interpreter runs on CPU tensors
+v4_index_scores.SWITCH.kernel_on_cpu = True  # the interpreter runs the kernel on CPU tensors
 torch.testing.assert_close(prefill(folder, True, device), eager, rtol=1e-4, atol=1e-4)
 print("prefill ok")
 """

@@ -1,5 +1,5 @@
 """DeepSeek-V4's fused decode-step norm and rotation (v4_norm_rope): the eager reference is the model's own
-_rms_norm / _norm_rope / _rope_ op for op, the custom op is one op, the Triton kernel (on CUDA, or
+ops.rms_norm / norm_rope / rope_ op for op, the custom op is one op, the Triton kernel (on CUDA, or
 Triton's CPU interpreter) equals the reference for the four uses a decode step makes of it, and the
 model's graphable decode with the op forced equals its eager steps."""
 
@@ -14,7 +14,8 @@ import torch
 from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.make_tiny import make_tiny
-from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model, _norm_rope, _rms_norm, _rope_, _turn
+from ds4desk.engine.models.deepseek_v4 import ops
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from tests.engine.models.deepseek_v4.test_graphable import (
     Stepper,
     assert_same_state,
@@ -64,12 +65,12 @@ def todays_math(use: str, x: torch.Tensor, weight: torch.Tensor | None, pos: int
     """What deepseek_v4's decode step computed for each use before the op."""
     cos, sin = tables()
     at = torch.tensor([pos])
-    turn = _turn(cos.index_select(0, at), sin.index_select(0, at))
+    turn = ops.rotation(cos.index_select(0, at), sin.index_select(0, at))
     if use == "q_res":
-        return _rms_norm(x, weight, EPS)
+        return ops.rms_norm(x, weight, EPS)
     if use == "index":
-        return _rope_(x.clone().float(), turn)  # clone: in float32, .float() is x itself
-    return _norm_rope(x, weight, EPS, turn)
+        return ops.rope_(x.clone().float(), turn)  # clone: in float32, .float() is x itself
+    return ops.norm_rope(x, weight, EPS, turn)
 
 
 @pytest.mark.parametrize("use", list(USES))
@@ -100,11 +101,11 @@ def prefill_math(
     """What deepseek_v4's prefill computes: rows of `group` (heads) per position start, start + 1, ..."""
     cos, sin = tables()
     count = x.shape[0] // group
-    turn = _turn(cos[start : start + count], sin[start : start + count])
+    turn = ops.rotation(cos[start : start + count], sin[start : start + count])
     shaped = x.view(count, group, -1)
     if use == "index":
-        return _rope_(shaped.clone().float(), turn.unsqueeze(1)).view_as(x)
-    return _norm_rope(shaped, weight, EPS, turn.unsqueeze(1)).view_as(x)
+        return ops.rope_(shaped.clone().float(), turn.unsqueeze(1)).view_as(x)
+    return ops.norm_rope(shaped, weight, EPS, turn.unsqueeze(1)).view_as(x)
 
 
 @pytest.mark.parametrize("use", ["q", "kv", "index"])
@@ -138,7 +139,7 @@ def test_the_custom_op_is_one_op_with_the_reference_result(use: str) -> None:
 
 
 def test_the_cpu_takes_the_eager_path_by_default() -> None:
-    assert v4_norm_rope.FUSED is None
+    assert v4_norm_rope.SWITCH.forced is None
     assert not v4_norm_rope.enabled(torch.zeros(1))
 
 
@@ -317,20 +318,17 @@ def fused_steps_equal_eager_steps(
             model.forward(torch.tensor(ids[:prefill], device=DEVICE), 0, "none")
         steppers = [Stepper(model) for model in models]
         for pos in range(prefill, stop):
-            v4_norm_rope.FUSED = True
-            try:
+            with v4_norm_rope.SWITCH.force(True):
                 ours = steppers[0].step(ids[pos], pos, CONTEXT)
-            finally:
-                v4_norm_rope.FUSED = False
-            ref = steppers[1].step(ids[pos], pos, CONTEXT)
+            with v4_norm_rope.SWITCH.force(False):
+                ref = steppers[1].step(ids[pos], pos, CONTEXT)
+                exact32 = steppers[2].step(ids[pos], pos, CONTEXT) if anchor is not None else None
             if exact:
                 assert torch.equal(ours, ref), pos
             assert relative_error(ours, ref) < tol, (pos, relative_error(ours, ref))
-            if anchor is not None:
-                exact32 = steppers[2].step(ids[pos], pos, CONTEXT)
+            if exact32 is not None:
                 bound = 1.5 * relative_error(ref, exact32) + 1e-2
                 assert relative_error(ours, exact32) < bound, (pos, relative_error(ours, exact32), bound)
-    v4_norm_rope.FUSED = None
     if dtype == torch.float32:
         assert_same_state(fused, eager, stop)
     else:
@@ -341,12 +339,9 @@ def fused_steps_equal_eager_steps(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_models_fused_steps_equal_its_eager_steps(
-    tmp_path: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_models_fused_steps_equal_its_eager_steps(tmp_path: Path, dtype: torch.dtype) -> None:
     """On the CPU the op's body is the reference: the wiring, arguments and dtypes the model hands it.
     From a prefill that closed CSA windows, past the ring's wrap (window 8) and more window closes."""
-    monkeypatch.setattr(v4_norm_rope, "FUSED", None)
     fused_steps_equal_eager_steps(tmp_path, dtype, prefill=5, stop=30, exact=True)
 
 
@@ -372,14 +367,10 @@ def prefill_with_and_without_the_op(folder: Path, dtype: torch.dtype, chunk: int
     model = load_tiny(folder, dtype)
     ids = torch.tensor(tokens(source_from_folder(folder), 30, seed=43), device=DEVICE)
     results = []
-    try:
-        for flag in (True, False):
-            v4_norm_rope.FUSED = flag
-            with torch.inference_mode():
-                logits = [model.forward(ids[s : s + chunk], s, "all") for s in range(0, 30, chunk)]
-            results.append((torch.cat(logits), model.export_state(30)))
-    finally:
-        v4_norm_rope.FUSED = None
+    for flag in (True, False):
+        with v4_norm_rope.SWITCH.force(flag), torch.inference_mode():
+            logits = [model.forward(ids[s : s + chunk], s, "all") for s in range(0, 30, chunk)]
+        results.append((torch.cat(logits), model.export_state(30)))
     (fused, fused_state), (eager, eager_state) = results
     return fused, eager, fused_state, eager_state
 
@@ -409,7 +400,7 @@ from tests.engine.kernels.deepseek_v4.test_norm_rope import fused_steps_equal_ea
 if torch.cuda.is_available():
     test_v4_norm_rope.DEVICE = torch.device("cuda")
 else:
-    v4_norm_rope._kernel_runs_on = lambda tensor: True  # the interpreter runs on CPU tensors
+    v4_norm_rope.SWITCH.kernel_on_cpu = True  # the interpreter runs the kernel on CPU tensors
 folder = Path(sys.argv[1])
 fused_steps_equal_eager_steps(folder / "f32", torch.float32, prefill=6, stop=18, exact=False)
 fused_steps_equal_eager_steps(folder / "bf16", torch.bfloat16, prefill=3, stop=12, exact=False)

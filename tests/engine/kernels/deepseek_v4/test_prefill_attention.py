@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
 from ds4desk.engine.make_tiny import TINY_CONFIG
-from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Config, DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from ds4desk.engine.models.deepseek_v4.synthetic import fill_random_
 from tests.engine.triton_check import run_triton_check
 
@@ -116,19 +117,18 @@ class OpNames(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_custom_op_is_one_op_with_the_same_result(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_custom_op_is_one_op_with_the_same_result(kind: str) -> None:
     args = inputs(kind, 6, 2, torch.float32)
     expected = v4_prefill_attention.reference(*args, 0.125)
-    monkeypatch.setattr(v4_prefill_attention, "FUSED", True)
     seen = OpNames()
-    with torch.inference_mode(), seen:
+    with v4_prefill_attention.SWITCH.force(True), torch.inference_mode(), seen:
         out = v4_prefill_attention.prefill_attention(*args, 0.125)
     assert seen.names == ["v4_prefill_attention"]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_the_cpu_runs_the_eager_form_by_default() -> None:
-    assert v4_prefill_attention.FUSED is None
+    assert v4_prefill_attention.SWITCH.forced is None and not v4_prefill_attention.enabled(torch.zeros(1))
     seen = OpNames()
     with torch.inference_mode(), seen:
         v4_prefill_attention.prefill_attention(*inputs("hca", 4, 0, torch.float32), 0.125)
@@ -210,14 +210,13 @@ def prefill(model: DeepseekV4Model, chunks: tuple[int, ...] = CHUNKS) -> torch.T
     return torch.cat(parts).float().cpu()
 
 
-def test_the_model_through_the_op_equals_the_eager_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_model_through_the_op_equals_the_eager_model() -> None:
     """On the CPU with the op forced on (its body is the eager form there): one op per layer and
     chunk, the same logits."""
     model = tiny_model(torch.float32)
     eager = prefill(model)
-    monkeypatch.setattr(v4_prefill_attention, "FUSED", True)
     seen = OpNames()
-    with seen:
+    with v4_prefill_attention.SWITCH.force(True), seen:
         fused = prefill(model)
     assert seen.names.count("v4_prefill_attention") == len(CHUNKS) * TINY_CONFIG["num_hidden_layers"]
     assert "unfold" not in seen.names  # the eager windows were built inside the op only
@@ -227,7 +226,7 @@ def test_the_model_through_the_op_equals_the_eager_model(monkeypatch: pytest.Mon
 
 _MODEL_CHECK = """
 import torch
-from ds4desk.engine.models.deepseek_v4 import model as deepseek_v4
+from ds4desk.engine.models.deepseek_v4 import attention as v4_attention
 from ds4desk.engine.kernels.deepseek_v4 import prefill_attention as v4_prefill_attention
 from tests.engine.kernels.deepseek_v4.test_prefill_attention import prefill, tiny_model
 
@@ -242,11 +241,11 @@ def through_the_kernel(*args):
 
 for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 5e-2)):
     model = tiny_model(dtype, device)
-    v4_prefill_attention.FUSED = False
+    v4_prefill_attention.SWITCH.forced = False
     eager = prefill(model)
-    deepseek_v4.prefill_attention = through_the_kernel
+    v4_attention.prefill_attention = through_the_kernel
     fused = prefill(model)
-    deepseek_v4.prefill_attention = v4_prefill_attention.prefill_attention
+    v4_attention.prefill_attention = v4_prefill_attention.prefill_attention
     error = float((fused - eager).norm() / eager.norm())
     assert error < bound, (dtype, error)
     print(dtype, error)

@@ -73,11 +73,10 @@ def test_the_eager_mix_sums_the_weighted_picks() -> None:
         torch.testing.assert_close(many[t].double(), want, rtol=1e-2, atol=1e-2)
 
 
-def test_the_custom_ops_are_one_op_each(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_custom_ops_are_one_op_each() -> None:
     logits, bias, _ = inputs(8, 6, seed=1)
-    monkeypatch.setattr(v4_route, "FUSED", True)
     seen = OpNames()
-    with torch.inference_mode(), seen:
+    with v4_route.SWITCH.force(True), torch.inference_mode(), seen:
         chosen, weights = v4_route.route(logits, bias, None, torch.tensor([0]), 6, 1.5)
         mixed = v4_route.mix(weights, torch.randn(6, 32))
     assert seen.names.count("v4_route") == 1 and seen.names.count("v4_mix") == 1
@@ -88,7 +87,7 @@ def test_the_custom_ops_are_one_op_each(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_the_cpu_runs_the_eager_form_by_default() -> None:
-    assert v4_route.FUSED is None and not v4_route.enabled(torch.zeros(1))
+    assert v4_route.SWITCH.forced is None and not v4_route.enabled(torch.zeros(1))
 
 
 _TRITON_CHECK = """

@@ -72,13 +72,12 @@ def test_bfloat16_stays_bfloat16_and_close() -> None:
     torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=3e-2)
 
 
-def test_the_custom_op_is_one_op_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_custom_op_is_one_op_with_the_same_result() -> None:
     q, keys, values = inputs(seed=2)
     pos = torch.tensor([25])
     expected = da.reference(q, keys, values, pos, D**-0.5, 6)
-    monkeypatch.setattr(da, "FUSED", True)
     seen = OpNames()
-    with torch.inference_mode(), seen:
+    with da.SWITCH.force(True), torch.inference_mode(), seen:
         got = da.decode_attention(q, keys, values, pos, D**-0.5, 6)
     assert seen.names == ["decode_attention"]  # what a graph capture or an op counter sees
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -86,7 +85,7 @@ def test_the_custom_op_is_one_op_with_the_same_result(monkeypatch: pytest.Monkey
 
 
 def test_the_cpu_runs_the_eager_form_by_default() -> None:
-    assert da.FUSED is None and not da.available(torch.device("cpu"))
+    assert da.SWITCH.forced is None and not da.enabled(torch.device("cpu"))
     q, keys, values = inputs(seed=3)
     seen = OpNames()
     with torch.inference_mode(), seen:
@@ -170,7 +169,7 @@ def test_the_graphable_step_through_the_op_equals_matmul(
     for name, model in models.items():
         model.decode_attention = name
         model.allocate_cache(64)
-    monkeypatch.setattr(da, "FUSED", True)
+    monkeypatch.setattr(da.SWITCH, "forced", True)
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
     token_buf = torch.zeros(1, dtype=torch.long)
     pos_buf = torch.zeros(1, dtype=torch.long)
@@ -209,7 +208,7 @@ def test_replayed_graphs_with_the_kernel_give_the_matmul_tokens(tmp_path: Path, 
     matmul attention, token for token, across a span bucket boundary (240 + 32 > 256)."""
     source = save_tiny(family, tmp_path / family, max_position_embeddings=1024)[1]
     device = torch.device("cuda")
-    assert da.available(device)
+    assert da.enabled(device)
     prompt = [int(t) for t in torch.randint(0, 256, (240,), generator=torch.Generator().manual_seed(5))]
     results = {}
     for attention in ("matmul", "triton"):

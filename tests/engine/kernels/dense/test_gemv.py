@@ -13,7 +13,7 @@ from tests.engine.triton_check import run_triton_check
 
 
 def test_the_cpu_keeps_the_torch_form() -> None:
-    assert kernels.FUSED is None and not kernels.available(torch.device("cpu"))
+    assert kernels.SWITCH.forced is None and not kernels.enabled(torch.device("cpu"))
 
 
 def test_shapes_that_tiles_cannot_cover_are_refused() -> None:
@@ -123,7 +123,7 @@ from ds4desk.engine.loader import load_model
 from tests.engine.tiny_dense import save_tiny
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-da.FUSED = True
+da.SWITCH.forced = True
 root = Path(tempfile.mkdtemp())
 for family in ("llama", "mistral", "qwen2", "qwen3"):
     source = save_tiny(family, root / family)[1]
@@ -139,16 +139,15 @@ for family in ("llama", "mistral", "qwen2", "qwen3"):
             token.fill_(pos * 7 % 256)
             at.fill_(pos)
             before = model._cache.clone()
-            kd.FUSED = False
-            expected = model.decode_graphable(token, at, 64)
+            with kd.SWITCH.force(False):
+                expected = model.decode_graphable(token, at, 64)
             expected_cache = model._cache.clone()
             model._cache.copy_(before)
-            kd.FUSED = True
-            assert model._kernels_fit(model._shards[0])
-            got = model.decode_graphable(token, at, 64)
+            with kd.SWITCH.force(True):
+                assert model._kernels_fit(model._shards[0])
+                got = model.decode_graphable(token, at, 64)
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(model._cache, expected_cache, rtol=1e-5, atol=1e-5)
-    kd.FUSED = None
     print(family, "ok")
 """
 
@@ -188,11 +187,11 @@ with torch.inference_mode():
     for pos in range(21, 29):  # across a CSA window boundary
         token.fill_(pos * 11 % 320)
         at.fill_(pos)
-        kd.FUSED = False
-        expected = models[0].decode_graphable(token, at, 64)
+        with kd.SWITCH.force(False):
+            expected = models[0].decode_graphable(token, at, 64)
         models[0].set_length(pos + 1)
-        kd.FUSED = True
-        got = models[1].decode_graphable(token, at, 64)
+        with kd.SWITCH.force(True):
+            got = models[1].decode_graphable(token, at, 64)
         models[1].set_length(pos + 1)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 # Per step and layer: 2 picked-expert GEMVs, the shared expert's down projection into the mix.
@@ -208,11 +207,11 @@ def test_the_deepseek_v4_step_on_the_gemv_kernels_equals_cublas() -> None:
     assert "v4 ok" in run_triton_check(_V4_CHECK)
 
 
-def test_the_fused_kernels_and_early_launch_stay_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ds4desk.engine.kernels import launch as triton_launch
+def test_the_fused_kernels_and_early_launch_stay_off_the_cpu() -> None:
+    from ds4desk.engine.kernels import launch
 
     cpu = torch.zeros(1)
-    assert not triton_launch.nvidia(cpu) and not triton_launch.nvidia(torch.device("cpu"))
-    assert not triton_launch.pdl(cpu)
-    monkeypatch.setattr(triton_launch, "PDL", True)  # forced on: still never for a CPU tensor
-    assert not triton_launch.pdl(cpu)
+    assert not launch.nvidia(cpu) and not launch.nvidia(torch.device("cpu"))
+    assert launch.PDL.forced is None and not launch.pdl(cpu)
+    with launch.PDL.force(True):  # forced on: still never for a CPU tensor
+        assert not launch.pdl(cpu)

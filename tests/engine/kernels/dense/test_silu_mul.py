@@ -21,7 +21,7 @@ def test_the_reference_is_silu_of_the_gate_times_up() -> None:
 
 def test_the_cpu_takes_the_torch_form_by_default() -> None:
     gate_up = torch.randn(3, 8)
-    assert silu_mul.FUSED is None
+    assert silu_mul.SWITCH.forced is None and not silu_mul.enabled(gate_up)
     assert torch.equal(silu_mul.silu_mul(gate_up), silu_mul.reference(gate_up))
 
 
@@ -36,7 +36,7 @@ import torch
 from ds4desk.engine.kernels.dense import silu_mul
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-silu_mul.FUSED = True
+silu_mul.SWITCH.forced = True
 gen = torch.Generator().manual_seed(1)
 # 2 x 1500: a partial block (W = 1500 over blocks of 1024); 70 x 64; a strided row view.
 for dtype in (torch.float32, torch.bfloat16):
@@ -71,11 +71,11 @@ save_tiny("llama", folder, seed=2)
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 outs = []
 for fused in (False, True):
-    silu_mul.FUSED = fused
-    model = load_model(source_from_folder(folder), device, torch.float32).model
-    model.allocate_cache(64)
-    with torch.inference_mode():
-        outs.append(model.forward(torch.arange(3, 40, device=device), 0, "all"))
+    with silu_mul.SWITCH.force(fused):
+        model = load_model(source_from_folder(folder), device, torch.float32).model
+        model.allocate_cache(64)
+        with torch.inference_mode():
+            outs.append(model.forward(torch.arange(3, 40, device=device), 0, "all"))
 torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 print("prefill ok")
 """
