@@ -1,6 +1,6 @@
 """DeepSeek-V4's hyper-connection weights (v4_hc_kernel): the eager form with its two-kernel Sinkhorn
 steps, the custom op, and the Triton kernel (on CUDA, or Triton's CPU interpreter where Triton is
-installed) all equal the spelled-out math of the fact sheet."""
+installed) all equal the spelled-out math of the paper's hyper-connection definition."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ M, ITERS, EPS = 4, 20, 1e-6
 def spelled_out(
     z: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fact sheet §2, literally: pre = σ + eps, post = 2σ, C = softmax + eps, Sinkhorn columns first."""
+    """The definition, literally: pre = σ + eps, post = 2σ, C = softmax + eps, Sinkhorn columns first."""
     m = M
     z = torch.cat([z[:, :m] * scale[0], z[:, m : 2 * m] * scale[1], z[:, 2 * m :] * scale[2]], dim=1) + base
     pre = torch.sigmoid(z[:, :m]) + EPS
