@@ -29,7 +29,7 @@ import torch
 from ds4desk.engine import Engine, GenerateRequest, LoadRequest
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.loading.detect import read_source
-from ds4desk.engine.loading.gguf_import import gguf_tensor_name, permute_rope_rows
+from ds4desk.engine.loading.gguf_source import gguf_tensor_name, permute_rope_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -56,7 +56,7 @@ def prompt_ids(count: int, vocab: int = 49152) -> list[int]:
 
 
 def bench_ds4desk(cache: str, prompt: list[int], new: int, repeats: int) -> tuple[float, float]:
-    engine = Engine(Path(cache))
+    engine = Engine()
     try:
         loaded = engine.load(LoadRequest(context=len(prompt) + new + 8, chunk=512))
         assert loaded.ok, loaded.error
@@ -195,7 +195,7 @@ def main() -> None:
 
     cache = args.cache or Path(tempfile.mkdtemp(prefix="ds4bench-"))
     gguf_q4 = default_model_path()
-    folder = read_source(gguf_q4, cache).folder
+    folder = read_source(gguf_q4).folder
     try:
         import llama_cpp  # noqa: F401
 

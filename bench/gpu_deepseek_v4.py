@@ -87,7 +87,7 @@ def bench_ds4desk(
     folder: Path, cache: Path, count: int, new: int, repeats: int, graphs: bool = True, chunk: int = 0
 ) -> tuple[float, float]:
     """(prefill, decode) tok/s through the Engine, at the automatic chunk unless one is given."""
-    engine = Engine(cache)
+    engine = Engine()
     try:
         request = LoadRequest(
             str(folder), "cuda", "bfloat16", context=count + new + 8, chunk=chunk, cuda_graphs=graphs

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.loader import load_model
-from ds4desk.engine.loading.gguf_import import gguf_tensor_name, permute_rope_rows
+from ds4desk.engine.loading.gguf_source import gguf_tensor_name, permute_rope_rows
 from ds4desk.engine.runtime import Runtime
 
 DENSE = {
@@ -218,7 +218,7 @@ def bench_ds4desk_dense(
     settings = {decode_kernels.SWITCH: None if kernels else False, launch.PDL: None if pdl else False}
     with launch.force(settings):
         device = torch.device("cuda")
-        source = read_source(folder, folder.parent / "cache")
+        source = read_source(folder)
         model = load_model(source, device, torch.bfloat16).model
         model.decode_attention = decode_attention
         runtime = Runtime(model, device, context=max(PROMPTS) + NEW_TOKENS + 8, chunk=chunk, graphs=graphs)

@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=0, help="also profile a prefill of this many tokens")
     args = parser.parse_args()
     device = torch.device("cuda")
-    source = read_source(args.model, args.model.parent / "cache")
+    source = read_source(args.model)
     model = load_model(source, device, torch.bfloat16).model
     context = max(args.depth + 300, args.prefill)
     runtime = Runtime(model, device, context=context, chunk=max(4096, args.prefill), graphs=True)

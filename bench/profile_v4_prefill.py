@@ -153,7 +153,7 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix="ds4v4-")) / "model"
         v4.write_model(folder)
     device = torch.device("cuda")
-    model = load_model(read_source(folder, folder.parent / "cache"), device, torch.bfloat16).model
+    model = load_model(read_source(folder), device, torch.bfloat16).model
     runtime = Runtime(model, device, context=args.prompt + 8, chunk=args.chunks[0], graphs=False)
     ids = v4.prompt(args.prompt)
     rates: dict[int, float] = {}

@@ -35,7 +35,6 @@ def main() -> None:
     parser.add_argument("--dtype")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache", type=Path)
     parser.add_argument(
         "--token-prompt",
         action="store_true",
@@ -43,7 +42,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    engine = Engine(args.cache or Path(tempfile.mkdtemp(prefix="ds4bench-")))
+    engine = Engine()
     try:
         loaded = engine.load(LoadRequest(args.model, args.device, args.dtype, context=args.tokens + 512))
         assert loaded.ok and loaded.info, loaded.error

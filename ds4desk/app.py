@@ -222,7 +222,7 @@ def engine_backend_factory(dirs: DataDirs) -> Callable[[], ChatBackend]:
         from ds4desk.engine.engine import Engine
 
         options = Settings.load(dirs.settings_file).engine_options()
-        return EngineClient(Engine(dirs.model_cache, **options))
+        return EngineClient(Engine(**options))
 
     return make
 

@@ -8,8 +8,12 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ds4desk.paths import DataDirs, resolve_data_dirs
+
+if TYPE_CHECKING:
+    from ds4desk.engine.api import LoadRequest
 
 VERBS = ("gui", "generate", "check", "session", "make-tiny")
 
@@ -63,6 +67,16 @@ def _split_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _weights_argument(parser: argparse.ArgumentParser) -> None:
+    from ds4desk.engine.api import WEIGHT_MODES
+
+    parser.add_argument(
+        "--weights", choices=WEIGHT_MODES, default="as-stored",
+        help="as-stored (the default), or quantize a 16-bit model's linear weights while loading: "
+        "q8 (8-bit, Q8_0) or q4 (4-bit, Q4_K), to fit a smaller GPU",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ds4desk",
@@ -93,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--context", type=int, default=4096, help="context size in tokens")
     gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    _weights_argument(gen)
     _split_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -103,12 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     session.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
     session.add_argument("--context", type=int, default=4096, help="context size in tokens")
+    _weights_argument(session)
 
     check = verbs.add_parser("check", help="say what a model path is, or why it cannot be loaded")
     _common(check)
     check.add_argument("path")
     _split_arguments(check)
-    check.add_argument("--context", type=int, default=4096, help="context the split plan sizes caches for")
+    check.add_argument("--device", default="auto", help="the device the memory figure is for (default: auto)")
+    check.add_argument(
+        "--context", type=int, default=4096, help="context the memory figure and split plan size caches for"
+    )
     check.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
 
     tiny = verbs.add_parser("make-tiny", help="write a tiny random model folder (for tests and demos)")
@@ -136,11 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verb == "check":
         return _check(args, dirs)
     if args.verb == "session":
-        from ds4desk.engine import LoadRequest
         from ds4desk.session import run_session
 
-        load = LoadRequest(args.model, args.device, args.dtype, args.context, args.chunk)
-        return run_session(dirs.model_cache, load)
+        return run_session(load_request_of(args))
     if args.verb == "make-tiny":
         return _make_tiny(args)
     from ds4desk.app import run_app
@@ -148,22 +165,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_app(dirs, model_path=args.model, device=args.device)
 
 
-def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
-    from ds4desk.engine import Engine, GenerateRequest, LoadRequest, SamplingParams
+def load_request_of(args: argparse.Namespace) -> LoadRequest:
+    """The LoadRequest a `generate` or `session` command line asks for (session has no split)."""
+    from ds4desk.engine import LoadRequest
 
-    engine = Engine(dirs.model_cache)
+    return LoadRequest(
+        path=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        context=args.context,
+        chunk=args.chunk,
+        devices=getattr(args, "devices", None),
+        layer_split=getattr(args, "layer_split", None),
+        weights=args.weights,
+    )
+
+
+def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
+    from ds4desk.engine import Engine, GenerateRequest, SamplingParams
+
+    engine = Engine()
     try:
-        loaded = engine.load(
-            LoadRequest(
-                path=args.model,
-                device=args.device,
-                dtype=args.dtype,
-                context=args.context,
-                chunk=args.chunk,
-                devices=args.devices,
-                layer_split=args.layer_split,
-            )
-        )
+        loaded = engine.load(load_request_of(args))
         if not loaded.ok:
             assert loaded.error is not None
             return _fail(args.json, loaded.error.to_json())
@@ -214,7 +237,7 @@ def _check(args: argparse.Namespace, dirs: DataDirs) -> int:
     from ds4desk.engine.preflight import check_model
 
     try:
-        report = check_model(Path(args.path), dirs.model_cache)
+        report = check_model(Path(args.path), args.device, args.dtype, args.context)
         split = _check_split(args, dirs) if args.devices is not None or args.layer_split is not None else None
     except EngineFailure as failure:
         print(f"cannot load {args.path}: {failure.error.detail}", file=sys.stderr)
@@ -237,7 +260,7 @@ def _check_split(args: argparse.Namespace, dirs: DataDirs) -> str:
 
     if args.devices is None:
         raise EngineFailure(ErrorCode.BAD_REQUEST, "--layer-split needs --devices")
-    source = read_source(Path(args.path), dirs.model_cache)
+    source = read_source(Path(args.path))
     first = torch.device(args.devices[0])
     # An explicit split is checked anywhere; an automatic one reads the devices' free memory.
     plan = plan_load(

@@ -245,9 +245,9 @@ def _op_of(line: str) -> str | None:
 
 
 def run_session(
-    cache_dir: Path, load: LoadRequest, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
+    load: LoadRequest, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
 ) -> int:
-    engine = Engine(cache_dir)
+    engine = Engine()
     session = Session(engine, stdout)
     try:
         loaded = engine.load(load)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ds4desk.engine.api import LoadRequest, SamplingParams, ThinkingBudget
+from ds4desk.engine.api import WEIGHT_MODES, LoadRequest, SamplingParams, ThinkingBudget
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ class Settings:
     context: int = 4096
     chunk: int = 0  # 0: automatic (4096 on a GPU, 512 on the CPU)
     cuda_graphs: str = "auto"  # "auto" (on for CUDA, off for HIP) | "on" | "off"
+    # "as-stored" | "q8" | "q4": a 16-bit model's linear weights quantized at load (Q8_0 / Q4_K).
+    weights: str = "as-stored"
     # A layer split: the devices the shards run on, in order (empty: every layer on `device`), and
     # the layers per device (empty: planned from each device's free memory).
     devices: list[str] = field(default_factory=list)
@@ -75,6 +77,7 @@ class Settings:
             # A device given for this load alone means that device, not the stored split.
             devices=tuple(self.devices) if self.devices and not device else None,
             layer_split=tuple(self.layer_split) if self.devices and self.layer_split and not device else None,
+            weights=self.weights,
         )
 
     def engine_options(self) -> dict[str, Any]:
@@ -158,6 +161,8 @@ def _validated(name: str, value: Any) -> Any:
             ok = value in DTYPES
         case "cuda_graphs":
             ok = value in ("auto", "on", "off")
+        case "weights":
+            ok = value in WEIGHT_MODES
         case "devices":
             ok = isinstance(value, list) and all(
                 isinstance(v, str) and v != "auto" and bool(_DEVICE.match(v)) for v in value

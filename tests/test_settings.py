@@ -99,3 +99,25 @@ def test_engine_options_follow_the_settings(tmp_path: Path) -> None:
     options = Settings.load(path).engine_options()
     assert options["idle_park_after_s"] == 120.0 and options["park_cancels_running"] is True
     assert options["snapshot_slots"] == 16 and options["unpark_on_generate"] is True  # bad values: defaults
+
+
+def test_weights_default_to_as_stored_and_reach_the_load_request() -> None:
+    assert Settings().weights == "as-stored"
+    assert Settings().load_request().weights == "as-stored"
+    assert Settings(weights="q4").load_request("/m/b", "cuda:0").weights == "q4"
+
+
+@pytest.mark.parametrize("mode", ["as-stored", "q8", "q4"])
+def test_weights_persist_in_the_settings_file(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / "settings.json"
+    Settings(weights=mode).save(path)
+    assert json.loads(path.read_text())["weights"] == mode
+    assert Settings.load(path).weights == mode
+
+
+@pytest.mark.parametrize("bad", ["q3", "Q8", "", None, 8, ["q4"]])
+def test_a_bad_weights_value_falls_back_to_as_stored(tmp_path: Path, bad: object) -> None:
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"weights": bad, "context": 1024}))
+    loaded = Settings.load(path)
+    assert (loaded.weights, loaded.context) == ("as-stored", 1024)

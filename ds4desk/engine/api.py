@@ -186,6 +186,13 @@ class LoadRequest:
     # `devices` alone splits automatically by free memory; `layer_split` gives the layers per device.
     devices: tuple[str, ...] | None = None
     layer_split: tuple[int, ...] | None = None
+    # A 16-bit model's linear weights as stored, or quantized while loading to GGUF blocks (one of
+    # WEIGHT_MODES), so that the model fits a smaller GPU.
+    weights: str = "as-stored"
+
+
+# LoadRequest.weights: "as-stored", "q8" (Q8_0 blocks) or "q4" (Q4_K blocks).
+WEIGHT_MODES = ("as-stored", "q8", "q4")
 
 
 @dataclass(slots=True, frozen=True)
@@ -239,6 +246,8 @@ class ModelPreview:
     device: str = ""
     dtype: str = ""
     context: int = 0  # after clamping to the model's own maximum
+    # Stored type (safetensors dtype, FP8 / FP4, GGML type) -> bytes in the files, largest first.
+    stored_types: tuple[tuple[str, int], ...] = ()
     # Fits only once the current model is let go: that one cannot keep answering during the load.
     needs_unload: bool = False
 

@@ -171,7 +171,6 @@ def _preview_now(engine: Engine, request: LoadRequest) -> ModelPreview:
         request.device,
         request.dtype,
         request.context,
-        cache_dir=engine.cache_dir,
         resident=engine.resident_bytes(),
     )
 

@@ -10,7 +10,6 @@ import collections
 import gc
 import logging
 import queue
-import re
 import threading
 import time
 import traceback
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ds4desk.engine.api import (
     PARK_SELECTORS,
+    WEIGHT_MODES,
     EngineError,
     EngineFailure,
     ErrorCode,
@@ -82,7 +82,6 @@ class Engine:
 
     def __init__(
         self,
-        cache_dir: Path,
         *,
         unpark_on_generate: bool = True,
         park_cancels_running: bool = False,
@@ -90,7 +89,6 @@ class Engine:
         snapshot_slots: int = 16,
         snapshot_budget_bytes: int = 4 * 2**30,
     ) -> None:
-        self._cache_dir = cache_dir
         self._snapshot_slots = snapshot_slots
         self._snapshot_budget_bytes = snapshot_budget_bytes
         self._unpark_on_generate = unpark_on_generate
@@ -153,10 +151,6 @@ class Engine:
         if loaded is None:
             return "", 0
         return str(loaded.runtime.device), loaded.info.weight_bytes + loaded.runtime.model.cache_bytes()
-
-    @property
-    def cache_dir(self) -> Path:
-        return self._cache_dir
 
     def submit_generate(
         self, request: GenerateRequest, sink: DeltaSink | None = None
@@ -343,17 +337,17 @@ class Engine:
             raise EngineFailure(ErrorCode.CANCELLED, "the load was cancelled before it started")
         if request.chunk < 0 or request.context < 2:
             raise EngineFailure(ErrorCode.BAD_REQUEST, "chunk must be >= 0 (0: automatic) and context >= 2")
-        if on_progress is not None:
-            on_progress(0, 0, "tensors")  # a GGUF is converted first: the amount is not known yet
-        path = Path(request.path).expanduser() if request.path else default_model_path()
-        if path.suffix.lower() == ".gguf" and path.is_file():
-            # Converted once into the cache (minutes for a big file): with progress, and cancellable.
-            _import_gguf(
-                path, self._cache_dir, _conversion_ticks(path, lambda: self._load_cancelled(seq), on_progress)
+        if request.weights not in WEIGHT_MODES:
+            modes = ", ".join(WEIGHT_MODES)
+            raise EngineFailure(
+                ErrorCode.BAD_REQUEST, f"weights must be one of {modes}, got {request.weights!r}"
             )
+        if on_progress is not None:
+            on_progress(0, 0, "tensors")  # planning: the amount is not known yet
+        path = Path(request.path).expanduser() if request.path else default_model_path()
         # Everything that can be checked without touching the loaded model is checked first, so a
         # bad file dropped on the window leaves the current model in place.
-        source = read_source(path, self._cache_dir)
+        source = read_source(path)
         tokenizer = ChatTokenizer.from_source(source)
         device, dtype, split_devices = resolve_placement(request)
         plan = plan_load(source, device, dtype, request.context, split_devices, request.layer_split)
@@ -619,31 +613,6 @@ class Engine:
                 self._cancelled.discard(request.request_id)
                 self._running = None
         return result
-
-
-_CONVERTING = re.compile(r"\((\d+)/(\d+)\)$")  # gguf_import's "converting NAME (i/n)", before tensor i
-
-
-def _import_gguf(path: Path, cache_dir: Path, progress: Callable[[str], None]) -> None:
-    from ds4desk.engine.loading.gguf_import import import_gguf
-
-    import_gguf(path, cache_dir, progress)
-
-
-def _conversion_ticks(
-    path: Path, cancelled: Callable[[], bool], on_progress: ProgressCallback | None
-) -> Callable[[str], None]:
-    """A GGUF import's progress messages as (converted, total) counts; a cancel stops the import
-    before its next tensor (it then removes what it had written)."""
-
-    def tick(message: str) -> None:
-        if cancelled():
-            raise EngineFailure(ErrorCode.CANCELLED, f"converting {path.name} was cancelled")
-        found = _CONVERTING.search(message)
-        if found is not None and on_progress is not None:
-            on_progress(int(found[1]) - 1, int(found[2]), "tensors converted")
-
-    return tick
 
 
 def _fill_and_start(

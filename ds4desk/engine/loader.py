@@ -12,6 +12,7 @@ through here, so they agree on what a load takes.
 from __future__ import annotations
 
 import math
+import mmap
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode, LoadRequest
 from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
+from ds4desk.engine.formats import gguf_packed_bytes
+from ds4desk.engine.kernels.quant import gguf
+from ds4desk.engine.loading.gguf_source import packed_types, rope_row_order
 from ds4desk.engine.loading.quantized import ShardReader, copy_packed_into, copy_tensor_into
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.base import CausalLM, load_failure
@@ -155,14 +159,17 @@ def _memory_need(
     """The weights in `dtype` (packed: as the packed parameters take them) and the cache for `context`."""
     parameters = sum(math.prod(entry.shape) for entry in source.tensors.values())
     weight_bytes = parameters * dtype_bytes(dtype)
-    if quantized:
+    if quantized or source.is_gguf:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     context = clamp_context(source.config, context)
     return MemoryNeed(parameters, weight_bytes, model.cache_bytes_for(context), context)
 
 
 def _build_for(source: ModelSource, dtype: torch.dtype, devices: list[torch.device]) -> tuple[CausalLM, bool]:
-    """The meta model and whether it keeps the checkpoint's FP8 / FP4 weights packed."""
+    """The meta model and whether it keeps the checkpoint's FP8 / FP4 weights packed. A GGUF's
+    quantized weights always stay in their block types."""
+    if source.is_gguf:
+        return build_model(source.architecture, source.config, dtype, packed=packed_types(source)), False
     if _packing_pays(source, devices):
         packed = build_model(source.architecture, source.config, dtype, True)
         if _stored_packed(packed, source):
@@ -235,7 +242,8 @@ def check_tensors(
     """Build `source`'s model on the meta device (`quantized`: keeping FP8 / FP4 weights packed, see
     keeps_quantized) and check every tensor it needs against the headers (name, shape, dtype) before
     any memory is taken. Returns the meta model and, per file, the names to read from it."""
-    model = build_model(source.architecture, source.config, dtype, quantized)
+    packed = packed_types(source) if source.is_gguf else None
+    model = build_model(source.architecture, source.config, dtype, quantized, packed)
     return model, _check_against(model, source)
 
 
@@ -247,6 +255,10 @@ def _check_against(model: CausalLM, source: ModelSource) -> dict[Path, list[str]
         entry = source.tensors.get(name)
         if entry is None:
             raise load_failure(f"checkpoint has no tensor '{name}'")
+        if entry.encoding == "gguf":
+            _check_gguf(name, meta, entry)
+            by_file[Path(entry.file)].append(name)
+            continue
         packed = meta.dtype == torch.uint8  # FP4 pairs: the logical rows are twice as long
         logical = (*meta.shape[:-1], 2 * meta.shape[-1]) if packed else tuple(meta.shape)
         if tuple(entry.shape) != logical:
@@ -265,6 +277,24 @@ def _check_against(model: CausalLM, source: ModelSource) -> dict[Path, list[str]
             )
         by_file[Path(entry.file)].append(name)
     return by_file
+
+
+def _check_gguf(name: str, meta: torch.Tensor, entry: TensorEntry) -> None:
+    """A GGUF tensor for `meta`: its GGUF blocks as they are (a packed parameter), or any stored type
+    read as floats (dequantized while copying)."""
+    if meta.dtype == torch.uint8:
+        expected = (
+            *entry.shape[:-1],
+            gguf_packed_bytes(entry.gguf_type, entry.shape) // max(1, math.prod(entry.shape[:-1])),
+        )
+        if tuple(meta.shape) != expected:
+            raise load_failure(
+                f"tensor {name} is {entry.dtype} {list(entry.shape)}, which does not fit the model"
+            )
+    elif tuple(meta.shape) != tuple(entry.shape):
+        raise load_failure(f"tensor {name} has shape {list(entry.shape)}, config says {list(meta.shape)}")
+    elif not meta.is_floating_point():
+        raise load_failure(f"tensor {name}: the model wants integers, the file holds {entry.dtype}")
 
 
 # ---- the fill -------------------------------------------------------------------------------------
@@ -342,6 +372,9 @@ def _copy_from_file(
     after_each: Callable[[], None] | None = None,
 ) -> None:
     tensors = tensors or {}
+    if names and tensors.get(names[0]) is not None and tensors[names[0]].encoding == "gguf":
+        _copy_from_gguf(file, names, params, tensors, after_each)
+        return
     try:
         # safe_open mmaps the file: get_tensor reads one tensor, which copy_ converts to the
         # parameter's device and dtype; only one tensor is ever held twice.
@@ -366,6 +399,53 @@ def _copy_from_file(
         raise load_failure(f"reading {file.name}: {exc}") from exc
     except Exception as exc:  # safetensors raises its own SafetensorError type
         raise load_failure(f"reading {file.name}: {type(exc).__name__}: {exc}") from exc
+
+
+def _copy_from_gguf(
+    file: Path,
+    names: list[str],
+    params: dict[str, nn.Parameter],
+    tensors: dict[str, TensorEntry],
+    after_each: Callable[[], None] | None,
+) -> None:
+    """Copy GGUF tensors from the memory-mapped file: packed parameters take the blocks as stored
+    (rows reordered where rope needs it), float ones the values. A private copy-on-write map gives
+    torch writable memory without copying anything."""
+    try:
+        with file.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+            if len(mapped) < max(tensors[name].end for name in names):
+                raise load_failure(f"{file.name} is shorter than its header says: it changed or was cut")
+            data = torch.frombuffer(mapped, dtype=torch.uint8)
+            for name in names:
+                entry = tensors[name]
+                target = params[name]
+                raw = data[entry.begin : entry.end]
+                if target.dtype == torch.uint8:
+                    stored = raw.view(target.shape)
+                else:
+                    stored = _gguf_values(raw, entry).to(target.dtype)
+                if entry.rope_heads:
+                    order = torch.from_numpy(rope_row_order(entry.shape[0], entry.rope_heads))
+                    stored = stored.index_select(0, order)
+                if entry.shift:
+                    stored = stored.float().add_(entry.shift)
+                target.copy_(stored)
+                del stored, raw
+                if after_each is not None:
+                    after_each()
+            del data
+    except (torch.OutOfMemoryError, EngineFailure):
+        raise
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise load_failure(f"reading {file.name}: {exc}") from exc
+
+
+def _gguf_values(raw: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """A GGUF tensor's values in its logical shape: float types as stored, block types dequantized."""
+    float_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(entry.dtype)
+    if float_dtype is not None:
+        return raw.view(float_dtype).view(entry.shape)
+    return gguf.dequantize(raw, entry.gguf_type, entry.shape)
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -18,56 +18,42 @@ import torch
 
 from ds4desk.engine.api import EngineError, EngineFailure, ErrorCode, ModelPreview
 from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
-from ds4desk.engine.loader import MemoryNeed, check_tensors, clamp_context, dtype_bytes, plan_load
+from ds4desk.engine.formats import GGUF_TYPES
+from ds4desk.engine.loader import MemoryNeed, plan_load
 from ds4desk.engine.loading import detect
-from ds4desk.engine.loading.gguf_header import read_gguf_header
-from ds4desk.engine.loading.gguf_import import _plan, imported_folder
 from ds4desk.engine.loading.quant_checks import stored_bytes
-from ds4desk.engine.loading.source import ModelSource
-from ds4desk.engine.models.registry import ARCHITECTURES, build_model, family_for
+from ds4desk.engine.loading.source import ModelSource, TensorEntry
+from ds4desk.engine.models.registry import ARCHITECTURES, family_for
 from ds4desk.engine.tokenizer import ChatTokenizer
 
 GB = 1e9
-
-
-def _planned(source: ModelSource, device: torch.device, dtype: torch.dtype, context: int) -> MemoryNeed:
-    return plan_load(source, device, dtype, context).memory
-
-
-def _gguf_need(
-    path: Path, cache_dir: Path | None, device: torch.device, dtype: torch.dtype, context: int
-) -> tuple[str, MemoryNeed]:
-    """A GGUF not imported yet: its header gives the config and every tensor (the import, which
-    converts the weights, happens at load time). One imported before is read like a folder."""
-    if cache_dir is not None:
-        folder = imported_folder(path, cache_dir)
-        if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
-            source = detect.inspect_folder(folder)
-            return source.architecture, _planned(source, device, dtype, context)
-    header = read_gguf_header(path)  # checks the whole header and every tensor's byte range
-    config, plan = _plan(path, header)
-    architecture = str(config["architectures"][0])  # type: ignore[index]
-    meta = build_model(architecture, config, dtype)
-    parameters = sum(math.prod(p.source.shape) for p in plan)
-    context = clamp_context(config, context)
-    return architecture, MemoryNeed(
-        parameters, parameters * dtype_bytes(dtype), meta.cache_bytes_for(context), context
-    )
+GGUF_TYPE_NAMES = frozenset(t.name for t in GGUF_TYPES.values()) - {"F32", "F16", "BF16"}
 
 
 def _need_for(
-    path: Path, cache_dir: Path | None, device: torch.device, dtype: torch.dtype, context: int
-) -> tuple[str, MemoryNeed]:
-    if path.is_file() and detect.is_gguf(path):
-        return _gguf_need(path, cache_dir, device, dtype, context)
-    # Folders and files of a folder: detect never touches the cache for those.
-    source = detect.read_source(path, cache_dir or Path("."))
-    if source.tokenizer_file is None:
+    path: Path, device: torch.device, dtype: torch.dtype, context: int
+) -> tuple[ModelSource, MemoryNeed]:
+    """The source at `path` and what it takes there: the engine's own load plan on the meta device."""
+    source = detect.read_source(path)
+    if source.tokenizer_file is None and source.tokenizer is None:
         raise EngineFailure(
             ErrorCode.LOAD_FAILED,
             f"no tokenizer.json in {source.folder}: ds4desk needs a fast-tokenizer file next to the weights",
         )
-    return source.architecture, _planned(source, device, dtype, context)
+    return source, plan_load(source, device, dtype, context).memory
+
+
+def stored_types(source: ModelSource) -> dict[str, int]:
+    """Stored type (safetensors dtype, FP8/FP4 encoding or GGML type) -> the bytes it takes in the
+    files, largest first: what the model card and `check` show."""
+    sizes: Counter[str] = Counter()
+    for entry in source.tensors.values():
+        sizes[_type_name(entry)] += stored_bytes(entry)
+    return dict(sizes.most_common())
+
+
+def _type_name(entry: TensorEntry) -> str:
+    return {"fp4_block32": "FP4", "fp8_block128": "FP8"}.get(entry.encoding, entry.dtype)
 
 
 def preview_model(
@@ -76,7 +62,6 @@ def preview_model(
     dtype: str | None = None,
     context: int = 4096,
     *,
-    cache_dir: Path | None = None,
     resident: tuple[str, int] = ("", 0),
     free_bytes: int | None = None,
 ) -> ModelPreview:
@@ -91,7 +76,7 @@ def preview_model(
         torch_dtype = resolve_dtype(dtype, torch_device)
         if context < 2:
             raise EngineFailure(ErrorCode.BAD_REQUEST, "context must be at least 2")
-        architecture, need = _need_for(target, cache_dir, torch_device, torch_dtype, context)
+        source, need = _need_for(target, torch_device, torch_dtype, context)
     except EngineFailure as failure:
         return ModelPreview(shown, error=failure.error, message=failure.error.detail)
     except (MemoryError, RecursionError) as exc:
@@ -108,8 +93,9 @@ def preview_model(
             free_bytes = None
     preview = ModelPreview(
         shown,
-        family=ARCHITECTURES.get(architecture, ("", ""))[0],
-        architecture=architecture,
+        family=ARCHITECTURES.get(source.architecture, ("", ""))[0],
+        architecture=source.architecture,
+        stored_types=tuple(stored_types(source).items()),
         parameters=need.parameters,
         weight_bytes=need.weight_bytes,
         cache_bytes=need.cache_bytes,
@@ -128,7 +114,8 @@ def preview_model(
 def _message(p: ModelPreview, reclaimable: int) -> str:
     sizes = (
         f"{_count(p.parameters)} parameters ({p.architecture}), needs {_gb(p.needed_bytes)} "
-        f"({_gb(p.weight_bytes)} weights in {p.dtype} + {_gb(p.cache_bytes)} cache for {p.context} tokens)"
+        f"({_gb(p.weight_bytes)} weights {_weights_as(p)} + {_gb(p.cache_bytes)} cache "
+        f"for {p.context} tokens)"
     )
     if p.free_bytes is None:
         return f"{sizes}; free memory on {p.device} is unknown"
@@ -141,6 +128,14 @@ def _message(p: ModelPreview, reclaimable: int) -> str:
     if p.needs_unload:
         return f"{sizes}; fits only after unloading the current model, which stops answering meanwhile"
     return f"{sizes}; {_gb(p.free_bytes)} free on {p.device}"
+
+
+def _weights_as(p: ModelPreview) -> str:
+    """How the weights are held: GGUF block types stay as stored, everything else in p.dtype."""
+    gguf = [(name, n) for name, n in p.stored_types if name in GGUF_TYPE_NAMES]
+    if not gguf:
+        return f"in {p.dtype}"
+    return "as stored: " + ", ".join(f"{name} {_gb(n)}" for name, n in gguf)
 
 
 def _gb(n: int) -> str:
@@ -181,11 +176,13 @@ class ModelReport:
     has_chat_template: bool
     context_length: int | None
     dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> parameters stored in it
+    stored: dict[str, int] = field(default_factory=dict)  # stored type -> bytes (stored_types)
+    memory: MemoryNeed | None = None  # what loading takes on `device`
+    device: str = ""
 
     def describe(self) -> str:
         source = str(self.path)
-        if self.folder != self.path:
-            source += f" (imported to {self.folder})"
+        stored = ", ".join(f"{name} {_size(n)}" for name, n in self.stored.items())
         dtypes = ", ".join(f"{d} {_count(n)}" for d, n in sorted(self.dtypes.items(), key=lambda kv: -kv[1]))
         lines = [
             f"model:         {source}",
@@ -193,10 +190,17 @@ class ModelReport:
             f"parameters:    {_count(self.parameters)} in {self.tensor_count} tensors",
             f"weights:       {self.dtype}, {_size(self.weight_bytes)}"
             + (f" ({dtypes})" if len(self.dtypes) > 1 else ""),
+            f"stored:        {stored}",
             f"tokenizer:     {self.tokenizer}",
             f"chat template: {'yes' if self.has_chat_template else 'no'}",
             f"context:       {self.context_length if self.context_length else 'unknown'} tokens",
         ]
+        if self.memory is not None:
+            need = self.memory
+            lines.append(
+                f"memory:        {_size(need.needed)} on {self.device}: {_size(need.weight_bytes)} weights"
+                f" + {_size(need.cache_bytes)} cache for {need.context} tokens"
+            )
         return "\n".join(lines)
 
 
@@ -220,11 +224,15 @@ def _check_hash_tables(source: ModelSource) -> None:
                 check_hash_table(name, read_tensor(reader, name, entry), experts)
 
 
-def check_model(path: Path, cache_dir: Path) -> ModelReport:
+def check_model(
+    path: Path, device: str = "auto", dtype: str | None = None, context: int = 4096
+) -> ModelReport:
     """`ds4desk check PATH`: read `path` fully (tokenizer, template, every tensor's name and shape
-    against the architecture, DeepSeek-V4's hash-routing tables) without loading any weights."""
-    source = detect.read_source(path, cache_dir)
-    check_tensors(source)
+    against the architecture, DeepSeek-V4's hash-routing tables) without loading any weights, and
+    what loading it on `device` takes (the engine's load plan)."""
+    source = detect.read_source(path)
+    torch_device = resolve_device(device)
+    memory = plan_load(source, torch_device, resolve_dtype(dtype, torch_device), context).memory
     if family_for(source.architecture) == "deepseek_v4":
         _check_hash_tables(source)
     per_dtype: Counter[str] = Counter()
@@ -232,7 +240,7 @@ def check_model(path: Path, cache_dir: Path) -> ModelReport:
     for entry in source.tensors.values():
         per_dtype["FP4" if entry.encoding == "fp4_block32" else entry.dtype] += math.prod(entry.shape)
         weight_bytes += stored_bytes(entry)  # quantized: with scales and every part
-    if source.tokenizer_file is None:
+    if source.tokenizer_file is None and source.tokenizer is None:
         tokenizer = "none (no tokenizer.json)"
     else:
         tokenizer = ChatTokenizer.from_source(source).describe()
@@ -249,4 +257,7 @@ def check_model(path: Path, cache_dir: Path) -> ModelReport:
         has_chat_template=source.chat_template is not None,
         context_length=context_length(source.config),
         dtypes=dict(per_dtype),
+        stored=stored_types(source),
+        memory=memory,
+        device=str(torch_device),
     )

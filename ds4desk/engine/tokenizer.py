@@ -91,7 +91,17 @@ class ChatTokenizer:
     @classmethod
     def from_source(cls, source: ModelSource) -> ChatTokenizer:
         """The tokenizer of a detected checkpoint: its architecture picks a built-in chat format."""
-        return cls.from_folder(source.folder, source.chat_template, source.architecture)
+        spec = source.tokenizer
+        if spec is None:
+            return cls.from_folder(source.folder, source.chat_template, source.architecture)
+        self = cls(
+            tokenizer=spec.tokenizer,
+            chat_template=source.chat_template,
+            special_tokens=dict(spec.special_tokens),
+            add_bos_token=spec.add_bos_token,
+        )
+        self._finish(source.architecture, set(spec.stop_ids))
+        return self
 
     @classmethod
     def from_folder(
@@ -130,21 +140,26 @@ class ChatTokenizer:
         )
         if architecture is None:
             architecture = _folder_architecture(folder)
-        if chat_template is None and architecture == DEEPSEEK_V4:
-            self.chat_format = "deepseek_v4"
-        self.stop_ids = self._find_stop_ids(folder)
-        if chat_template is not None:
-            # A template that does not compile is reported per request (BAD_REQUEST), not at load:
-            # raw-text and token prompts still work with it.
-            self.template = ChatTemplate(chat_template)
-        return self
-
-    def _find_stop_ids(self, folder: Path) -> set[int]:
         stops: set[int] = set()
         for name in ("config.json", "generation_config.json"):
             # A broken side file must not make the tokenizer unusable; config is checked elsewhere.
             with contextlib.suppress(EngineFailure):
                 stops.update(_ids(_read_json(folder / name).get("eos_token_id")))
+        self._finish(architecture, stops)
+        return self
+
+    def _finish(self, architecture: str | None, stops: set[int]) -> None:
+        """The chat format, stop tokens and compiled template, once the tokenizer is known."""
+        if self.chat_template is None and architecture == DEEPSEEK_V4:
+            self.chat_format = "deepseek_v4"
+        self.stop_ids = self._find_stop_ids(stops)
+        if self.chat_template is not None:
+            # A template that does not compile is reported per request (BAD_REQUEST), not at load:
+            # raw-text and token prompts still work with it.
+            self.template = ChatTemplate(self.chat_template)
+
+    def _find_stop_ids(self, stops: set[int]) -> set[int]:
+        """`stops` (the config's eos ids), the eos token's id, and the end-of-turn markers."""
         eos = self.special_tokens.get("eos_token")
         if eos is not None and (eos_id := self.tokenizer.token_to_id(eos)) is not None:
             stops.add(eos_id)

@@ -28,8 +28,12 @@ from ds4desk.settings import DTYPES, Settings
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:0", "cuda:1")
 GRAPHS = (("Auto (on for CUDA, off for ROCm)", "auto"), ("On", "on"), ("Off", "off"))
+WEIGHTS = (("As stored", "as-stored"), ("8-bit (Q8_0)", "q8"), ("4-bit (Q4_K)", "q4"))
+WEIGHTS_HELP = (
+    "Quantizes a 16-bit model's weights while it loads (8-bit Q8_0 or 4-bit Q4_K), so it fits a smaller GPU"
+)
 APPLY_NOTE = (
-    "Device, data type, context, chunk and CUDA graphs apply at the next model load (File > Open "
+    "Device, data type, weights, context, chunk and CUDA graphs apply at the next model load (File > Open "
     "model, or the next start). Snapshot and park options apply when ds4desk starts next. "
     "Thinking and sampling apply to the next answer."
 )
@@ -77,6 +81,10 @@ class SettingsDialog(QDialog):
         for label, value in GRAPHS:
             self.cuda_graphs.addItem(label, value)
         self.cuda_graphs.setCurrentIndex([v for _, v in GRAPHS].index(s.cuda_graphs))
+        self.weights = QComboBox(objectName="WeightsSetting")
+        for label, value in WEIGHTS:
+            self.weights.addItem(label, value)
+        self.weights.setCurrentIndex(max(0, self.weights.findData(s.weights)))
 
         self.snapshot_slots = _spin("SnapshotSlotsSetting", 1, 1024, s.snapshot_slots)
         self.snapshot_memory = _spin(
@@ -108,6 +116,7 @@ class SettingsDialog(QDialog):
         model = QFormLayout()
         self._row(model, "Device", self.device, "Where the model runs: auto, cpu, cuda or cuda:N")
         self._row(model, "Data type", self.dtype, "auto: float32 on the CPU, bfloat16 on a GPU")
+        self._row(model, "Weights", self.weights, WEIGHTS_HELP)
         self._row(model, "Context", self.context, "The longest conversation the model keeps, in tokens")
         self._row(model, "Prefill chunk", self.chunk, "Prompt tokens computed per step")
         self._row(model, "CUDA graphs", self.cuda_graphs, "Replay decode steps from a captured graph")
@@ -165,6 +174,7 @@ class SettingsDialog(QDialog):
         return {
             "device": self.device.currentText().strip(),
             "dtype": self.dtype.currentText(),
+            "weights": self.weights.currentData(),
             "context": self.context.value(),
             "chunk": self.chunk.value(),
             "cuda_graphs": self.cuda_graphs.currentData(),

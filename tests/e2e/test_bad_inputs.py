@@ -30,7 +30,7 @@ def good_model(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> P
     """A tiny random llama with SmolLM2's real tokenizer: loads in a blink."""
     folder = tmp_path_factory.mktemp("good") / "tiny-llama"
     make_hf_model("llama", vocab_size=49152).save_pretrained(folder, safe_serialization=True)
-    smol = read_source(default_model_path(), model_cache).folder
+    smol = read_source(default_model_path()).folder
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smol / name, folder / name)
     return folder
@@ -146,7 +146,7 @@ def test_generate_says_why(
 
 @pytest.fixture(scope="module")
 def client(model_cache: Path) -> Iterator[EngineClient]:
-    engine = Engine(model_cache)
+    engine = Engine()
     yield EngineClient(engine)
     engine.close()
 

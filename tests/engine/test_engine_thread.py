@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 @pytest.fixture(scope="module")
 def engine(model_cache: Path) -> Iterator[Engine]:
-    engine = Engine(model_cache)
+    engine = Engine()
     loaded = engine.load(LoadRequest(context=1024, chunk=64))
     assert loaded.ok, loaded.error
     yield engine
@@ -63,7 +63,7 @@ def test_greedy_is_deterministic_and_chunk_independent(engine: Engine, model_cac
     first = engine.generate(GenerateRequest(messages=CHAT, max_new_tokens=12))
     second = engine.generate(GenerateRequest(messages=CHAT, max_new_tokens=12))
     assert first.tokens == second.tokens  # nothing of one request leaks into the next
-    other = Engine(model_cache)
+    other = Engine()
     try:
         assert other.load(LoadRequest(context=1024, chunk=7)).ok
         chunked = other.generate(GenerateRequest(messages=CHAT, max_new_tokens=12))
@@ -96,7 +96,7 @@ def test_structured_errors_never_raise(engine: Engine, model_cache: Path) -> Non
     assert out_of_range.error is not None and out_of_range.error.code == ErrorCode.BAD_REQUEST
     overflow = engine.generate(GenerateRequest(prompt_tokens=[1] * 1000, max_new_tokens=100))
     assert overflow.error is not None and overflow.error.code == ErrorCode.CONTEXT_OVERFLOW
-    fresh = Engine(model_cache)
+    fresh = Engine()
     try:
         missing = fresh.generate(GenerateRequest(raw_text="hi"))
     finally:

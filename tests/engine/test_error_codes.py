@@ -62,7 +62,7 @@ def huge_model(folder: Path) -> Path:
 
 
 def test_a_model_too_large_for_memory_is_refused_before_loading(model_cache: Path, tmp_path: Path) -> None:
-    engine = Engine(model_cache)
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(context=256)).ok
         refused = engine.load(LoadRequest(path=str(huge_model(tmp_path / "huge")), context=256))
@@ -75,7 +75,7 @@ def test_a_model_too_large_for_memory_is_refused_before_loading(model_cache: Pat
 
 
 def test_a_request_cancelled_before_it_starts(model_cache: Path) -> None:
-    engine = Engine(model_cache)
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(context=256)).ok
         request = GenerateRequest(raw_text="Hi", max_new_tokens=2)
@@ -94,7 +94,7 @@ def test_a_cache_too_large_is_out_of_memory_and_the_engine_goes_on(tmp_path: Pat
     folder = tmp_path / "tiny"
     save_tiny("llama", folder, max_position_embeddings=2**40)
     shutil.copy(Path(__file__).with_name("tiny_tokenizer.json"), folder / "tokenizer.json")
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(path=str(folder), device=device, context=64)).ok
         refused = engine.load(LoadRequest(path=str(folder), device=device, context=2**34))

@@ -18,7 +18,7 @@ PROMPT = [{"role": "user", "content": "Name a fruit."}]
 
 @pytest.fixture
 def engine(model_cache: Path) -> Iterator[Engine]:
-    engine = Engine(model_cache)
+    engine = Engine()
     assert engine.load(LoadRequest(context=512)).ok
     yield engine
     engine.close()
@@ -55,7 +55,7 @@ def test_generate_unparks_by_default(engine: Engine) -> None:
 
 
 def test_a_parked_model_can_refuse_to_generate(model_cache: Path) -> None:
-    engine = Engine(model_cache, unpark_on_generate=False)
+    engine = Engine(unpark_on_generate=False)
     try:
         assert engine.load(LoadRequest(context=256)).ok
         assert engine.park().parked
@@ -100,7 +100,7 @@ def test_park_waits_for_a_running_answer_or_cancels_it(engine: Engine) -> None:
 
 
 def test_idle_auto_park(model_cache: Path) -> None:
-    engine = Engine(model_cache, idle_park_after_s=0.3)
+    engine = Engine(idle_park_after_s=0.3)
     try:
         assert engine.load(LoadRequest(context=256)).ok
         for _ in range(100):
@@ -115,7 +115,7 @@ def test_idle_auto_park(model_cache: Path) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_park_gives_the_cuda_allocator_its_memory_back(model_cache: Path) -> None:
-    engine = Engine(model_cache)
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(device="cuda", dtype="bfloat16", context=2048)).ok
         before = engine.generate(GenerateRequest(messages=PROMPT, max_new_tokens=8))
@@ -134,7 +134,7 @@ def test_park_gives_the_cuda_allocator_its_memory_back(model_cache: Path) -> Non
 
 
 def test_an_engine_set_to_cancel_on_park(model_cache: Path) -> None:
-    engine = Engine(model_cache, park_cancels_running=True)
+    engine = Engine(park_cancels_running=True)
     try:
         assert engine.load(LoadRequest(context=512)).ok
         started = threading.Event()

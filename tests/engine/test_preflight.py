@@ -78,16 +78,17 @@ def test_a_deepseek_v4_folder(tmp_path: Path) -> None:
     assert preview.cache_bytes > 0 and preview.context == 128
 
 
-def test_the_embedded_gguf_is_read_from_its_header_only(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    preview = preview_model(default_model_path(), "cpu", None, 2048, cache_dir=cache)
+def test_the_embedded_gguf_is_read_from_its_header_only() -> None:
+    preview = preview_model(default_model_path(), "cpu", None, 2048)
     assert preview.error is None and preview.fits
     assert (preview.family, preview.architecture) == ("llama", "LlamaForCausalLM")
     assert preview.parameters == 134_515_008  # SmolLM2-135M, tied embeddings
-    assert preview.weight_bytes == preview.parameters * 4
+    # The weights stay in the file's block types: what the file's tensors take, not 4 bytes each.
+    assert preview.stored_types == (("Q4_1", 66_355_200), ("Q8_0", 30_081_024), ("F32", 140_544))
+    assert preview.weight_bytes == sum(n for _, n in preview.stored_types)
     # 30 layers, 3 KV heads of 64, float32: K and V for 2048 positions.
     assert preview.cache_bytes == 30 * 2 * 3 * 64 * 2048 * 4
-    assert not cache.exists()  # nothing was converted or written
+    assert "as stored: Q4_1 66.4 MB, Q8_0 30.1 MB" in preview.message
 
 
 def test_a_truncated_safetensors(dense: Path, tmp_path: Path) -> None:
@@ -102,13 +103,13 @@ def test_a_gguf_cut_in_half(tmp_path: Path) -> None:
     data = default_model_path().read_bytes()
     half = tmp_path / "half.gguf"
     half.write_bytes(data[: len(data) // 2])
-    assert_failed(preview_model(half, "cpu", cache_dir=tmp_path / "cache"), "half.gguf", "truncated")
+    assert_failed(preview_model(half, "cpu"), "half.gguf", "truncated")
 
 
 def test_random_bytes_named_gguf(tmp_path: Path) -> None:
     noise = tmp_path / "noise.gguf"
     noise.write_bytes(os.urandom(4096))
-    assert_failed(preview_model(noise, "cpu", cache_dir=tmp_path / "cache"), "noise.gguf", "not a valid GGUF")
+    assert_failed(preview_model(noise, "cpu"), "noise.gguf", "not a valid GGUF")
 
 
 def test_a_folder_without_config(dense: Path, tmp_path: Path) -> None:
@@ -175,7 +176,7 @@ def test_bad_device_and_context_are_errors_not_exceptions(dense: Path) -> None:
 def test_progress_counts_every_tensor_and_cancel_keeps_the_previous_model(
     dense: Path, dense_b: Path, tmp_path: Path
 ) -> None:
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     try:
         first = engine.load(LoadRequest(path=str(dense), context=64, chunk=8))
         assert first.ok and not first.dropped_previous
@@ -216,7 +217,7 @@ def test_progress_counts_every_tensor_and_cancel_keeps_the_previous_model(
 def test_the_previous_model_answers_while_the_next_one_loads(
     dense: Path, dense_b: Path, tmp_path: Path
 ) -> None:
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(path=str(dense), context=64, chunk=8)).ok
         expected = engine.generate(GenerateRequest(prompt_tokens=PROMPT, max_new_tokens=5)).tokens
@@ -239,7 +240,7 @@ def test_the_previous_model_answers_while_the_next_one_loads(
 
 
 def test_client_preview_and_batched_progress(dense: Path, tmp_path: Path) -> None:
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     client = EngineClient(engine, updates_per_second=1)
 
     async def run() -> tuple[ModelPreview, ModelPreview, list[tuple[int, int, str]], object]:
@@ -265,29 +266,26 @@ def test_client_preview_and_batched_progress(dense: Path, tmp_path: Path) -> Non
         engine.close()
 
 
-def test_a_gguf_conversion_reports_progress_and_can_be_cancelled(dense: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    engine = Engine(cache)
+def test_a_gguf_load_reports_progress_per_tensor_and_can_be_cancelled(dense: Path) -> None:
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(path=str(dense), context=64, chunk=8)).ok
         gguf = str(default_model_path())
         seen: list[tuple[int, int, str]] = []
 
-        def cancel_while_converting(done: int, total: int, unit: str) -> None:
+        def cancel_at_the_second_tensor(done: int, total: int, unit: str) -> None:
             seen.append((done, total, unit))
-            if done == 2 and unit == "tensors converted":
+            if done == 2:
                 engine.cancel_load()
 
-        cancelled = engine.load(LoadRequest(path=gguf, context=64), cancel_while_converting)
+        cancelled = engine.load(LoadRequest(path=gguf, context=64), cancel_at_the_second_tensor)
         assert cancelled.error is not None and cancelled.error.code == ErrorCode.CANCELLED
-        assert "converting" in cancelled.error.detail
-        assert seen[-1][:1] == (2,) and seen[-1][2] == "tensors converted" and seen[-1][1] > 100
-        assert [p.name for p in cache.iterdir()] == []  # the half-written import was removed
+        assert seen[-1][0] == 2 and seen[-1][1] == 272 and seen[-1][2] == "tensors"  # SmolLM2's tensors
         assert engine.model_info is not None and engine.model_info.path == str(dense)
 
-        units: list[str] = []
-        loaded = engine.load(LoadRequest(path=gguf, context=64), lambda d, t, unit: units.append(unit))
+        progress: list[tuple[int, int, str]] = []
+        loaded = engine.load(LoadRequest(path=gguf, context=64), lambda *p: progress.append(p))
         assert loaded.ok and loaded.info is not None and loaded.info.name.startswith("SmolLM2")
-        assert "tensors converted" in units and units[-1] == "tensors"
+        assert [p[0] for p in progress] == list(range(273)) and progress[-1][1] == 272
     finally:
         engine.close()

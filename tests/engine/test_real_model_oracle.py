@@ -35,7 +35,7 @@ def reference() -> torch.nn.Module:
 
 
 def engine_on(model_cache: Path, device: str, dtype: str) -> Iterator[Engine]:
-    engine = Engine(model_cache)
+    engine = Engine()
     loaded = engine.load(LoadRequest(device=device, dtype=dtype, context=512, chunk=512))
     assert loaded.ok, loaded.error
     yield engine

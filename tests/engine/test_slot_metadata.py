@@ -35,7 +35,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def engine(tiny_model: Path, tmp_path: Path) -> Iterator[Engine]:
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     loaded = engine.load(LoadRequest(path=str(tiny_model), context=96, chunk=8))
     assert loaded.ok, loaded.error
     yield engine
@@ -168,7 +168,7 @@ def test_memory_on_the_cpu(engine: Engine) -> None:
 
 
 def test_memory_readings_do_not_hold_off_the_idle_park(tiny_model: Path, tmp_path: Path) -> None:
-    engine = Engine(tmp_path / "cache", idle_park_after_s=30.0)
+    engine = Engine(idle_park_after_s=30.0)
     try:
         assert engine.load(LoadRequest(path=str(tiny_model), context=96)).ok
         deadline = engine.idle_park_deadline()
@@ -181,7 +181,7 @@ def test_memory_readings_do_not_hold_off_the_idle_park(tiny_model: Path, tmp_pat
     finally:
         engine.close()
 
-    quick = Engine(tmp_path / "cache", idle_park_after_s=0.4)
+    quick = Engine(idle_park_after_s=0.4)
     try:
         assert quick.load(LoadRequest(path=str(tiny_model), context=96)).ok
         give_up = time.monotonic() + 30  # a bound against a hang, not a timing assertion

@@ -200,7 +200,7 @@ def test_a_chat_follow_up_prefills_only_the_new_message(model_cache: Path) -> No
     """The real model and its chat template, as the window uses them."""
     from ds4desk.engine import Engine, GenerateRequest, LoadRequest
 
-    engine = Engine(model_cache)
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(context=1024)).ok
         chat = [{"role": "user", "content": "What is the capital of France?"}]

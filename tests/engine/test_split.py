@@ -380,7 +380,7 @@ def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[Engine]:
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     yield engine
     engine.close()
 

@@ -82,7 +82,7 @@ def test_a_meaningless_budget_is_a_bad_request(runtime: Runtime, budget: Thinkin
 def test_through_the_engine_on_the_real_model(model_cache: Path) -> None:
     from ds4desk.engine import Engine, GenerateRequest, LoadRequest
 
-    engine = Engine(model_cache)
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(context=256)).ok
         close = [1000, 1001]
@@ -108,10 +108,10 @@ def test_the_engine_spells_the_close_itself_when_none_is_given(model_cache: Path
     from ds4desk.engine.loading.detect import read_source
     from ds4desk.engine.tokenizer import ChatTokenizer
 
-    source = read_source(default_model_path(), model_cache)
+    source = read_source(default_model_path())
     spelled = ChatTokenizer.from_folder(source.folder, source.chat_template).encode("</think>")
     assert len(spelled) >= 1
-    engine = Engine(model_cache)
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(context=256)).ok
         result = engine.generate(

@@ -12,7 +12,7 @@ from ds4desk.engine import chat_template
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.chat_template import ChatTemplate
 from ds4desk.engine.loading.default_model import default_model_path
-from ds4desk.engine.loading.gguf_import import import_gguf
+from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.tokenizer import REPLACEMENT_CHAR, ChatTokenizer, IncrementalDetokenizer
 from tests.engine.gguf_fakes import write_tiny_gguf
 
@@ -35,21 +35,15 @@ SMOLLM_CHATML = (
 
 
 @pytest.fixture(scope="module")
-def smollm_folder(model_cache: Path) -> Path:
-    return import_gguf(default_model_path(), model_cache)
-
-
-@pytest.fixture(scope="module")
-def smollm(smollm_folder: Path) -> ChatTokenizer:
-    config = json.loads((smollm_folder / "tokenizer_config.json").read_text())
-    return ChatTokenizer.from_folder(smollm_folder, config["chat_template"])
+def smollm() -> ChatTokenizer:
+    return ChatTokenizer.from_source(read_source(default_model_path()))
 
 
 @pytest.fixture(scope="module")
 def tiny_sp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ChatTokenizer]:
     root = tmp_path_factory.mktemp("sp")
     gguf = write_tiny_gguf(root / "sp.gguf")
-    return gguf, ChatTokenizer.from_folder(import_gguf(gguf, root / "cache"), None)
+    return gguf, ChatTokenizer.from_source(read_source(gguf))
 
 
 def _bad_request(exc: pytest.ExceptionInfo[EngineFailure]) -> str:
@@ -109,10 +103,10 @@ def test_special_tokens_in_text_are_recognised(smollm: ChatTokenizer) -> None:
     assert 1 not in smollm.stop_ids
 
 
-def test_stop_ids_include_generation_config_and_end_of_turn(tmp_path: Path, smollm_folder: Path) -> None:
+def test_stop_ids_include_generation_config_and_end_of_turn(tmp_path: Path, smollm: ChatTokenizer) -> None:
     folder = tmp_path / "m"
     folder.mkdir()
-    (folder / "tokenizer.json").write_bytes((smollm_folder / "tokenizer.json").read_bytes())
+    smollm.tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
     tok = ChatTokenizer.from_folder(folder, None)

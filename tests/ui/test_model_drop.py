@@ -270,7 +270,7 @@ REAL = Settings(temperature=0.0, max_new_tokens=8, context=256, chunk=64, device
 def real_client(model_cache: Path) -> Iterator[Any]:
     from ds4desk.engine import Engine, EngineClient
 
-    engine = Engine(model_cache)
+    engine = Engine()
     yield EngineClient(engine)
     engine.close()
 

@@ -199,3 +199,31 @@ def test_custom_preset_opens_the_settings(qtbot, open_window) -> None:
     window.settings_dialog.accept()
     assert window.settings.temperature == 1.5
     assert combo.currentText().startswith("Custom (1.5")
+
+
+def test_weights_choice_is_shown_saved_and_used_by_the_next_load(
+    qtbot, open_window, settings_path: Path, run
+) -> None:
+    Settings(weights="q8").save(settings_path)
+    backend = FakeBackend()
+    window = open_window(backend)
+    assert backend.load_requests[-1].weights == "q8"  # the window's first load used the stored choice
+    dialog = open_dialog(qtbot, window)
+    labels = [dialog.weights.itemText(i) for i in range(dialog.weights.count())]
+    assert labels == ["As stored", "8-bit (Q8_0)", "4-bit (Q4_K)"]
+    assert dialog.weights.currentText() == "8-bit (Q8_0)"
+    tip = dialog.weights.toolTip()
+    assert "16-bit" in tip and "smaller GPU" in tip and "load" in tip
+
+    dialog.weights.setCurrentIndex(dialog.weights.findText("4-bit (Q4_K)"))
+    qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
+    assert not dialog.isVisible()
+    assert window.settings.weights == "q4" and Settings.load(settings_path).weights == "q4"
+    run(window.load_model())
+    assert backend.load_requests[-1].weights == "q4"
+
+    dialog = window.open_settings()  # the menu action's slot; focus may have left the composer
+    assert dialog.weights.currentData() == "q4"
+    dialog.weights.setCurrentIndex(dialog.weights.findData("as-stored"))
+    dialog.accept()
+    assert Settings.load(settings_path).weights == "as-stored"

@@ -10,14 +10,13 @@ against the architecture later, on the meta model (`loader.plan_load`, `prefligh
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading import deepseek_v4_names
 from ds4desk.engine.loading.gguf_header import GGUF_MAGIC
-from ds4desk.engine.loading.gguf_import import import_gguf
+from ds4desk.engine.loading.gguf_source import gguf_source
 from ds4desk.engine.loading.safetensors_header import read_safetensors_header
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.registry import ARCHITECTURES
@@ -54,7 +53,7 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def read_source(path: Path, cache_dir: Path) -> ModelSource:
+def read_source(path: Path) -> ModelSource:
     """What `path` is, as a loadable folder; LOAD_FAILED with a human message for anything else."""
     path = Path(path).expanduser()
     try:
@@ -68,7 +67,7 @@ def read_source(path: Path, cache_dir: Path) -> ModelSource:
     if not is_file:
         raise _fail(f"{path} is not a model: expected a folder with config.json or a .gguf file")
     if is_gguf(path):
-        return _inspect_gguf(path, Path(cache_dir))
+        return gguf_source(path)
     if path.suffix == ".safetensors" or path.name in FOLDER_FILES:
         return inspect_folder(path.parent)
     if path.suffix.lower() in PICKLE_SUFFIXES:
@@ -77,18 +76,6 @@ def read_source(path: Path, cache_dir: Path) -> ModelSource:
             "one can run arbitrary code. Use the model's safetensors or GGUF version instead"
         )
     raise _fail(f"{path.name} is not a model: expected a folder with config.json or a .gguf file")
-
-
-def _inspect_gguf(path: Path, cache_dir: Path) -> ModelSource:
-    folder = import_gguf(path, cache_dir)
-    try:
-        source = inspect_folder(folder)
-    except EngineFailure:
-        # A cached import damaged after the fact (disk trouble, a hand edit): convert once more.
-        shutil.rmtree(folder, ignore_errors=True)
-        source = inspect_folder(import_gguf(path, cache_dir))
-    source.origin = path
-    return source
 
 
 def inspect_folder(folder: Path) -> ModelSource:

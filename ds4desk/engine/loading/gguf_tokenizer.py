@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 
@@ -18,7 +18,8 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 
 # The word-splitting regexes the model families were trained with (they are part of each model's
 # published tokenizer definition). Llama 3 keeps runs of up to three digits together; Qwen2 splits
-# every digit.
+# every digit; Qwen3.5 also keeps combining marks (\p{M}) inside words; GPT-4o style splits
+# camel case apart and keeps contractions on their word.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -27,6 +28,40 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(slots=True, frozen=True)
+class _SplitRule:
+    regex: str
+    # Qwen's published tokenizers NFC-normalize text before splitting it, so a decomposed accent
+    # ("e" + U+0301) is encoded as the composed character the model was trained on.
+    nfc: bool = False
+
+
+# `tokenizer.ggml.pre` names (as llama.cpp's converter writes them) -> the family's split rule.
+# Several names are other models that reuse a family's tokenizer unchanged.
+_SPLIT_RULES: dict[str, _SplitRule] = {
+    **dict.fromkeys(
+        ("llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe", "pixtral"),
+        _SplitRule(_LLAMA3_SPLIT),
+    ),
+    "qwen2": _SplitRule(_QWEN2_SPLIT, nfc=True),
+    # DeepSeek-R1's Qwen distills reuse Qwen's vocabulary and regex; their GGUF does not say whether
+    # the published tokenizer normalizes, so none is assumed (as llama.cpp does).
+    "deepseek-r1-qwen": _SplitRule(_QWEN2_SPLIT),
+    "qwen35": _SplitRule(_QWEN35_SPLIT, nfc=True),
+    **dict.fromkeys(("gpt-4o", "llama4"), _SplitRule(_GPT4O_SPLIT)),
+}
+_GPT2_NAMES = ("default", "gpt2", "gpt-2", "")
 
 
 @dataclass(slots=True)
@@ -84,33 +119,55 @@ def _add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> 
         tok.add_tokens(user)
 
 
-def _byte_level_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, str | None]:
+def _add_bos_eos(tok: Tokenizer, meta: dict[str, object], tokens: list[str], add_bos_default: bool) -> None:
+    """What `encode(..., add_special_tokens=True)` adds around the text, as the GGUF's add_bos/add_eos
+    flags say. ds4desk's own prompts pass add_special_tokens=False (chat templates spell BOS
+    themselves); this keeps the rebuilt tokenizer equal to the model's published one for any other
+    caller."""
+
+    def flagged(key: str, default: bool) -> str | None:
+        flag = meta.get(f"tokenizer.ggml.add_{key}_token", default)
+        tid = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if flag is not True or type(tid) is not int or not 0 <= tid < len(tokens):
+            return None
+        return tokens[tid]
+
+    bos, eos = flagged("bos", add_bos_default), flagged("eos", False)
+    if bos is None and eos is None:
+        return
+    # The pair template repeats the same marks around the second text, as the published tokenizers do.
+    first = ([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else [])
+    second = ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else [])
+    marks = {t: tok.token_to_id(t) for t in (bos, eos) if t is not None}
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join(first),
+        pair=" ".join(first + second),
+        special_tokens=[(t, i) for t, i in marks.items() if i is not None],
+    )
+
+
+def _byte_level_pre_tokenizer(
+    pre: str,
+) -> tuple[normalizers.Normalizer | None, pre_tokenizers.PreTokenizer, str | None]:
+    """(normalizer, pre-tokenizer, note) for a byte-level vocabulary whose pre-tokenizer is `pre`."""
     if pre == "smollm":
         # SmolLM's published tokenizer splits every digit on its own, then applies the GPT-2 regex.
-        return (
-            pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            ),
-            None,
-        )
-    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
-    if split is not None:
-        return (
-            pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            ),
-            None,
-        )
+        steps = [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+        return None, pre_tokenizers.Sequence(steps), None
+    rule = _SPLIT_RULES.get(pre)
+    if rule is not None:
+        steps = [
+            pre_tokenizers.Split(Regex(rule.regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+        return (normalizers.NFC() if rule.nfc else None), pre_tokenizers.Sequence(steps), None
     note = None
-    if pre not in ("default", "gpt2", "gpt-2", ""):
+    if pre not in _GPT2_NAMES:
         note = f"unknown pre-tokenizer '{pre}', using GPT-2's; tokenization may differ slightly"
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), note
+    return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), note
 
 
 def _build_byte_level(meta: dict[str, object], tokens: list[str], types: list[int]) -> BuiltTokenizer:
@@ -123,9 +180,14 @@ def _build_byte_level(meta: dict[str, object], tokens: list[str], types: list[in
     vocab = _vocab(tokens)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = meta.get("tokenizer.ggml.pre", "default")
-    tok.pre_tokenizer, note = _byte_level_pre_tokenizer(pre if isinstance(pre, str) else "default")
+    normalizer, tok.pre_tokenizer, note = _byte_level_pre_tokenizer(
+        pre if isinstance(pre, str) else "default"
+    )
+    if normalizer is not None:
+        tok.normalizer = normalizer
     tok.decoder = decoders.ByteLevel()
     _add_special_tokens(tok, tokens, types)
+    _add_bos_eos(tok, meta, tokens, add_bos_default=False)
     return BuiltTokenizer(tok, "BPE (byte-level)", [note] if note else [])
 
 
@@ -178,6 +240,9 @@ def _build_sentencepiece(meta: dict[str, object], tokens: list[str], types: list
         steps.append(decoders.Strip(" ", 1, 0))  # drop the space the encoder prepended
     tok.decoder = decoders.Sequence(steps)
     _add_special_tokens(tok, tokens, types)
+    # llama.cpp (and so the converters that write these files) adds BOS to a SentencePiece vocabulary
+    # that does not say otherwise.
+    _add_bos_eos(tok, meta, tokens, add_bos_default=True)
     return BuiltTokenizer(tok, "BPE (SentencePiece)")
 
 

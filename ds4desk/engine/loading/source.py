@@ -4,37 +4,66 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 @dataclass(slots=True, frozen=True)
 class TensorEntry:
-    """One tensor of a safetensors file, as its (validated) header describes it."""
+    """One tensor of a safetensors or GGUF file, as its (validated) header describes it."""
 
     file: Path
     dtype: str  # safetensors spelling: "F32", "F16", "BF16", ...
     shape: tuple[int, ...]
-    begin: int  # byte offsets into the file's data section, already checked against the file size
+    # Byte offsets, already checked against the file size: into a safetensors file's data section,
+    # or absolute in a GGUF file.
+    begin: int
     end: int
     # Official DeepSeek checkpoints name tensors differently and store them quantized; such an
     # entry is keyed by the name the model expects and says how to get there from the file:
     key: str | None = None  # the tensor's name inside `file` when it differs from the model's name
-    # "plain" | "fp8_block128" | "fp4_block32"; for quantized entries `shape` is the LOGICAL
-    # (dequantized) shape and `dtype` the stored one, so shape checks work unchanged.
+    # "plain" | "fp8_block128" | "fp4_block32" | "gguf"; for quantized entries `shape` is the
+    # LOGICAL (dequantized) shape and `dtype` the stored one, so shape checks work unchanged.
     encoding: str = "plain"
     scale: TensorEntry | None = None  # the block-scale tensor of a quantized entry
     # Non-empty when the logical tensor is several stored ones laid end to end in row-major order
     # (per-expert matrices stacked into one [E, ...] tensor); `file` etc. then repeat parts[0].
     parts: tuple[TensorEntry, ...] = ()
+    # GGUF entries (loading/gguf_source.py): the GGML type id (`dtype` holds its name), the heads
+    # whose q/k rows are stored in rope's pair order, and what to add to a stored norm weight.
+    gguf_type: int = -1
+    rope_heads: int = 0
+    shift: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class TokenizerSpec:
+    """A tokenizer built in memory (from a GGUF file's metadata) with what a folder's
+    tokenizer_config.json and generation_config.json would say about it."""
+
+    tokenizer: Tokenizer
+    kind: str  # "BPE (byte-level)" or "BPE (SentencePiece)"
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... -> text
+    add_bos_token: bool
+    stop_ids: tuple[int, ...]
+    notes: tuple[str, ...] = ()  # what the user may want to know (an unknown pre-tokenizer)
 
 
 @dataclass(slots=True)
 class ModelSource:
-    """A loadable Hugging Face style folder (a GGUF has been imported into one in the cache)."""
+    """A loadable model: a Hugging Face style folder, or a GGUF file read in place."""
 
-    folder: Path
-    origin: Path  # what the user pointed at: the folder itself, or the .gguf it came from
+    folder: Path  # the folder, or the one the GGUF file is in
+    origin: Path  # what the user pointed at: the folder itself, or the .gguf file
     config: dict
     architecture: str  # config["architectures"][0]
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     tokenizer_file: Path | None = None
     chat_template: str | None = None
+    tokenizer: TokenizerSpec | None = None  # a GGUF's; a folder's is tokenizer_file
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.origin != self.folder

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.models.packed import Projection, projection_of
 from ds4desk.engine.split import ShardPlan, check_placement
 
 # What forward returns: nothing (a prefill chunk that ends before the prompt does), the last
@@ -141,6 +143,16 @@ class CausalLM(nn.Module, ABC):
             return self._tied_head
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def head_projection(self) -> Projection:
+        """The output projection as a layer calls it (models/packed.py), on the last shard's device."""
+        module = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        projection = projection_of(module)
+        if self._tied_head is None:
+            return projection
+        if projection.packed is not None:
+            return replace(projection, packed=self._tied_head)
+        return replace(projection, weight_t=self._tied_head.t())
+
     def copy_tied_head(self) -> None:
         """A tied head whose embedding is on another device (a split) gets a copy on the last shard."""
         self._tied_head = None
@@ -197,7 +209,7 @@ class CausalLM(nn.Module, ABC):
     def logits_from(self, normed: torch.Tensor, mode: LogitsMode, like: torch.Tensor) -> torch.Tensor:
         """The head over final hidden states [T, hidden] (already normed; one row for "last"), as
         float32 on `like`'s device (a split computes them on its last shard)."""
-        out = torch.mm(normed, self.head_weight().t()).float()
+        out = self.head_projection()(normed).float()
         if out.device != like.device:
             out = out.to(like.device)
         return out[0] if mode == "last" else out

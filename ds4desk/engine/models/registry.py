@@ -2,12 +2,13 @@
 
 Torch-free, so detection, `check` and the window can ask cheaply; `build_model` imports the family's
 package (and torch) only when a model is built. A new family is a package under `models/` whose
-`model.py` has `build(config, family, dtype, quantized) -> CausalLM`, plus its lines here.
+`model.py` has `build(config, family, dtype, quantized, packed) -> CausalLM`, plus its lines here.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "llama"),
     "Qwen3ForCausalLM": ("qwen3", "llama"),
     "DeepseekV4ForCausalLM": ("deepseek_v4", "deepseek_v4"),
+    "Gemma3ForCausalLM": ("gemma3", "gemma3"),
 }
 
 
@@ -44,13 +46,18 @@ def families_of(package: str) -> dict[str, str]:
 
 
 def build_model(
-    architecture: str, config: dict[str, Any], dtype: torch.dtype, quantized: bool = False
+    architecture: str,
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    quantized: bool = False,
+    packed: Mapping[str, int] | None = None,
 ) -> CausalLM:
     """`architecture`'s model for `config` on the meta device: shapes and dtypes, no memory.
-    `quantized`: keep the checkpoint's quantized weights packed (families that can)."""
+    `quantized`: keep the checkpoint's FP8 / FP4 weights packed (families that can). `packed`: the
+    weights (parameter name -> GGML type id) to keep in their GGUF block type (models/packed.py)."""
     import torch
 
     family = family_for(architecture)
     module = importlib.import_module(f"ds4desk.engine.models.{ARCHITECTURES[architecture][1]}.model")
     with torch.device("meta"):
-        return module.build(config, family, dtype, quantized)
+        return module.build(config, family, dtype, quantized, packed or {})

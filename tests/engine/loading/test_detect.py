@@ -65,7 +65,7 @@ def make_folder(root: Path, *, config: object = CONFIG, weights: bool = True, to
 
 def _error(path: Path, cache: Path) -> str:
     with pytest.raises(EngineFailure) as exc:
-        read_source(path, cache)
+        read_source(path)
     assert exc.value.error.code == ErrorCode.LOAD_FAILED
     return exc.value.error.detail
 
@@ -73,7 +73,7 @@ def _error(path: Path, cache: Path) -> str:
 def test_folder_and_files_inside_it(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "m")
     for dropped in (folder, folder / "config.json", folder / "model.safetensors", folder / "tokenizer.json"):
-        source = read_source(dropped, tmp_path / "cache")
+        source = read_source(dropped)
         assert source.folder == folder and source.origin == folder
         assert source.architecture == "LlamaForCausalLM" and source.config["hidden_size"] == 8
         assert set(source.tensors) == set(_tensors())
@@ -168,7 +168,7 @@ def test_sharded_folder(tmp_path: Path) -> None:
     names = list(_tensors())
     index = {n: f"model-0000{1 if i < 2 else 2}-of-00002.safetensors" for i, n in enumerate(names)}
     _shard(folder, index)
-    source = read_source(folder, tmp_path / "cache")
+    source = read_source(folder)
     assert set(source.tensors) == set(names)
     assert source.tensors[names[2]].file.name == "model-00002-of-00002.safetensors"
 
@@ -195,22 +195,22 @@ def test_bad_shard_index(tmp_path: Path, mutate, problem: str) -> None:  # type:
 
 def test_chat_template_sources(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "m")
-    assert read_source(folder, tmp_path).chat_template == TEMPLATE
+    assert read_source(folder).chat_template == TEMPLATE
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
-    assert read_source(folder, tmp_path).chat_template == "D"
+    assert read_source(folder).chat_template == "D"
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": "J"}))
-    assert read_source(folder, tmp_path).chat_template == "J"
+    assert read_source(folder).chat_template == "J"
     (folder / "chat_template.jinja").write_text("JINJA")
-    assert read_source(folder, tmp_path).chat_template == "JINJA"
+    assert read_source(folder).chat_template == "JINJA"
     for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
         (folder / name).unlink()
-    assert read_source(folder, tmp_path).chat_template is None
+    assert read_source(folder).chat_template is None
 
 
 def test_check_model_report_for_a_folder(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "m")
-    report = check_model(folder, tmp_path / "cache")
+    report = check_model(folder)
     assert (report.family, report.architecture) == ("llama", "LlamaForCausalLM")
     assert report.parameters == 440 and report.tensor_count == 11
     assert report.dtype == "F32" and report.dtypes == {"F32": 408, "F16": 32}
@@ -224,28 +224,31 @@ def test_check_model_report_for_a_folder(tmp_path: Path) -> None:
 def test_check_model_compares_shapes_with_the_config(tmp_path: Path) -> None:
     folder = make_folder(tmp_path / "m", config={**CONFIG, "hidden_size": 12})
     with pytest.raises(EngineFailure) as exc:
-        check_model(folder, tmp_path / "cache")
+        check_model(folder)
     assert exc.value.error.code == ErrorCode.LOAD_FAILED
     assert "model.embed_tokens.weight has shape [16, 8], config says [16, 12]" in exc.value.error.detail
 
 
 @pytest.mark.slow
-def test_check_model_on_the_default_gguf(model_cache: Path) -> None:
-    report = check_model(default_model_path(), model_cache)
-    assert report.path == default_model_path() and report.folder.parent == model_cache
-    assert report.parameters == 134_515_008 and report.dtype == "F32"
+def test_check_model_on_the_default_gguf() -> None:
+    report = check_model(default_model_path(), "cpu", None, 4096)
+    assert report.path == default_model_path() and report.folder == default_model_path().parent
+    assert report.parameters == 134_515_008 and report.dtype == "Q4_1"
     assert (
         report.tokenizer == "BPE, 49152 tokens" and report.has_chat_template and report.context_length == 8192
     )
+    assert report.memory is not None and report.memory.weight_bytes == sum(report.stored.values())
     text = report.describe()
-    assert "134.5M" in text and "imported to" in text and "BPE, 49152 tokens" in text
+    assert "134.5M" in text and "Q4_1 66.4 MB, Q8_0 30.1 MB" in text and "BPE, 49152 tokens" in text
+    assert "memory:        285.3 MB on cpu: 96.6 MB weights + 188.7 MB cache for 4096 tokens" in text
 
 
-def test_supported_architectures_are_the_dense_families_and_deepseek_v4() -> None:
+def test_supported_architectures_are_the_dense_families_gemma3_and_deepseek_v4() -> None:
     assert {family for family, _ in ARCHITECTURES.values()} == {
         "llama",
         "mistral",
         "qwen2",
         "qwen3",
+        "gemma3",
         "deepseek_v4",
     }

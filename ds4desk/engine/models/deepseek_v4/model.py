@@ -30,6 +30,7 @@ import, and the prefill forward. The layer math lives in mixins, one job each: H
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
-from ds4desk.engine.models.base import CausalLM, LogitsMode
+from ds4desk.engine.models.base import CausalLM, LogitsMode, load_failure
 from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.attention import PrefillAttention
 from ds4desk.engine.models.deepseek_v4.cache import RopeTables, V4Cache, layer_cache_bytes, new_layer_state
@@ -299,7 +300,13 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
 
 
 def build(
-    config: dict[str, Any], family: str, dtype: torch.dtype, quantized: bool = False
+    config: dict[str, Any],
+    family: str,
+    dtype: torch.dtype,
+    quantized: bool = False,
+    packed: Mapping[str, int] | None = None,
 ) -> DeepseekV4Model:
     """The registry's entry point: the model for a config.json dict (`quantized`: FP8 / FP4 kept)."""
+    if packed:
+        raise load_failure("DeepSeek-V4 does not run from GGUF block types yet")
     return DeepseekV4Model(DeepseekV4Config.from_hf(config), dtype, quantized)

@@ -25,8 +25,9 @@ and shard with what that call reads (positions, rope rows, buffers, masks).
   layer (norm+qkv, rope+cache write, the attention pair, o + residual, norm+gate/up, SiLU·up +
   down + residual), writing into the same preallocated buffers.
 
-The torch paths keep the weights transposed (views, no copies) and call mm/addmm directly: that
-skips linear's dispatch layers and lets addmm fold the residual add into the projection.
+Every projection is a `Projection` (models/packed.py): float weights are kept transposed (views,
+no copies) and run through mm/addmm directly, which skips linear's dispatch layers and lets addmm
+fold the residual add in; weights kept in a GGUF block type run through the packed matmuls.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.kernels.dense import gemv as kernels
 from ds4desk.engine.kernels.dense.silu_mul import silu_mul
+from ds4desk.engine.models.packed import Projection
 
 if TYPE_CHECKING:
     from ds4desk.engine.models.llama.config import DenseConfig
@@ -52,16 +54,12 @@ class LayerPlan:
     """The tensors one layer's forward touches, gathered once so the hot loop does no lookups."""
 
     ln1: torch.Tensor
-    qkv_w_t: torch.Tensor  # [hidden, (H + 2 KV) * D]; q/k/v_proj.weight are views of the fused base
-    qkv_b: torch.Tensor | None
+    qkv: Projection  # -> [(H + 2 KV) * D]; q/k/v_proj.weight are views of one fused base where they can be
     qk_norm: torch.Tensor | None  # [H + KV, D]: q_norm for the query heads, k_norm for the key heads
-    o_w_t: torch.Tensor
-    o_b: torch.Tensor | None
+    o: Projection
     ln2: torch.Tensor
-    gu_w_t: torch.Tensor  # [hidden, 2 * ffn]; gate/up_proj.weight are views of the fused base
-    gu_b: torch.Tensor | None
-    down_w_t: torch.Tensor
-    down_b: torch.Tensor | None
+    gate_up: Projection  # -> [2 * ffn]; gate/up_proj.weight are views of one fused base where they can be
+    down: Projection
     window: int | None
     kv_cache: torch.Tensor | None = None  # [2, KV, context, D]: keys then values
     keys: torch.Tensor | None = None  # [1, KV, context, D] views of kv_cache, shaped for SDPA
@@ -157,22 +155,16 @@ class _TorchSteps(LayerSteps):
         self.exact = exact  # one-pass RMSNorm: see DenseModel.one_pass_norm
 
     def qkv(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return _project(rms_norm(x, plan.ln1, self.eps, self.exact), plan.qkv_w_t, plan.qkv_b)
+        return plan.qkv(rms_norm(x, plan.ln1, self.eps, self.exact))
 
     def out_residual(self, x: torch.Tensor, attn: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        x = torch.addmm(x, attn, plan.o_w_t)  # the residual add rides along
-        if plan.o_b is not None:
-            x.add_(plan.o_b)
-        return x
+        return plan.o.add_into(x, attn)  # the residual add rides along
 
     def gate_up(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return _project(rms_norm(x, plan.ln2, self.eps, self.exact), plan.gu_w_t, plan.gu_b)
+        return plan.gate_up(rms_norm(x, plan.ln2, self.eps, self.exact))
 
     def down_residual(self, x: torch.Tensor, gate_up: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        x = torch.addmm(x, self.act(gate_up), plan.down_w_t)
-        if plan.down_b is not None:
-            x.add_(plan.down_b)
-        return x
+        return plan.down.add_into(x, self.act(gate_up))
 
     @abstractmethod
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -244,10 +236,7 @@ class EagerDecodeSteps(_TorchSteps):
         self.gate_up_out, self.gate, self.up = buffers.gate_up, buffers.gate, buffers.up
 
     def qkv(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        h = rms_norm(x, plan.ln1, self.eps, self.exact)
-        if plan.qkv_b is None:
-            return torch.mm(h, plan.qkv_w_t, out=self.qkv_out)
-        return torch.addmm(plan.qkv_b, h, plan.qkv_w_t, out=self.qkv_out)
+        return plan.qkv(rms_norm(x, plan.ln1, self.eps, self.exact), out=self.qkv_out)
 
     def rope_write(self, qkv: torch.Tensor, plan: LayerPlan) -> None:
         assert plan.kv_cache is not None
@@ -265,10 +254,7 @@ class EagerDecodeSteps(_TorchSteps):
         return attn.reshape(1, self.q_width)
 
     def gate_up(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        h = rms_norm(x, plan.ln2, self.eps, self.exact)
-        if plan.gu_b is None:
-            return torch.mm(h, plan.gu_w_t, out=self.gate_up_out)
-        return torch.addmm(plan.gu_b, h, plan.gu_w_t, out=self.gate_up_out)
+        return plan.gate_up(rms_norm(x, plan.ln2, self.eps, self.exact), out=self.gate_up_out)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(self.gate, inplace=True).mul_(self.up)  # in the buffer: it is rewritten next layer
@@ -355,7 +341,8 @@ class KernelDecodeSteps(LayerSteps):
         self.qkv_out, self.gate_up_out = buffers.qkv, buffers.gate_up
 
     def qkv(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return kernels.norm_gemv(x, plan.ln1, plan.qkv_w_t.t(), plan.qkv_b, self.eps, out=self.qkv_out)
+        w, b = _float_weight(plan.qkv)
+        return kernels.norm_gemv(x, plan.ln1, w, b, self.eps, out=self.qkv_out)
 
     def rope_write(self, qkv: torch.Tensor, plan: LayerPlan) -> None:
         assert plan.kv_cache is not None
@@ -373,13 +360,16 @@ class KernelDecodeSteps(LayerSteps):
         return attn.view(1, self.q_width)
 
     def out_residual(self, x: torch.Tensor, attn: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return kernels.gemv_add_(x, attn, plan.o_w_t.t(), plan.o_b, silu=False)
+        w, b = _float_weight(plan.o)
+        return kernels.gemv_add_(x, attn, w, b, silu=False)
 
     def gate_up(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return kernels.norm_gemv(x, plan.ln2, plan.gu_w_t.t(), plan.gu_b, self.eps, out=self.gate_up_out)
+        w, b = _float_weight(plan.gate_up)
+        return kernels.norm_gemv(x, plan.ln2, w, b, self.eps, out=self.gate_up_out)
 
     def down_residual(self, x: torch.Tensor, gate_up: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return kernels.gemv_add_(x, gate_up, plan.down_w_t.t(), plan.down_b, silu=True)
+        w, b = _float_weight(plan.down)
+        return kernels.gemv_add_(x, gate_up, w, b, silu=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bool) -> torch.Tensor:
@@ -390,8 +380,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bo
     return normed if weight is None else normed * weight
 
 
-def _project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+def _float_weight(projection: Projection) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float projection's [rows, cols] weight and bias, for the fused kernels (which only run
+    layers whose projections are all float: DenseModel._kernels_fit)."""
+    assert projection.weight_t is not None
+    return projection.weight_t.t(), projection.bias
 
 
 def _rotate(

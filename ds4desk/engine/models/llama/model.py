@@ -18,10 +18,10 @@ Shapes inside `forward` drop the batch dimension (batch is always 1): activation
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.kernels.dense import decode_attention as fused_decode
@@ -41,6 +41,8 @@ from ds4desk.engine.models.llama.layer import (
     decode_buffers,
     rms_norm,
 )
+from ds4desk.engine.models.packed import PackedLinear, Projection, embedding, linear, projection_of
+from ds4desk.engine.models.packed import embed as packed_embed
 from ds4desk.engine.split import materialize_parameters
 
 
@@ -52,32 +54,32 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DenseConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DenseConfig, dtype: torch.dtype, prefix: str, packed: Mapping[str, int]) -> None:
         super().__init__()
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q, bias=cfg.qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=cfg.qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=cfg.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        q, kv, hidden = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+        self.q_proj = linear(hidden, q, cfg.qkv_bias, dtype, f"{prefix}.q_proj", packed)
+        self.k_proj = linear(hidden, kv, cfg.qkv_bias, dtype, f"{prefix}.k_proj", packed)
+        self.v_proj = linear(hidden, kv, cfg.qkv_bias, dtype, f"{prefix}.v_proj", packed)
+        self.o_proj = linear(q, hidden, cfg.o_bias, dtype, f"{prefix}.o_proj", packed)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DenseConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DenseConfig, dtype: torch.dtype, prefix: str, packed: Mapping[str, int]) -> None:
         super().__init__()
         h, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, f, bias=b, dtype=dtype)
-        self.up_proj = nn.Linear(h, f, bias=b, dtype=dtype)
-        self.down_proj = nn.Linear(f, h, bias=b, dtype=dtype)
+        self.gate_proj = linear(h, f, b, dtype, f"{prefix}.gate_proj", packed)
+        self.up_proj = linear(h, f, b, dtype, f"{prefix}.up_proj", packed)
+        self.down_proj = linear(f, h, b, dtype, f"{prefix}.down_proj", packed)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DenseConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DenseConfig, dtype: torch.dtype, prefix: str, packed: Mapping[str, int]) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, f"{prefix}.self_attn", packed)
+        self.mlp = MLP(cfg, dtype, f"{prefix}.mlp", packed)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Set by _fuse: the tensors q/k/v and gate/up parameters are views of.
@@ -85,10 +87,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: DenseConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: DenseConfig, dtype: torch.dtype, packed: Mapping[str, int]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, dtype, "model.embed_tokens", packed)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, f"model.layers.{i}", packed) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -109,11 +113,14 @@ class DenseModel(CausalLM):
     # softmax + bmm) or "sdpa" (one fused call).
     decode_attention = "triton"
 
-    def __init__(self, config: DenseConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: DenseConfig, dtype: torch.dtype = torch.float32, packed: Mapping[str, int] | None = None
+    ) -> None:
         super().__init__(config, dtype)
-        self.model = Backbone(config, dtype)
+        packed = packed or {}
+        self.model = Backbone(config, dtype, packed)
         if not config.tie_word_embeddings:  # else None (base): the embedding is the head
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = linear(config.hidden_size, config.vocab_size, False, dtype, "lm_head", packed)
         self._inv_freq: torch.Tensor | None = None
         self._plans: list[LayerPlan] = []
         self._shards: list[Shard] = []
@@ -129,7 +136,7 @@ class DenseModel(CausalLM):
         if split is not None:
             layer_devices = [torch.device(d) for d in split.layer_devices()]
         for layer, where in zip(self.model.layers, layer_devices, strict=True):
-            _fuse(layer, where, self.dtype, empty=True)
+            _fuse(layer, where, empty=True)
         materialize_parameters(self, device, split)
 
     def finish_loading(self) -> None:
@@ -153,7 +160,7 @@ class DenseModel(CausalLM):
         cfg = self.config
         attn, mlp = layer.self_attn, layer.mlp
         if layer.fused is None:  # built without materialize
-            _fuse(layer, layer.input_layernorm.weight.device, self.dtype, empty=False)
+            _fuse(layer, layer.input_layernorm.weight.device, empty=False)
         fused = layer.fused
         assert fused is not None
         qk_norm = None
@@ -167,16 +174,12 @@ class DenseModel(CausalLM):
             )
         return LayerPlan(
             ln1=layer.input_layernorm.weight,
-            qkv_w_t=fused["qkv.weight"].t(),
-            qkv_b=fused.get("qkv.bias"),
+            qkv=_group_projection(fused, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
             qk_norm=qk_norm,
-            o_w_t=attn.o_proj.weight.t(),
-            o_b=attn.o_proj.bias,
+            o=projection_of(attn.o_proj),
             ln2=layer.post_attention_layernorm.weight,
-            gu_w_t=fused["gate_up.weight"].t(),
-            gu_b=fused.get("gate_up.bias"),
-            down_w_t=mlp.down_proj.weight.t(),
-            down_b=mlp.down_proj.bias,
+            gate_up=_group_projection(fused, "gate_up", [mlp.gate_proj, mlp.up_proj]),
+            down=projection_of(mlp.down_proj),
             window=cfg.sliding_windows[index] if cfg.sliding_windows else None,
         )
 
@@ -282,8 +285,8 @@ class DenseModel(CausalLM):
         count = input_ids.shape[0]
         self.check_positions(start_pos, count)
         cfg, exact = self.config, self.one_pass_norm
-        embed = self.model.embed_tokens.weight
-        x = F.embedding(_on(input_ids, embed), embed)  # [T, hidden]
+        embed = self.model.embed_tokens
+        x = packed_embed(embed, _on(input_ids, embed.weight))  # [T, hidden]
         for shard in self._shards:
             if not shard.first:
                 x = base.hand_over(x, shard.device)
@@ -315,7 +318,7 @@ class DenseModel(CausalLM):
         shard = self._shards[index]
         if index == 0:
             token, here = inputs
-            x = F.embedding(token, self.model.embed_tokens.weight)  # [1, hidden]
+            x = packed_embed(self.model.embed_tokens, token)  # [1, hidden]
         else:
             x, here = inputs
         fused = self.decode_attention == "triton" and fused_decode.enabled(shard.device)
@@ -345,10 +348,12 @@ class DenseModel(CausalLM):
         """Whether the shard's graphed step can run on the fused kernels (KernelDecodeSteps)."""
         if not kernels.enabled(shard.device) or not kernels.fits_heads(self.config.head_dim):
             return False
-        weights = [self.head_weight()] if shard is self._shards[-1] else []
+        projections = [self.head_projection()] if shard is self._shards[-1] else []
         for plan in shard.plans:
-            weights += [plan.qkv_w_t.t(), plan.o_w_t.t(), plan.gu_w_t.t(), plan.down_w_t.t()]
-        return all(kernels.fits(w) for w in weights)
+            projections += [plan.qkv, plan.o, plan.gate_up, plan.down]
+        if not all(p.is_float for p in projections):
+            return False  # GGUF-packed weights: the torch steps, on the packed matmuls
+        return all(kernels.fits(p.weight_t.t()) for p in projections if p.weight_t is not None)
 
 
 def _on(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -356,8 +361,10 @@ def _on(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return ids if ids.device == weight.device else ids.to(weight.device)
 
 
-def _fuse(layer: DecoderLayer, device: torch.device, dtype: torch.dtype, empty: bool) -> None:
+def _fuse(layer: DecoderLayer, device: torch.device, empty: bool) -> None:
     """Point q/k/v (and gate/up) weights and biases at consecutive row ranges of one tensor each.
+    Packed weights fuse too (rows of GGUF blocks are independent) when the parts share one block
+    type; a group whose types differ (Q4_K_M's q/k in Q4_K, v in Q6_K) stays separate.
 
     `empty`: allocate fresh storage (the loader fills it); otherwise keep the current values.
     The fused tensors live in `layer.fused`, a plain dict, so they never show up in state_dict.
@@ -366,13 +373,15 @@ def _fuse(layer: DecoderLayer, device: torch.device, dtype: torch.dtype, empty: 
     fused: dict[str, torch.Tensor] = {}
     groups = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "gate_up": [mlp.gate_proj, mlp.up_proj]}
     for key, parts in groups.items():
+        if len({getattr(part, "type_id", None) for part in parts}) != 1:
+            continue
         for attr in ("weight", "bias"):
             current = [getattr(part, attr) for part in parts]
             if current[0] is None:
                 continue
             if empty:
                 rows = sum(c.shape[0] for c in current)
-                storage = torch.empty((rows, *current[0].shape[1:]), device=device, dtype=dtype)
+                storage = torch.empty((rows, *current[0].shape[1:]), device=device, dtype=current[0].dtype)
             else:
                 storage = torch.cat([c.detach() for c in current])
             start = 0
@@ -384,8 +393,29 @@ def _fuse(layer: DecoderLayer, device: torch.device, dtype: torch.dtype, empty: 
     layer.fused = fused
 
 
-def build(config: dict[str, Any], family: str, dtype: torch.dtype, quantized: bool = False) -> DenseModel:
-    """The registry's entry point: `family`'s model for a config.json dict."""
+def _group_projection(
+    fused: dict[str, torch.Tensor], key: str, parts: list[nn.Linear | PackedLinear]
+) -> Projection:
+    """The projection of a q/k/v or gate/up group: one over its fused tensor, or one per part."""
+    weight = fused.get(f"{key}.weight")
+    if weight is None:
+        return Projection(parts=tuple(projection_of(part) for part in parts))
+    bias = fused.get(f"{key}.bias")
+    first = parts[0]
+    if isinstance(first, PackedLinear):
+        return Projection(packed=weight, type_id=first.type_id, cols=first.in_features, bias=bias)
+    return Projection(weight_t=weight.t(), bias=bias)
+
+
+def build(
+    config: dict[str, Any],
+    family: str,
+    dtype: torch.dtype,
+    quantized: bool = False,
+    packed: Mapping[str, int] | None = None,
+) -> DenseModel:
+    """The registry's entry point: `family`'s model for a config.json dict, with the `packed`
+    weights kept in their GGUF block types (models/packed.py)."""
     if quantized:
-        raise load_failure(f"the {family} family does not keep weights quantized")
-    return DenseModel(DenseConfig.from_hf(config, family), dtype)
+        raise load_failure(f"the {family} family does not keep FP8 / FP4 weights packed")
+    return DenseModel(DenseConfig.from_hf(config, family), dtype, packed)

@@ -107,7 +107,7 @@ def test_wrong_shape_fails_clearly(folders: dict[str, Path], tmp_path: Path) -> 
     tensors["model.layers.2.self_attn.kv_proj.weight"] = torch.zeros(3, 64)
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(EngineFailure) as info:
-        check_model(folder, tmp_path / "cache")
+        check_model(folder)
     assert info.value.error.code == ErrorCode.LOAD_FAILED
     assert "model.layers.2.self_attn.kv_proj.weight" in info.value.error.detail
 
@@ -180,7 +180,7 @@ def test_thinking_mode_through_the_engine(folders: dict[str, Path], tmp_path: Pa
 
     tokenizer = ChatTokenizer.from_folder(folders["hf"], None)
     think, close = tokenizer.token_id("<think>"), tokenizer.token_id("</think>")
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     try:
         assert engine.load(LoadRequest(path=str(folders["hf"]), context=128)).ok
         chat = [{"role": "user", "content": "hello"}]

@@ -398,7 +398,7 @@ def test_the_engine_generates_with_deepseek_v4(tiny, tmp_path: Path) -> None:
     folder = tmp_path / "tiny-v4"
     shutil.copytree(source.folder, folder)
     _write_tokenizer(folder)
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     try:
         loaded = engine.load(LoadRequest(path=str(folder), context=256, chunk=16))
         assert loaded.ok, loaded.error

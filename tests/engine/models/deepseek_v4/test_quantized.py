@@ -201,7 +201,7 @@ def test_the_engine_loads_packed_and_sizes_the_packed_weights(
     official: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(loader, "KEEP_QUANTIZED", True)
-    engine = Engine(tmp_path / "cache")
+    engine = Engine()
     try:
         loaded = engine.load(LoadRequest(path=str(official), device="cpu", context=128))
         assert loaded.ok, loaded.error

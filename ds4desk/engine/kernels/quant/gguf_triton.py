@@ -1,0 +1,358 @@
+"""Triton (CUDA) kernels for matmuls on GGUF-packed weights: y = x @ dequantize(weight)ᵀ.
+
+`weight` is uint8 [rows, row_bytes], the file's GGML blocks (blocks run along a row); the kernel
+source is gguf_blocks_triton.py. Two paths, picked by the rows of x (shapes only: no host sync, so
+both can be captured in a CUDA graph):
+
+- up to GEMV_MAX_ROWS rows (decode): a GEMV that decodes each tile of the weight in registers once
+  and multiplies it by every row of x. A program takes a few weight rows whole (no split of the
+  columns, so a result is one sum rounded once), and there are enough programs for every SM.
+  The decode step's fused forms mirror dense/gemv.py: `gemv_add_` adds into the residual in place
+  (optionally reading SiLU(gate) · up from a gate/up row), `norm_gemv` reads RMSNorm(x) · norm.
+- longer x (prefill): the weight is dequantized into a scratch of x's dtype, a slice of rows at a
+  time, and multiplied by one torch.mm (cuBLAS). The dequantize kernel keeps gguf.py's float32
+  operations in order and runs without FMA contraction: its values equal the reference's bit for
+  bit after the cast to x's dtype.
+
+The kernels cover every GGUF block type ds4desk reads except the plain floats (F32, F16, BF16, which
+gguf_matmul never sends here). `reference_*` are the same math in torch, for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds4desk.engine.formats import E2M1_VALUES, IQ4_NL_VALUES, gguf_packed_bytes, gguf_type
+from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, on_its_device
+from ds4desk.engine.kernels.quant import gguf
+from ds4desk.engine.kernels.quant.common import device_sms, nvidia_cuda
+
+# Default: the kernels for CUDA tensors on NVIDIA GPUs with Triton. Forced on: whatever the device
+# (TRITON_INTERPRET=1 runs them on CPU tensors: the tests); off: gguf_matmul's reference path.
+SWITCH = Switch("quant.gguf", "the GGUF block-type GEMV and dequantize kernels", nvidia_cuda)
+
+# Rows of x up to which the GEMV runs; beyond, dequantize + cuBLAS, whose cost does not grow with T.
+GEMV_MAX_ROWS = 8
+# Elements of one dequantized slice of the weight (64 MB in bf16): bounds the prefill scratch.
+SCRATCH_ELEMENTS = 1 << 25
+# (BLOCK_N, values per row per iteration, num_warps) forced for every GEMV: what the sweep tries.
+OVERRIDE: tuple[int, int, int] | None = None
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Each type's tile (L, V): L values per sub-block (the run that shares one scale), and V, the bytes
+# its codes are read by (int32 or int16 units: the alignment its blocks give its code bytes; Q8_0's
+# 34-byte blocks put them at even addresses only, MXFP4's 17-byte blocks at any).
+_TILES = {
+    "Q4_0": (32, 2),
+    "Q4_1": (32, 4),
+    "Q5_0": (32, 2),
+    "Q5_1": (32, 4),
+    "Q8_0": (32, 2),
+    "Q2_K": (16, 4),
+    "Q3_K": (16, 2),
+    "Q4_K": (32, 4),
+    "Q5_K": (32, 4),
+    "Q6_K": (16, 2),
+    "IQ4_NL": (32, 2),
+    "IQ4_XS": (32, 4),
+    "MXFP4": (32, 1),
+}
+# MXFP4's e2m1 values doubled (integers; code 8, "-0", gives +0 as in GGML), see gguf._mxfp4.
+_E2M1_DOUBLED = tuple(int(2 * v) for v in E2M1_VALUES)
+_MXFP4_DOUBLED = _E2M1_DOUBLED + tuple(-v for v in _E2M1_DOUBLED)
+_DEQUANT_BLOCK_N = 8  # rows a dequantize program writes (by 256 values)
+
+
+def _codebook_words(values: Sequence[int]) -> tuple[int, int, int, int]:
+    """16 int8 values packed little-endian into four int32 words (signed, to pass as i32)."""
+    raw = [int(v) & 0xFF for v in values]
+    words = [sum(raw[4 * i + j] << (8 * j) for j in range(4)) for i in range(4)]
+    signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]
+    return signed[0], signed[1], signed[2], signed[3]
+
+
+# The codebook words each table type's kernel takes (see gguf_blocks_triton._codebook).
+_CODEBOOK_WORDS = {
+    "IQ4_NL": _codebook_words(IQ4_NL_VALUES),
+    "IQ4_XS": _codebook_words(IQ4_NL_VALUES),
+    "MXFP4": _codebook_words(_MXFP4_DOUBLED),
+}
+
+
+def enabled(where: Where) -> bool:
+    """Whether the GGUF kernels run for tensors on `where` (see SWITCH)."""
+    return SWITCH.on(where) and _kernels() is not None
+
+
+def covers(type_id: int, dtype: torch.dtype) -> bool:
+    """Whether `matmul` runs this type for CUDA activations of `dtype`."""
+    try:
+        name = gguf_type(type_id).name
+    except ValueError:
+        return False
+    return name in _TILES and dtype in _DTYPES and enabled(torch.device("cuda"))
+
+
+def one_row(x: torch.Tensor, type_id: int) -> bool:
+    """Whether the fused one-row forms (`gemv_add_`, `norm_gemv`) run for x [1, K]."""
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.is_contiguous()
+        and x.dtype in _DTYPES
+        and gguf_type(type_id).name in _TILES
+        and enabled(x)
+    )
+
+
+def gemv_config(rows: int, cols: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, values per row per iteration, num_warps). Each iteration decodes up to 1024 values
+    of each of its rows (about 0.5-1 KB of packed bytes a row in flight); BLOCK_N is the most rows
+    (4, 2 or 1) that still gives every SM a program (the 512 rows of a k/v projection: 2 a program)."""
+    if OVERRIDE is not None:
+        return OVERRIDE
+    values = min(1024, next_power_of_two(cols))
+    block_n = next((b for b in (4, 2) if -(-rows // b) >= sms), 1)
+    return block_n, values, 8 if block_n * values >= 4096 else 4
+
+
+# --- torch forms (the tests' reference) -----------------------------------------------------------
+
+
+def reference_matmul(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
+    """x @ dequantize(weight)ᵀ in float32."""
+    return x.float() @ gguf.dequantize(weight, type_id, (weight.shape[0], cols)).t()
+
+
+def reference_gemv_add_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, silu: bool
+) -> torch.Tensor:
+    if silu:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (F.silu(gate) * up).to(x.dtype)
+    return residual.copy_(residual.float() + reference_matmul(x, weight, type_id, cols))
+
+
+def reference_norm_gemv(
+    x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, eps: float
+) -> torch.Tensor:
+    h = F.rms_norm(x.float(), (cols,), norm.float(), eps).to(x.dtype)
+    return reference_matmul(h, weight, type_id, cols)
+
+
+# --- the launchers --------------------------------------------------------------------------------
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor) -> torch.Tensor:
+    """out [T, rows] = x [T, cols] @ dequantize(weight [rows, row_bytes])ᵀ, in out's dtype."""
+    _check(x, weight, type_id, cols, cols)
+    if x.shape[0] == 0:
+        return out
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return gemv(x, weight, type_id, cols, out)
+    rows = weight.shape[0]
+    chunk = max(1, min(rows, SCRATCH_ELEMENTS // cols))
+    scratch = torch.empty((chunk, cols), device=x.device, dtype=x.dtype)
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        w = dequantize_into(weight[start:stop], type_id, cols, scratch[: stop - start])
+        if start == 0 and stop == rows and out.is_contiguous():
+            torch.mm(x, w.t(), out=out)
+        else:
+            out[:, start:stop].copy_(torch.mm(x, w.t()))
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor) -> torch.Tensor:
+    """out [T, rows] = x [T, cols] @ Wᵀ for T <= GEMV_MAX_ROWS, in out's dtype."""
+    _check(x, weight, type_id, cols, cols)
+    return _launch(x, weight, type_id, cols, out, None, 0.0, silu=False, with_norm=False, residual=False)
+
+
+def gemv_add_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, silu: bool = False
+) -> torch.Tensor:
+    """residual [1, rows] += x @ Wᵀ in place, rounded once; silu: x is [1, 2 cols] gate | up and the
+    input is SiLU(gate) · up rounded to x's dtype."""
+    _check(x, weight, type_id, cols, 2 * cols if silu else cols)
+    return _launch(x, weight, type_id, cols, residual, None, 0.0, silu=silu, with_norm=False, residual=True)
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    weight: torch.Tensor,
+    type_id: int,
+    cols: int,
+    eps: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out [1, rows] = RMSNorm(x [1, cols]; norm, eps) rounded to x's dtype, @ Wᵀ."""
+    _check(x, weight, type_id, cols, cols)
+    if x.shape[0] != 1:
+        raise ValueError(f"norm_gemv takes one row, got {x.shape[0]}")
+    return _launch(x, weight, type_id, cols, out, norm, eps, silu=False, with_norm=True, residual=False)
+
+
+def dequantize_into(weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, cols] (float32, bfloat16 or float16) = dequantize(weight), rounded once to out's
+    dtype: equal to gguf.dequantize(...).to(out.dtype)."""
+    _check_weight(weight, type_id, cols)
+    if out.shape != (weight.shape[0], cols) or out.stride(1) != 1 or out.dtype not in _DTYPES:
+        raise ValueError(f"dequantize_into: out must be [{weight.shape[0]}, {cols}] with rows contiguous")
+    kernels = _kernels()
+    assert kernels is not None
+    kernels.dequantize(weight, type_id, cols, out)
+    return out
+
+
+def _check_weight(weight: torch.Tensor, type_id: int, cols: int) -> None:
+    kind = gguf_type(type_id)
+    if kind.name not in _TILES:
+        raise ValueError(f"the GGUF kernels do not take {kind.name}")
+    row_bytes = gguf_packed_bytes(type_id, (cols,))
+    if (
+        weight.dtype != torch.uint8
+        or weight.dim() != 2
+        or weight.shape[1] != row_bytes
+        or weight.stride(1) != 1
+    ):
+        raise ValueError(
+            f"a packed {kind.name} weight of {cols} columns is uint8 [rows, {row_bytes}], got "
+            f"{weight.dtype} {list(weight.shape)}"
+        )
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, x_cols: int) -> None:
+    _check_weight(weight, type_id, cols)
+    if x.dim() != 2 or x.shape[1] != x_cols or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be float [T, {x_cols}], got {x.dtype} {list(x.shape)}")
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    type_id: int,
+    cols: int,
+    out: torch.Tensor,
+    norm: torch.Tensor | None,
+    eps: float,
+    *,
+    silu: bool,
+    with_norm: bool,
+    residual: bool,
+) -> torch.Tensor:
+    if x.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"the GGUF GEMV takes up to {GEMV_MAX_ROWS} rows of x, got {x.shape[0]}")
+    if out.shape != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"out must be [{x.shape[0]}, {weight.shape[0]}], got {list(out.shape)}")
+    kernels = _kernels()
+    assert kernels is not None
+    kernels.gemv(x, weight, type_id, cols, out, norm, eps, silu, with_norm, residual)
+    return out
+
+
+def _aligned(weight: torch.Tensor) -> torch.Tensor:
+    """The weight at a 16-byte aligned address: the kernels read code bytes as int32 / int16 units
+    (a copy only for a view that starts mid-allocation at an odd place, which the loader never
+    makes: its rows start at multiples of the row bytes)."""
+    return weight if weight.data_ptr() % 16 == 0 else weight.clone()
+
+
+@dataclass(slots=True)
+class _Kernels:
+    gemv: Callable[..., None]
+    dequantize: Callable[..., None]
+
+
+@functools.cache
+def _kernels() -> _Kernels | None:
+    try:
+        from ds4desk.engine.kernels.quant import gguf_blocks_triton as source
+    except Exception:  # no Triton: gguf_matmul's reference path runs
+        return None
+
+    def launch_gemv(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        type_id: int,
+        cols: int,
+        out: torch.Tensor,
+        norm: torch.Tensor | None,
+        eps: float,
+        silu: bool,
+        with_norm: bool,
+        residual: bool,
+    ) -> None:
+        rows, t = weight.shape[0], x.shape[0]
+        if rows == 0 or t == 0:
+            return
+        weight = _aligned(weight)
+        name = gguf_type(type_id).name
+        sub, unit = _TILES[name]
+        block_n, values, warps = gemv_config(rows, cols, device_sms(x))
+        values = max(values, sub)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
+        source.gemv_kernel[(-(-rows // block_n),)](
+            x,
+            weight,
+            target,
+            norm if norm is not None else x,
+            rows,
+            weight.stride(0),
+            x.stride(0),
+            target.stride(0),
+            eps,
+            *_CODEBOOK_WORDS.get(name, (0, 0, 0, 0)),
+            KIND=type_id,
+            L=sub,
+            V=unit,
+            S=values // sub,
+            N_SUB=cols // sub,
+            COLS=cols,
+            T=t,
+            T_PAD=next_power_of_two(t),
+            BLOCK_N=block_n,
+            SILU=silu,
+            NORM=with_norm,
+            RESIDUAL=residual,
+            num_warps=warps,
+        )
+        if target is not out:
+            out.copy_(target)
+
+    def launch_dequantize(weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor) -> None:
+        rows = weight.shape[0]
+        if rows == 0:
+            return
+        weight = _aligned(weight)
+        name = gguf_type(type_id).name
+        sub, unit = _TILES[name]
+        per_program = 256 // sub  # sub-blocks: 256 values of each of _DEQUANT_BLOCK_N rows
+        n_sub = cols // sub
+        grid = (-(-rows // _DEQUANT_BLOCK_N), -(-n_sub // per_program))
+        source.dequantize_kernel[grid](
+            weight,
+            out,
+            rows,
+            weight.stride(0),
+            out.stride(0),
+            *_CODEBOOK_WORDS.get(name, (0, 0, 0, 0)),
+            KIND=type_id,
+            L=sub,
+            V=unit,
+            S=per_program,
+            N_SUB=n_sub,
+            BLOCK_N=_DEQUANT_BLOCK_N,
+            num_warps=4,
+            # Without contraction a * b - c stays two roundings, as in the torch reference.
+            enable_fp_fusion=False,
+        )
+
+    return _Kernels(on_its_device(launch_gemv), on_its_device(launch_dequantize))

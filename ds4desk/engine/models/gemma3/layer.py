@@ -1,0 +1,277 @@
+"""One Gemma 3 decoder layer's forward, written once, and the three ways of running its attention.
+
+A layer (`LayerSteps.layer`), in the reference's order:
+
+1. RMSNorm (input_layernorm), the q/k/v projection;
+2. per-head RMSNorm of the queries and keys (q_norm / k_norm), then RoPE with the layer's own
+   tables (local layers and global layers rotate at different speeds);
+3. keys and values into the cache, attention over it (a local layer sees only the last
+   `sliding_window` positions, the current one included), scaled by query_pre_attn_scalar**-0.5;
+4. the output projection, RMSNorm (post_attention_layernorm), added into the residual;
+5. RMSNorm (pre_feedforward_layernorm), gate/up, GELU(tanh)(gate) · up, down projection, RMSNorm
+   (post_feedforward_layernorm), added into the residual.
+
+Every RMSNorm runs in float32 and scales by (1 + weight) before the cast back, as the reference
+does; `scale` tensors hold that (1 + weight) in float32, made once by the model.
+
+Local layers keep only their window: their cache is a ring of min(sliding_window, context) rows,
+position p in row p % ring, which is what cuts Gemma 3's cache by about the share of its local
+layers (five in six). Global layers keep every position.
+
+What differs between paths is only where keys go and how attention reads them (one subclass each):
+`PrefillSteps` (T tokens at host positions, a mask per window), `EagerDecodeSteps` (one token at a
+host position: exactly the rows it may read, no mask) and `GraphDecodeSteps` (one token at a
+device position, fixed shapes: masked, so a CUDA graph can replay it).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ds4desk.engine.models.gemma3.config import Gemma3Config
+from ds4desk.engine.models.packed import Projection
+
+
+@dataclass(slots=True)
+class LayerPlan:
+    """What one layer's forward touches, gathered once so the hot loop does no lookups."""
+
+    input_norm: torch.Tensor  # float32 (1 + weight) [hidden]
+    qkv: Projection  # -> [T, (H + 2 KV) * D]
+    qk_norm: torch.Tensor  # float32 (1 + weight) [H + KV, D]: q_norm per query head, k_norm per key head
+    o: Projection
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    gate_up: Projection  # -> [T, 2 F]
+    down: Projection
+    post_feedforward_norm: torch.Tensor
+    window: int | None  # None: a global layer
+    # [2, KV, rows, D], keys then values: rows = context for a global layer, its ring for a local one.
+    kv_cache: torch.Tensor | None = None
+    keys: torch.Tensor | None = None  # [1, KV, rows, D] views of kv_cache, shaped for SDPA
+    values: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        assert self.kv_cache is not None
+        return self.kv_cache.shape[2]
+
+
+@dataclass(slots=True)
+class RopeTables:
+    cos: torch.Tensor  # [context, D], in the model dtype as the reference casts them
+    sin: torch.Tensor
+
+
+@dataclass(slots=True)
+class Shard:
+    """Consecutive layers on one device and what their loop reads there (ds4desk.engine.split);
+    unsplit, the one shard holds every layer."""
+
+    device: torch.device
+    plans: list[LayerPlan]
+    first: bool  # reads the embedding's output; a later shard gets the activation handed over
+    global_cache: torch.Tensor | None = None  # [its global layers, 2, KV, context, D]
+    local_cache: torch.Tensor | None = None  # [its local layers, 2, KV, ring, D]
+    local: RopeTables | None = None
+    global_: RopeTables | None = None
+    key_positions: torch.Tensor | None = None  # [context]: 0..context-1, for the graphed step's masks
+
+    def caches(self) -> list[torch.Tensor]:
+        return [c for c in (self.global_cache, self.local_cache) if c is not None]
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: in float32, times the float32 (1 + weight) `scale`, then cast back."""
+    if scale.dim() == 1:
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(x.dtype)
+    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * scale).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half convention (the reference's): x·cos + [-x2, x1]·sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LayerSteps(ABC):
+    """One layer's forward (module docstring); subclasses say where keys go and how attention reads
+    them. x is the residual stream [T, hidden]."""
+
+    def __init__(self, cfg: Gemma3Config, shard: Shard) -> None:
+        self.eps = cfg.rms_norm_eps
+        self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.attention_scale
+        self.approximate = cfg.gelu_approximate
+        assert shard.local is not None and shard.global_ is not None
+        self.local, self.global_ = shard.local, shard.global_
+
+    def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        count = x.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
+        qkv = plan.qkv(rms_norm(x, plan.input_norm, self.eps))
+        qk = rms_norm(
+            qkv[:, : (heads + kv_heads) * dim].view(count, heads + kv_heads, dim), plan.qk_norm, self.eps
+        )
+        cos, sin = self.rope(self.local if plan.window is not None else self.global_)
+        qk = rotate(qk, cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * dim :].view(count, kv_heads, dim)
+        attn = plan.o(self.attend(q, k, v, plan))
+        x = x + rms_norm(attn, plan.post_attention_norm, self.eps)
+        gate_up = plan.gate_up(rms_norm(x, plan.pre_feedforward_norm, self.eps))
+        width = gate_up.shape[1] // 2
+        act = F.gelu(gate_up[:, :width], approximate=self.approximate) * gate_up[:, width:]
+        return x + rms_norm(plan.down(act), plan.post_feedforward_norm, self.eps)
+
+    @abstractmethod
+    def rope(self, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows of this call's positions, shaped [T, 1, D] to broadcast over heads."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        """Write this call's keys and values [T, KV, D] into the layer's cache and attend with the
+        queries [T, H, D]: [T, H * D]. One step, because a chunk's keys may overwrite ring rows
+        that its own earlier queries still read."""
+
+
+class PrefillSteps(LayerSteps):
+    """T tokens at host positions start..start+T-1: SDPA under a mask per window. `flash`
+    (Gemma3Model.fused_attention, on GPUs): kv heads repeated (a small copy next to the matmuls)
+    so SDPA can pick a fused kernel, and a global layer's mask given as the causal flag, never as a
+    [T, context] tensor."""
+
+    def __init__(self, cfg: Gemma3Config, shard: Shard, start: int, count: int, flash: bool = False) -> None:
+        super().__init__(cfg, shard)
+        self.start, self.count, self.end = start, count, start + count
+        self.flash = flash
+        self.masks: dict[int | None, torch.Tensor] = {}  # per window, made by its first layer
+
+    def rope(self, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        return tables.cos[self.start : self.end].unsqueeze(1), tables.sin[self.start : self.end].unsqueeze(1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
+        new = torch.stack((k, v)).transpose(1, 2)  # [2, KV, T, D]
+        if plan.window is None:
+            plan.kv_cache[:, :, self.start : self.end].copy_(new)
+            keys = plan.keys.narrow(2, 0, self.end)
+            values = plan.values.narrow(2, 0, self.end)
+        else:
+            # The window's older keys (positions low..start-1) come out of the ring before this
+            # chunk's keys overwrite any of them; the ring then keeps the chunk's last `rows`.
+            ring = plan.rows
+            older = torch.arange(self._low(plan.window), self.start, device=q.device) % ring
+            both = torch.cat((plan.kv_cache.index_select(2, older), new), dim=2)
+            kept = min(self.count, ring)
+            rows = torch.arange(self.end - kept, self.end, device=q.device) % ring
+            plan.kv_cache.index_copy_(2, rows, new[:, :, self.count - kept :])
+            keys, values = both[0].unsqueeze(0), both[1].unsqueeze(0)
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        if not self.flash:
+            mask = self._mask(plan.window, q.device)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+        else:
+            group = self.heads // self.kv_heads
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+            if plan.window is None:
+                # Aligned to the last key when a chunk follows earlier ones.
+                causal = causal_lower_right(self.count, self.end) if self.start else None
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=causal, is_causal=causal is None, scale=self.scale
+                )
+            else:
+                mask = self._mask(plan.window, q.device)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        return out[0].transpose(0, 1).reshape(self.count, -1)
+
+    def _low(self, window: int | None) -> int:
+        """The first position a query of this call may read."""
+        return 0 if window is None else max(0, self.start + 1 - window)
+
+    def _mask(self, window: int | None, device: torch.device) -> torch.Tensor:
+        """Bool [T, end - low] (True = attend) over key positions low..end-1 for `window`."""
+        mask = self.masks.get(window)
+        if mask is None:
+            query_pos = torch.arange(self.start, self.end, device=device).unsqueeze(1)
+            key_pos = torch.arange(self._low(window), self.end, device=device).unsqueeze(0)
+            allowed = key_pos <= query_pos
+            if window is not None:
+                allowed &= key_pos > query_pos - window
+            mask = self.masks[window] = allowed
+        return mask
+
+
+class EagerDecodeSteps(LayerSteps):
+    """One token at host position `pos`: attention reads exactly the rows it may, so no mask (a
+    full ring holds exactly the window; their order does not matter to attention)."""
+
+    def __init__(self, cfg: Gemma3Config, shard: Shard, pos: int) -> None:
+        super().__init__(cfg, shard)
+        self.pos = pos
+
+    def rope(self, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        return tables.cos[self.pos], tables.sin[self.pos]  # [D], broadcast over the heads
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
+        row = self.pos if plan.window is None else self.pos % plan.rows
+        plan.kv_cache[0, :, row].copy_(k[0])
+        plan.kv_cache[1, :, row].copy_(v[0])
+        rows = min(self.pos + 1, plan.rows)
+        # Two small batched matmuls: at one token they beat SDPA's CPU kernels several times over.
+        grouped = q.view(self.kv_heads, self.heads // self.kv_heads, self.dim)  # head h reads kv h // G
+        scores = torch.bmm(grouped, plan.keys[0, :, :rows].transpose(1, 2)).mul_(self.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, plan.values[0, :, :rows]).reshape(1, -1)
+
+
+class GraphDecodeSteps(LayerSteps):
+    """One token at device position `here` ([1] int64) with shapes that never depend on it, so a
+    CUDA graph can replay the step: a global layer attends over the first `span` cache rows, a local
+    one over its whole ring, both under a mask by position; two batched matmuls."""
+
+    def __init__(self, cfg: Gemma3Config, shard: Shard, here: torch.Tensor, span: int) -> None:
+        super().__init__(cfg, shard)
+        assert shard.key_positions is not None
+        self.here, self.span = here, span
+        dtype = self.local.cos.dtype
+        # Rows a layer may read get 0, the others -inf: a global layer's rows up to `here`; a ring's
+        # row r holds position r until the ring is full, after which every row is in the window.
+        self.biases: dict[int | None, torch.Tensor] = {}
+        self.ring_row: torch.Tensor | None = None  # [1]: the row `here` takes in a local layer's ring
+        for plan in shard.plans:
+            if plan.window in self.biases:
+                continue
+            rows = span if plan.window is None else plan.rows
+            allowed = shard.key_positions[:rows] <= here
+            bias = torch.zeros(rows, dtype=dtype, device=here.device).masked_fill_(~allowed, -torch.inf)
+            self.biases[plan.window] = bias.expand(self.kv_heads, self.heads // self.kv_heads, rows)
+            if plan.window is not None:
+                self.ring_row = torch.remainder(here, plan.rows)
+
+    def rope(self, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        return tables.cos.index_select(0, self.here), tables.sin.index_select(0, self.here)  # [1, D]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        assert plan.kv_cache is not None and plan.keys is not None and plan.values is not None
+        local = plan.window is not None
+        row = self.ring_row if local else self.here
+        assert row is not None
+        plan.kv_cache.index_copy_(2, row, torch.stack((k, v)).transpose(1, 2))  # [2, KV, 1, D]
+        rows = plan.rows if local else self.span
+        kv_heads = self.kv_heads
+        grouped = q.view(kv_heads, self.heads // kv_heads, self.dim)  # query head h reads kv head h // G
+        scores = torch.baddbmm(
+            self.biases[plan.window], grouped, plan.keys[0, :, :rows].transpose(1, 2), alpha=self.scale
+        )  # [KV, G, rows]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, plan.values[0, :, :rows]).reshape(1, -1)

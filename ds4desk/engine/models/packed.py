@@ -1,0 +1,154 @@
+"""Weights that stay in a GGUF block type on the device, and the projection a layer calls.
+
+A family builds `nn.Linear` / `nn.Embedding` for every weight; the loader hands `build` the GGUF
+type of each weight the file stores quantized (`packed`: parameter name -> GGML type id), and the
+family builds `PackedLinear` / `PackedEmbedding` for those names instead. Their `weight` is the
+file's bytes, uint8 [rows, row_bytes], so the loader copies blocks and nothing is dequantized.
+
+`Projection` is what a layer's forward calls for "x @ Wᵀ (+ b)": float weights go through
+torch.mm / addmm, packed ones through kernels/quant/gguf_matmul. Layers never test which it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds4desk.engine.formats import gguf_packed_bytes
+from ds4desk.engine.kernels.quant.gguf_matmul import dequantize_rows, gguf_matmul
+
+
+def _bytes_param(rows: int, cols: int, type_id: int) -> nn.Parameter:
+    row_bytes = gguf_packed_bytes(type_id, (cols,))
+    return nn.Parameter(torch.empty((rows, row_bytes), dtype=torch.uint8), requires_grad=False)
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's interface with the weight kept as GGUF blocks."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        type_id: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.type_id = in_features, out_features, type_id
+        self.weight = _bytes_param(out_features, in_features, type_id)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+
+class PackedEmbedding(nn.Module):
+    """nn.Embedding's interface with the table kept as GGUF blocks (a lookup dequantizes its rows);
+    a tied head multiplies by the same blocks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, type_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.type_id = num_embeddings, embedding_dim, type_id
+        self.dtype = dtype
+        self.weight = _bytes_param(num_embeddings, embedding_dim, type_id)
+
+
+def linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    dtype: torch.dtype,
+    name: str,
+    packed: Mapping[str, int] | None,
+) -> nn.Linear | PackedLinear:
+    """The module for the linear weight the model names `name`.weight."""
+    type_id = (packed or {}).get(f"{name}.weight")
+    if type_id is None:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return PackedLinear(in_features, out_features, type_id, bias, dtype)
+
+
+def embedding(
+    num: int, dim: int, dtype: torch.dtype, name: str, packed: Mapping[str, int] | None
+) -> nn.Embedding | PackedEmbedding:
+    type_id = (packed or {}).get(f"{name}.weight")
+    if type_id is None:
+        return nn.Embedding(num, dim, dtype=dtype)
+    return PackedEmbedding(num, dim, type_id, dtype)
+
+
+def embed(module: nn.Embedding | PackedEmbedding, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding rows of `ids`, in the model's dtype."""
+    if isinstance(module, PackedEmbedding):
+        return dequantize_rows(module.weight, ids, module.type_id, module.embedding_dim).to(module.dtype)
+    return F.embedding(ids, module.weight)
+
+
+@dataclass(slots=True)
+class Projection:
+    """x @ Wᵀ (+ b) for one weight, or for several laid side by side in the output (q/k/v or
+    gate/up whose packed types differ). Float weights are held transposed (a view): mm then reads
+    them without a copy and addmm folds the residual add in."""
+
+    weight_t: torch.Tensor | None = None  # float [cols, rows]
+    packed: torch.Tensor | None = None  # uint8 [rows, row_bytes]
+    type_id: int = -1
+    cols: int = 0
+    bias: torch.Tensor | None = None
+    parts: tuple[Projection, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        if self.parts:
+            return sum(p.rows for p in self.parts)
+        if self.packed is not None:
+            return self.packed.shape[0]
+        assert self.weight_t is not None
+        return self.weight_t.shape[1]
+
+    @property
+    def is_float(self) -> bool:
+        return not self.parts and self.weight_t is not None
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ Wᵀ (+ b): [T, rows], into `out` when given."""
+        if self.weight_t is not None:
+            if self.bias is None:
+                return torch.mm(x, self.weight_t, out=out) if out is not None else torch.mm(x, self.weight_t)
+            if out is not None:
+                return torch.addmm(self.bias, x, self.weight_t, out=out)
+            return torch.addmm(self.bias, x, self.weight_t)
+        if out is None:
+            out = torch.empty((x.shape[0], self.rows), device=x.device, dtype=x.dtype)
+        if self.parts:
+            start = 0
+            for part in self.parts:
+                stop = start + part.rows
+                out[:, start:stop] = part(x)
+                start = stop
+            return out
+        assert self.packed is not None
+        gguf_matmul(x, self.packed, self.type_id, self.cols, out=out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + x @ Wᵀ (+ b), a fresh tensor (the float path folds the add into addmm)."""
+        if self.weight_t is not None:
+            result = torch.addmm(residual, x, self.weight_t)
+            return result if self.bias is None else result.add_(self.bias)
+        return self(x).add_(residual)
+
+
+def projection_of(module: nn.Linear | PackedLinear | nn.Embedding | PackedEmbedding) -> Projection:
+    """The Projection of one module's weight (an embedding as a tied head)."""
+    bias = getattr(module, "bias", None)
+    if isinstance(module, (PackedLinear, PackedEmbedding)):
+        cols = module.in_features if isinstance(module, PackedLinear) else module.embedding_dim
+        return Projection(packed=module.weight, type_id=module.type_id, cols=cols, bias=bias)
+    return Projection(weight_t=module.weight.t(), bias=bias)

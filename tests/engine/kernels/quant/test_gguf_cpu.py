@@ -1,0 +1,215 @@
+"""quant/gguf_cpu.py and its C kernels: for every GGUF type they cover, on both the AVX-512 and the
+portable kernels, the matmul equals gguf_matmul.reference_matmul (dequantize, float32 matmul) to
+accumulation-order error, for decode (T = 1, 2, 7) and prefill (T = 64, one tile and many), rows
+that do not split evenly over threads, row slices of a weight and strided outputs; the C dequantizer
+equals the torch reference bit for bit. Weights come from gguf-py's quantizer where it has one for
+the type, random valid blocks otherwise, and from the real SmolLM2 GGUF that ds4desk embeds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from ds4desk.engine.api import EngineFailure
+from ds4desk.engine.formats import GGUF_TYPES, GgufType, gguf_packed_bytes
+from ds4desk.engine.kernels.quant import gguf as reference
+from ds4desk.engine.kernels.quant import gguf_cpu
+from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul, reference_matmul
+from ds4desk.engine.loading.default_model import default_model_path
+
+pytestmark = pytest.mark.skipif(not gguf_cpu.available(), reason="the C extension is not built")
+
+COVERED = [t for t in GGUF_TYPES.values() if gguf_cpu.covers(t.type_id, torch.float32)]
+# Where each block type keeps its fp16 scales (random bytes there could be huge, NaN or infinite).
+FP16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "MXFP4": (),
+}
+
+
+def quantizable(kind: GgufType) -> bool:
+    try:
+        quants.quantize(
+            np.zeros((1, kind.block_values), dtype=np.float32), gguf.GGMLQuantizationType(kind.type_id)
+        )
+    except NotImplementedError:
+        return False
+    return True
+
+
+def packed_weight(kind: GgufType, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """uint8 [rows, row_bytes]: gguf-py's quantization of random weights where it can quantize the
+    type, else random blocks with finite scales of varied magnitude."""
+    rng = np.random.default_rng(seed)
+    if quantizable(kind):
+        weights = rng.standard_normal((rows, cols)).astype(np.float32)
+        weights *= np.exp2(rng.integers(-6, 3, (rows, 1))).astype(np.float32)
+        raw = quants.quantize(weights, gguf.GGMLQuantizationType(kind.type_id)).view(np.uint8)
+        return torch.from_numpy(raw.reshape(rows, -1).copy())
+    if kind.name in ("F16", "BF16"):
+        values = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32))
+        dtype = torch.float16 if kind.name == "F16" else torch.bfloat16
+        return values.to(dtype).view(torch.uint8).reshape(rows, -1).clone()
+    blocks = rng.integers(0, 256, (rows * cols // kind.block_values, kind.block_bytes), dtype=np.uint8)
+    for at in FP16_FIELDS[kind.name]:
+        scales = rng.uniform(0.5, 1.0, len(blocks)) * np.exp2(rng.integers(-12, 2, len(blocks)))
+        scales *= rng.choice([-1.0, 1.0], len(blocks))
+        blocks[:, at : at + 2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if kind.name == "MXFP4":
+        blocks[:, 0] = rng.integers(110, 135, len(blocks))
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def assert_close_to_reference(
+    x: torch.Tensor, raw: torch.Tensor, kind: GgufType, cols: int, got: torch.Tensor
+):
+    rows = raw.shape[0]
+    want = reference_matmul(x, raw, kind.type_id, cols, torch.empty(x.shape[0], rows))
+    w = reference.dequantize(raw.contiguous(), kind.type_id, (rows, cols))
+    # Accumulation-order error: relative to the sum of |x||w| of each output, as float32 sums allow.
+    bound = 1e-5 * (x.abs() @ w.abs().t()) + 1e-30
+    assert got.shape == want.shape and torch.isfinite(want).all()
+    excess = ((got - want).abs() / bound).max().item()
+    assert excess <= 1.0, f"{kind.name}: error {excess:.3g} x the bound"
+
+
+@pytest.fixture(params=["avx512", "portable"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each test runs on the AVX-512 kernels (where the CPU has them) and on the portable ones."""
+    ext = gguf_cpu._ext
+    if request.param == "avx512" and ext.set_isa("best") != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    if request.param == "portable":
+        ext.set_isa("portable")
+    try:
+        yield request.param
+    finally:
+        ext.set_isa("best")
+
+
+def test_the_kernels_cover_the_quantized_types() -> None:
+    names = {t.name for t in COVERED}
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"} <= names
+    assert {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "F16", "BF16"} <= names
+    # F32 goes to the reference (its bytes are the float weight); other activations are not read.
+    assert not gguf_cpu.covers(0, torch.float32)
+    assert not gguf_cpu.covers(3, torch.bfloat16) and not gguf_cpu.covers(3, torch.float16)
+
+
+@pytest.mark.parametrize("kind", COVERED, ids=lambda t: t.name)
+def test_dequantize_is_the_reference_bit_for_bit(kind: GgufType, isa: str) -> None:
+    cols = 2 * max(kind.block_values, 32) if kind.block_values < 256 else 512
+    raw = packed_weight(kind, 13, cols, seed=kind.type_id)
+    want = reference.dequantize(raw, kind.type_id, (13, cols))
+    got = gguf_cpu.dequantize(raw, kind.type_id, cols)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), kind.name
+
+
+# rows: one row, rows that do not split into equal 4-row thread chunks, more rows than cols.
+SHAPES = [(1, 1), (37, 2), (130, 3)]  # (rows, blocks of 256 values per row)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("kind", COVERED, ids=lambda t: t.name)
+def test_matmul_is_the_reference(kind: GgufType, shape: tuple[int, int], tokens: int, isa: str) -> None:
+    rows, cols = shape[0], shape[1] * 256
+    raw = packed_weight(kind, rows, cols, seed=rows * 1000 + kind.type_id)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+    out = torch.full((tokens, rows), float("nan"))
+    got = gguf_cpu.matmul(x, raw, kind.type_id, cols, out)
+    assert got is out
+    assert_close_to_reference(x, raw, kind, cols, out)
+
+
+@pytest.mark.parametrize("kind", COVERED, ids=lambda t: t.name)
+def test_row_slices_strided_outputs_and_small_tiles(kind: GgufType, isa: str, monkeypatch) -> None:
+    rows, cols = 50, 512
+    raw = packed_weight(kind, rows, cols, seed=7)
+    part = raw[5:44]  # a row slice: its rows keep the whole weight's stride
+    for tokens in (3, 20):
+        x = torch.randn(tokens, cols)
+        wide = torch.full((tokens, 60), float("nan"))
+        out = wide[:, 10:49]  # rows of the output are 60 floats apart
+        gguf_cpu.matmul(x, part, kind.type_id, cols, out)
+        assert_close_to_reference(x, part, kind, cols, out)
+        assert wide[:, :10].isnan().all() and wide[:, 49:].isnan().all()
+    # Prefill in tiles of 3 rows (39 rows: 13 tiles), each dequantized into the scratch.
+    monkeypatch.setattr(gguf_cpu, "TILE_VALUES", 3 * cols)
+    x = torch.randn(33, cols)
+    got = gguf_cpu.matmul(x, part, kind.type_id, cols, torch.empty(33, 39))
+    assert_close_to_reference(x, part, kind, cols, got)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_any_thread_count_gives_the_reference(threads: int) -> None:
+    kind = GGUF_TYPES[3]  # Q4_1
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        raw = packed_weight(kind, 301, 576, seed=threads)
+        for tokens in (1, 5):
+            x = torch.randn(tokens, 576)
+            assert_close_to_reference(
+                x, raw, kind, 576, gguf_cpu.matmul(x, raw, 3, 576, torch.empty(tokens, 301))
+            )
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_malformed_operands_are_refused() -> None:
+    raw = packed_weight(GGUF_TYPES[3], 4, 64, seed=1)
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError):
+        gguf_cpu.matmul(x, raw[:, :-1], 3, 64, torch.empty(1, 4))  # rows one byte short
+    with pytest.raises(ValueError):
+        gguf_cpu.matmul(torch.randn(1, 32), raw, 3, 64, torch.empty(1, 4))  # x of the wrong width
+    with pytest.raises(ValueError):
+        gguf_cpu.matmul(x, raw, 3, 64, torch.empty(2, 4))  # out of the wrong shape
+    with pytest.raises(ValueError):
+        gguf_cpu.matmul(x.double(), raw, 3, 64, torch.empty(1, 4, dtype=torch.float64))
+
+
+def smollm2_gguf() -> Path | None:
+    try:
+        return default_model_path()
+    except EngineFailure:
+        return None
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="the embedded SmolLM2 GGUF is not installed")
+def test_the_real_smollm2_weights_through_the_dispatcher() -> None:
+    """The file's own Q4_1 projections and Q8_0 embedding (the tied head), through gguf_matmul."""
+    reader = gguf.GGUFReader(smollm2_gguf())
+    tensors = {t.name: t for t in reader.tensors}
+    checked = set()
+    for name in ("blk.0.attn_k.weight", "blk.3.ffn_down.weight", "blk.29.ffn_up.weight", "token_embd.weight"):
+        tensor = tensors[name]
+        cols, rows = (int(n) for n in tensor.shape[:2])
+        kind = GGUF_TYPES[int(tensor.tensor_type)]
+        data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        assert data.shape[1] * rows == gguf_packed_bytes(kind.type_id, (rows, cols))
+        raw = torch.from_numpy(data[:3000].copy())  # the head's first rows keep the reference quick
+        checked.add(kind.name)
+        for tokens in (1, 7, 40):
+            x = torch.randn(tokens, cols)
+            got = gguf_matmul(x, raw, kind.type_id, cols)
+            assert_close_to_reference(x, raw, kind, cols, got)
+    assert checked == {"Q4_1", "Q8_0"}
