@@ -171,6 +171,7 @@ def _preview_now(engine: Engine, request: LoadRequest) -> ModelPreview:
         request.device,
         request.dtype,
         request.context,
+        weights=request.weights,
         resident=engine.resident_bytes(),
     )
 

@@ -350,7 +350,15 @@ class Engine:
         source = read_source(path)
         tokenizer = ChatTokenizer.from_source(source)
         device, dtype, split_devices = resolve_placement(request)
-        plan = plan_load(source, device, dtype, request.context, split_devices, request.layer_split)
+        plan = plan_load(
+            source,
+            device,
+            dtype,
+            request.context,
+            split_devices,
+            request.layer_split,
+            weights=request.weights,
+        )
         context = plan.context
         previous = self._loaded
         # Refused before the current model is let go: a model that cannot fit costs nothing. Every

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,14 @@ from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode, LoadRequest
 from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
-from ds4desk.engine.formats import gguf_packed_bytes
+from ds4desk.engine.formats import gguf_packed_bytes, gguf_type
 from ds4desk.engine.kernels.quant import gguf
+from ds4desk.engine.kernels.quant.gguf_quantize import quantize
 from ds4desk.engine.loading.gguf_source import packed_types, rope_row_order
 from ds4desk.engine.loading.quantized import ShardReader, copy_packed_into, copy_tensor_into
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.base import CausalLM, load_failure
+from ds4desk.engine.models.packed import PackedEmbedding, PackedLinear
 from ds4desk.engine.models.registry import ARCHITECTURES, build_model, family_for
 from ds4desk.engine.split import ShardPlan, check_devices, plan_for
 
@@ -67,6 +69,7 @@ class LoadPlan:
     device: torch.device  # the first shard's device (every layer's, unsplit)
     dtype: torch.dtype
     quantized: bool  # FP8 / FP4 weights stay packed (see keeps_quantized)
+    requantized: dict[str, int]  # float weights quantized while loading (`weights` q8 / q4): name -> type
     memory: MemoryNeed
     split: ShardPlan | None
     needs: dict[str, int]  # bytes each device takes (str(device) -> bytes)
@@ -125,16 +128,20 @@ def plan_load(
     split_devices: Sequence[str] | None = None,
     layer_split: Sequence[int] | None = None,
     free_of: Callable[[str], int] | None = None,
+    weights: str = "as-stored",
 ) -> LoadPlan:
     """The plan for loading `source` on `device` in `dtype` with a `context`-token cache, or split
     over `split_devices` (`layer_split` layers each, else planned from `free_of(device)`, the free
-    bytes of a device). Builds the meta model once (twice only where the quantized build turns out
-    not to match the checkpoint) and checks every tensor's name, shape and dtype: LOAD_FAILED,
-    BAD_REQUEST (a split that does not fit the model) or OUT_OF_MEMORY (no split fits) otherwise."""
+    bytes of a device). `weights` "q8" / "q4" quantizes a float checkpoint's 2-D weights to GGUF
+    block types while loading (see requantize_types). Builds the meta model once (twice only where
+    the quantized build turns out not to match the checkpoint) and checks every tensor's name, shape
+    and dtype: LOAD_FAILED, BAD_REQUEST (a split that does not fit the model) or OUT_OF_MEMORY (no
+    split fits) otherwise."""
     family = family_for(source.architecture)
     devices = [device] if split_devices is None else [torch.device(d) for d in split_devices]
-    model, quantized = _build_for(source, dtype, devices)
-    by_file = _check_against(model, source)
+    requantized = requantize_types(source, weights)
+    model, quantized = _build_for(source, dtype, devices, requantized)
+    by_file = _check_against(model, source, requantized)
     memory = _memory_need(source, model, dtype, quantized, context)
     split = None
     needs = {str(device): memory.needed}
@@ -142,7 +149,9 @@ def plan_load(
         free = free_of or (lambda name: free_memory_bytes(torch.device(name)))
         split, needs = plan_for(split_devices, layer_split, model, memory.context, free)
         model.place(split)
-    return LoadPlan(source, family, model, device, dtype, quantized, memory, split, needs, by_file)
+    return LoadPlan(
+        source, family, model, device, dtype, quantized, requantized, memory, split, needs, by_file
+    )
 
 
 def clamp_context(config: dict[str, Any], context: int) -> int:
@@ -159,17 +168,44 @@ def _memory_need(
     """The weights in `dtype` (packed: as the packed parameters take them) and the cache for `context`."""
     parameters = sum(math.prod(entry.shape) for entry in source.tensors.values())
     weight_bytes = parameters * dtype_bytes(dtype)
-    if quantized or source.is_gguf:
+    if quantized or source.is_gguf or model_has_packed(model):
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     context = clamp_context(source.config, context)
     return MemoryNeed(parameters, weight_bytes, model.cache_bytes_for(context), context)
 
 
-def _build_for(source: ModelSource, dtype: torch.dtype, devices: list[torch.device]) -> tuple[CausalLM, bool]:
+def requantize_types(source: ModelSource, weights: str) -> dict[str, int]:
+    """The float weights `weights` ("q8" / "q4") asks to quantize while loading: name -> GGML type.
+    Every 2-D float weight of the dense families whose rows are whole blocks: q8 puts all of them in
+    Q8_0; q4 puts the linears in Q4_K (256-value blocks) and keeps the embedding and head in Q8_0,
+    where 4 bits cost the most quality. A GGUF stays as stored, and DeepSeek-V4 keeps its own
+    FP8 / FP4 packing. "as-stored": nothing."""
+    if weights == "as-stored" or source.is_gguf or family_for(source.architecture) == "deepseek_v4":
+        return {}
+    wanted: dict[str, int] = {}
+    for name, entry in source.tensors.items():
+        if len(entry.shape) != 2 or entry.encoding != "plain" or entry.dtype not in _FLOAT_DTYPES:
+            continue
+        kind = Q4_K if weights == "q4" and not name.endswith(_KEEP_8_BIT) else Q8_0
+        if entry.shape[1] % gguf_type(kind).block_values == 0:
+            wanted[name] = kind
+        elif entry.shape[1] % gguf_type(Q8_0).block_values == 0:
+            wanted[name] = Q8_0
+    return wanted
+
+
+def model_has_packed(model: CausalLM) -> bool:
+    return any(isinstance(m, (PackedLinear, PackedEmbedding)) for m in model.modules())
+
+
+def _build_for(
+    source: ModelSource, dtype: torch.dtype, devices: list[torch.device], requantized: dict[str, int]
+) -> tuple[CausalLM, bool]:
     """The meta model and whether it keeps the checkpoint's FP8 / FP4 weights packed. A GGUF's
-    quantized weights always stay in their block types."""
-    if source.is_gguf:
-        return build_model(source.architecture, source.config, dtype, packed=packed_types(source)), False
+    quantized weights always stay in their block types; `requantized` weights get theirs."""
+    if source.is_gguf or requantized:
+        packed = packed_types(source) if source.is_gguf else requantized
+        return build_model(source.architecture, source.config, dtype, packed=packed), False
     if _packing_pays(source, devices):
         packed = build_model(source.architecture, source.config, dtype, True)
         if _stored_packed(packed, source):
@@ -230,6 +266,9 @@ def _scale_of(name: str, params: dict[str, nn.Parameter]) -> nn.Parameter:
     return params[name + "_scale"]
 
 
+Q8_0, Q4_K = 8, 12  # GGML type ids of the block types `weights` q8 / q4 quantize to
+_KEEP_8_BIT = ("embed_tokens.weight", "lm_head.weight")
+
 # safetensors dtypes that are plain floating point; anything else needs a dequantising path.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _INT_DTYPES = {"I64", "I32", "I16", "U8", "I8"}
@@ -247,7 +286,9 @@ def check_tensors(
     return model, _check_against(model, source)
 
 
-def _check_against(model: CausalLM, source: ModelSource) -> dict[Path, list[str]]:
+def _check_against(
+    model: CausalLM, source: ModelSource, requantized: Mapping[str, int] | None = None
+) -> dict[Path, list[str]]:
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, meta in model.named_parameters():
         if _is_scale(name, meta):
@@ -255,6 +296,9 @@ def _check_against(model: CausalLM, source: ModelSource) -> dict[Path, list[str]
         entry = source.tensors.get(name)
         if entry is None:
             raise load_failure(f"checkpoint has no tensor '{name}'")
+        if requantized and name in requantized:  # chosen from these very entries: float, 2-D
+            by_file[Path(entry.file)].append(name)
+            continue
         if entry.encoding == "gguf":
             _check_gguf(name, meta, entry)
             by_file[Path(entry.file)].append(name)
@@ -303,7 +347,7 @@ def _check_gguf(name: str, meta: torch.Tensor, entry: TensorEntry) -> None:
 def fill(plan: LoadPlan, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
     """Give the planned model real storage and copy the checkpoint into it: the loaded model.
     `progress(done, total)` runs after each tensor; an exception it raises stops the load there."""
-    return _fill(plan.source, plan.model, plan.by_file, plan.device, plan.split, progress)
+    return _fill(plan.source, plan.model, plan.by_file, plan.device, plan.split, progress, plan.requantized)
 
 
 def load_model(
@@ -329,6 +373,7 @@ def _fill(
     device: torch.device,
     split: ShardPlan | None,
     progress: Callable[[int, int], None] | None,
+    requantized: Mapping[str, int] | None = None,
 ) -> LoadedModel:
     family = family_for(source.architecture)
     total = sum(len(names) for names in by_file.values())
@@ -345,7 +390,7 @@ def _fill(
         params = dict(model.named_parameters())
         with torch.no_grad():
             for file, names in by_file.items():
-                _copy_from_file(file, names, params, source.tensors, tick)
+                _copy_from_file(file, names, params, source.tensors, tick, requantized)
         model.finish_loading()
     except torch.OutOfMemoryError as exc:
         where = device if split is None else ", ".join(split.devices)
@@ -370,8 +415,10 @@ def _copy_from_file(
     params: dict[str, nn.Parameter],
     tensors: dict[str, TensorEntry] | None = None,
     after_each: Callable[[], None] | None = None,
+    requantized: Mapping[str, int] | None = None,
 ) -> None:
     tensors = tensors or {}
+    requantized = requantized or {}
     if names and tensors.get(names[0]) is not None and tensors[names[0]].encoding == "gguf":
         _copy_from_gguf(file, names, params, tensors, after_each)
         return
@@ -382,7 +429,12 @@ def _copy_from_file(
             for name in names:
                 entry = tensors.get(name)
                 target = params[name]
-                if entry is not None and entry.encoding != "plain" and target.dtype in _PACKED:
+                if name in requantized:
+                    # Quantized where it goes: the float weight crosses the bus once, then only blocks.
+                    weight = handle.get_tensor(name).to(target.device)
+                    target.copy_(quantize(weight, requantized[name]))
+                    del weight
+                elif entry is not None and entry.encoding != "plain" and target.dtype in _PACKED:
                     copy_packed_into(reader, name, entry, target, _scale_of(name, params))
                 elif entry is not None and (
                     entry.key is not None or entry.parts or entry.encoding != "plain"

@@ -31,7 +31,7 @@ GGUF_TYPE_NAMES = frozenset(t.name for t in GGUF_TYPES.values()) - {"F32", "F16"
 
 
 def _need_for(
-    path: Path, device: torch.device, dtype: torch.dtype, context: int
+    path: Path, device: torch.device, dtype: torch.dtype, context: int, weights: str
 ) -> tuple[ModelSource, MemoryNeed]:
     """The source at `path` and what it takes there: the engine's own load plan on the meta device."""
     source = detect.read_source(path)
@@ -40,7 +40,7 @@ def _need_for(
             ErrorCode.LOAD_FAILED,
             f"no tokenizer.json in {source.folder}: ds4desk needs a fast-tokenizer file next to the weights",
         )
-    return source, plan_load(source, device, dtype, context).memory
+    return source, plan_load(source, device, dtype, context, weights=weights).memory
 
 
 def stored_types(source: ModelSource) -> dict[str, int]:
@@ -62,6 +62,7 @@ def preview_model(
     dtype: str | None = None,
     context: int = 4096,
     *,
+    weights: str = "as-stored",
     resident: tuple[str, int] = ("", 0),
     free_bytes: int | None = None,
 ) -> ModelPreview:
@@ -76,7 +77,7 @@ def preview_model(
         torch_dtype = resolve_dtype(dtype, torch_device)
         if context < 2:
             raise EngineFailure(ErrorCode.BAD_REQUEST, "context must be at least 2")
-        source, need = _need_for(target, torch_device, torch_dtype, context)
+        source, need = _need_for(target, torch_device, torch_dtype, context, weights)
     except EngineFailure as failure:
         return ModelPreview(shown, error=failure.error, message=failure.error.detail)
     except (MemoryError, RecursionError) as exc:
