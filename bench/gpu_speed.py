@@ -13,6 +13,11 @@ new tokens after that prompt. The floors: weight bytes over the measured copy ba
 decode, 2 x parameters x tokens over the measured bf16 matmul rate for prefill.
 
 `--v4` adds the DeepSeek-V4 synthetic model of bench/gpu_deepseek_v4.py (ds4desk and transformers).
+
+`--llama-quantize PATH` (with `--llama-bench`) adds the same dense model quantized by llama.cpp's own
+`llama-quantize` from the BF16 GGUF to each of `--quant-types` (default Q8_0 and Q4_K_M, llama.cpp's
+mix of Q4_K and Q6_K): ds4desk runs each file in place, its weights packed, and llama.cpp runs the same
+file. The decode floor there is the file's tensor bytes over the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -204,7 +209,7 @@ def prompt_ids(count: int, vocab: int) -> list[int]:
 
 
 def bench_ds4desk_dense(
-    folder: Path,
+    folder: Path,  # a Hugging Face folder or a GGUF file
     graphs: bool,
     chunk: int = 4096,
     decode_attention: str = "triton",
@@ -306,6 +311,51 @@ def bench_llama_cpp(binary: Path, gguf_path: Path) -> dict[str, object]:
     return row
 
 
+def gguf_tensor_bytes(path: Path) -> int:
+    from ds4desk.engine.loading.gguf_header import read_gguf_header
+
+    return sum(t.nbytes for t in read_gguf_header(path).tensors.values())
+
+
+def bench_quantized(args: argparse.Namespace, work: Path, copy_bytes_per_s: float) -> dict[str, object]:
+    """The BF16 GGUF quantized by llama-quantize to each type, run by ds4desk and llama.cpp."""
+    out: dict[str, object] = {}
+    for kind in args.quant_types:
+        path = work / f"dense-{kind}.gguf"
+        done = subprocess.run(
+            [str(args.llama_quantize), str(work / "dense.gguf"), str(path), kind],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if done.returncode != 0:
+            out[kind] = {"error": f"llama-quantize failed: {done.stderr[-1500:]}"}
+            continue
+        tensor_bytes = gguf_tensor_bytes(path)
+        rows = []
+        for name, bench in (
+            ("ds4desk", lambda path=path: bench_ds4desk_dense(path, graphs=True)),
+            ("llama.cpp", lambda path=path: bench_llama_cpp(args.llama_bench, path)),
+        ):
+            if f"{kind}:{name}" in args.skip:
+                continue
+            try:
+                rows.append(bench())
+            except Exception as exc:
+                rows.append({"engine": name, "error": f"{type(exc).__name__}: {exc}"})
+            print(json.dumps({"type": kind, **rows[-1]}), flush=True)
+        entry = {
+            "file_bytes": path.stat().st_size,
+            "tensor_bytes": tensor_bytes,
+            "floor_decode_tok_s": copy_bytes_per_s / tensor_bytes,
+            "floor_prefill_4096_tok_s": float("nan"),
+            "rows": rows,
+        }
+        out[kind] = entry
+        print_table(f"dense 1.07B {kind}", entry, rows)
+    return out
+
+
 def run(args: argparse.Namespace) -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="ds4speed-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -354,6 +404,8 @@ def run(args: argparse.Namespace) -> None:
     dense["rows"] = rows
     result["dense"] = dense
     print_table("dense 1.07B bf16", dense, rows)
+    if args.llama_quantize and args.llama_bench:
+        result["gguf"] = bench_quantized(args, work, measured["copy_bytes_per_s"])
 
     if args.v4:
         from bench import gpu_deepseek_v4 as v4
@@ -393,7 +445,7 @@ def run(args: argparse.Namespace) -> None:
 
 def print_table(title: str, model: dict[str, object], rows: list[dict[str, object]]) -> None:
     keys = [f"prefill_{n}_tok_s" for n in PROMPTS] + [f"decode_{n}_tok_s" for n in PROMPTS]
-    decode_floor, prefill_floor = model["floor_decode_tok_s"], model["floor_prefill_4096_tok_s"]
+    decode_floor, prefill_floor = model["floor_decode_tok_s"], model.get("floor_prefill_4096_tok_s", 0.0)
     print(f"\n{title}: floors decode {decode_floor:.0f} tok/s, prefill {prefill_floor:.0f} tok/s")
     print(f"{'engine':14}" + "".join(f"{k.removesuffix('_tok_s'):>16}" for k in keys))
     for row in rows:
@@ -418,6 +470,13 @@ def main() -> None:
     go.add_argument("--vocab", type=Path, required=True)
     go.add_argument("--llama-bench", type=Path)
     go.add_argument("--v4", action="store_true")
+    go.add_argument("--llama-quantize", type=Path, help="llama.cpp's llama-quantize, for the GGUF rows")
+    go.add_argument(
+        "--quant-types",
+        default=["Q8_0", "Q4_K_M"],
+        type=lambda text: [t for t in text.split(",") if t],
+        help="llama-quantize types of the GGUF rows",
+    )
     go.add_argument(
         "--skip",
         default="",

@@ -20,6 +20,8 @@ from ds4desk.engine.chat_template import ChatTemplate
 from ds4desk.engine.models.deepseek_v4.chat import ARCHITECTURE as DEEPSEEK_V4
 from ds4desk.engine.models.deepseek_v4.chat import EOS as V4_EOS
 from ds4desk.engine.models.deepseek_v4.chat import encode_deepseek_v4_chat
+from ds4desk.engine.models.gemma3.chat import ARCHITECTURE as GEMMA3
+from ds4desk.engine.models.gemma3.chat import encode_gemma_chat
 
 if TYPE_CHECKING:
     from ds4desk.engine.loading.source import ModelSource
@@ -40,6 +42,8 @@ END_OF_TURN_TOKENS = (
     "<｜end▁of▁sentence｜>",
 )
 REPLACEMENT_CHAR = "\ufffd"
+# Architectures whose chat format ds4desk knows when a file carries no template.
+_BUILT_IN_FORMATS = {DEEPSEEK_V4: "deepseek_v4", GEMMA3: "gemma"}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -85,7 +89,8 @@ class ChatTokenizer:
     add_bos_token: bool = False
     template: ChatTemplate | None = None
     # Without a template: "plain" (a User:/Assistant: transcript) or a built-in format
-    # ("deepseek_v4": DeepSeek ships its chat format as Python code, not as a template).
+    # ("deepseek_v4": DeepSeek ships its chat format as Python code, not as a template; "gemma":
+    # Gemma 3 GGUF conversions often carry no template).
     chat_format: str = "plain"
 
     @classmethod
@@ -150,8 +155,8 @@ class ChatTokenizer:
 
     def _finish(self, architecture: str | None, stops: set[int]) -> None:
         """The chat format, stop tokens and compiled template, once the tokenizer is known."""
-        if self.chat_template is None and architecture == DEEPSEEK_V4:
-            self.chat_format = "deepseek_v4"
+        if self.chat_template is None and architecture in _BUILT_IN_FORMATS:
+            self.chat_format = _BUILT_IN_FORMATS[architecture]
         self.stop_ids = self._find_stop_ids(stops)
         if self.chat_template is not None:
             # A template that does not compile is reported per request (BAD_REQUEST), not at load:
@@ -199,6 +204,8 @@ class ChatTokenizer:
             options = variables or {}
             thinking = bool(options.get("thinking") or options.get("enable_thinking"))
             return encode_deepseek_v4_chat(messages, thinking, add_generation_prompt)
+        if self.template is None and self.chat_format == "gemma":
+            return encode_gemma_chat(messages, add_generation_prompt)
         if self.template is None:
             return _plain_prompt(messages, add_generation_prompt)
         context: dict[str, Any] = {"tools": None, "documents": None, **(variables or {})}
@@ -226,6 +233,8 @@ class ChatTokenizer:
         text = f"{model}, {self.vocab_size} tokens"
         if self.template is None and self.chat_format == "deepseek_v4":
             text += "; built-in DeepSeek-V4 chat format"
+        elif self.template is None and self.chat_format == "gemma":
+            text += "; built-in Gemma chat format"
         elif self.template is None:
             text += "; no chat template (plain 'User:/Assistant:' prompt)"
         elif not self.template.ok:

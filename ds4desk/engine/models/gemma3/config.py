@@ -49,13 +49,6 @@ class Gemma3Config:
     final_logit_softcapping: float | None = None
     max_position_embeddings: int = 0
 
-    @property
-    def family(self) -> str:
-        return "gemma3"
-
-    def is_local(self, layer: int) -> bool:
-        return self.sliding_windows[layer] is not None
-
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> Gemma3Config:
         """Read and validate a Gemma 3 text config.json dict; LOAD_FAILED says what is wrong."""
@@ -78,7 +71,8 @@ class Gemma3Config:
                 f"hidden_activation '{act}' is not supported; Gemma 3 uses one of {', '.join(_ACTIVATIONS)}"
             )
         if config.get("attn_logit_softcapping") is not None:
-            # Gemma 2's; no Gemma 3 checkpoint sets it, and transformers' SDPA path ignores it.
+            # Gemma 2's; Gemma 3 replaced it by q/k norms. No checkpoint sets it and transformers'
+            # Gemma 3 attention never applies it, so a config that does has no agreed meaning.
             raise load_failure("attn_logit_softcapping is not supported (Gemma 3 checkpoints leave it null)")
         if config.get("use_bidirectional_attention"):
             raise load_failure("use_bidirectional_attention (an embedding model) is not supported")

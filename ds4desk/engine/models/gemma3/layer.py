@@ -227,7 +227,8 @@ class EagerDecodeSteps(LayerSteps):
         plan.kv_cache[0, :, row].copy_(k[0])
         plan.kv_cache[1, :, row].copy_(v[0])
         rows = min(self.pos + 1, plan.rows)
-        # Two small batched matmuls: at one token they beat SDPA's CPU kernels several times over.
+        # Two small batched matmuls, the graphed step's math: as fast as SDPA at one token on the
+        # CPU, and the G query heads of a kv head need no expanded keys.
         grouped = q.view(self.kv_heads, self.heads // self.kv_heads, self.dim)  # head h reads kv h // G
         scores = torch.bmm(grouped, plan.keys[0, :, :rows].transpose(1, 2)).mul_(self.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

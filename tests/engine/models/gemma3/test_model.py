@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.api import EngineFailure, ErrorCode, SamplingParams
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.models import base
 from ds4desk.engine.models.gemma3.config import Gemma3Config
 from ds4desk.engine.models.gemma3.model import Gemma3Model
+from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.split import ShardPlan
 from tests.engine.models.gemma3.tiny import CONFIGS, save_tiny
 from tests.engine.tiny_dense import source_from_folder
@@ -154,6 +155,18 @@ def test_greedy_decode_matches_transformers(saved, kind: str) -> None:
     assert steps[0].shape == (source.config["vocab_size"],)
     for offset, got in enumerate(steps):
         assert relative_error(got, ref[len(ids) - len(steps) + offset]) < 1e-4
+
+
+def test_runtime_greedy_generation_matches_transformers_generate(saved) -> None:
+    """The runtime's chunked prefill and decode loop pick transformers' greedy tokens, well past
+    the window."""
+    hf, source = saved["270m"]
+    runtime = Runtime(load(source), CPU, context=CONTEXT, chunk=7)
+    ids = prompt(source, 20, seed=8).tolist()
+    outcome = runtime.generate(ids, SamplingParams(), 24, set(), lambda _t: None, lambda: False)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert outcome.tokens == ref[0, len(ids) :].tolist()
 
 
 def test_final_logit_softcapping_matches_transformers(tmp_path: Path) -> None:
