@@ -29,11 +29,6 @@ class DataDirs:
     def crash_log(self) -> Path:
         return self.data / "crash.log"
 
-    @property
-    def model_cache(self) -> Path:
-        """Imported models (a GGUF turned into safetensors + tokenizer.json)."""
-        return self.cache / "models"
-
     def create(self) -> DataDirs:
         for folder in (self.config, self.data, self.cache):
             folder.mkdir(parents=True, exist_ok=True)

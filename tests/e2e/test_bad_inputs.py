@@ -26,13 +26,15 @@ from tests.engine.tiny_dense import make_hf_model
 
 
 @pytest.fixture(scope="module")
-def good_model(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Path:
+def good_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random llama with SmolLM2's real tokenizer: loads in a blink."""
     folder = tmp_path_factory.mktemp("good") / "tiny-llama"
     make_hf_model("llama", vocab_size=49152).save_pretrained(folder, safe_serialization=True)
-    smol = read_source(default_model_path()).folder
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smol / name, folder / name)
+    smol = read_source(default_model_path())
+    assert smol.tokenizer is not None
+    smol.tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {**smol.tokenizer.special_tokens, "chat_template": smol.chat_template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
     return folder
 
 
@@ -145,7 +147,7 @@ def test_generate_says_why(
 
 
 @pytest.fixture(scope="module")
-def client(model_cache: Path) -> Iterator[EngineClient]:
+def client() -> Iterator[EngineClient]:
     engine = Engine()
     yield EngineClient(engine)
     engine.close()

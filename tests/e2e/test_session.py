@@ -146,7 +146,7 @@ def test_cancel_park_unpark_slots_on_disk_and_bad_lines(session: Session, tmp_pa
 
     session.send({"op": "park", "target": "target"})
     parked = session.next(op="park")
-    assert parked["ok"] and parked["freed_bytes"] > 500_000_000
+    assert parked["ok"] and parked["freed_bytes"] > 96_000_000  # the packed weights, and the cache
     session.send({"op": "status"})
     assert session.next(op="status")["parked"] is True
     session.send({"op": "unpark", "target": "target"})

@@ -20,7 +20,7 @@ SETTINGS = Settings(temperature=0.0, max_new_tokens=20, context=1024, chunk=64, 
 
 
 @pytest.fixture(scope="module")
-def client(model_cache: Path) -> Iterator[EngineClient]:
+def client() -> Iterator[EngineClient]:
     engine = Engine()
     yield EngineClient(engine)
     engine.close()

@@ -24,7 +24,7 @@ CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
 @pytest.fixture(scope="module")
-def engine(model_cache: Path) -> Iterator[Engine]:
+def engine() -> Iterator[Engine]:
     engine = Engine()
     loaded = engine.load(LoadRequest(context=1024, chunk=64))
     assert loaded.ok, loaded.error
@@ -59,7 +59,7 @@ def test_generate_streams_every_token_and_fills_the_result(engine: Engine) -> No
     assert stats.generated_tokens >= len(result.tokens)
 
 
-def test_greedy_is_deterministic_and_chunk_independent(engine: Engine, model_cache: Path) -> None:
+def test_greedy_is_deterministic_and_chunk_independent(engine: Engine) -> None:
     first = engine.generate(GenerateRequest(messages=CHAT, max_new_tokens=12))
     second = engine.generate(GenerateRequest(messages=CHAT, max_new_tokens=12))
     assert first.tokens == second.tokens  # nothing of one request leaks into the next
@@ -88,7 +88,7 @@ def test_cancel_between_decode_steps_keeps_partial_output(engine: Engine) -> Non
     assert result.tokens == tokens[: len(result.tokens)]
 
 
-def test_structured_errors_never_raise(engine: Engine, model_cache: Path) -> None:
+def test_structured_errors_never_raise(engine: Engine) -> None:
     both = engine.generate(GenerateRequest(raw_text="hi", prompt_tokens=[1, 2]))
     assert both.error is not None and both.error.code == ErrorCode.BAD_REQUEST
     assert both.finish_reason == FinishReason.ERROR

@@ -61,7 +61,7 @@ def huge_model(folder: Path) -> Path:
     return folder
 
 
-def test_a_model_too_large_for_memory_is_refused_before_loading(model_cache: Path, tmp_path: Path) -> None:
+def test_a_model_too_large_for_memory_is_refused_before_loading(tmp_path: Path) -> None:
     engine = Engine()
     try:
         assert engine.load(LoadRequest(context=256)).ok
@@ -74,7 +74,7 @@ def test_a_model_too_large_for_memory_is_refused_before_loading(model_cache: Pat
         engine.close()
 
 
-def test_a_request_cancelled_before_it_starts(model_cache: Path) -> None:
+def test_a_request_cancelled_before_it_starts() -> None:
     engine = Engine()
     try:
         assert engine.load(LoadRequest(context=256)).ok

@@ -80,6 +80,9 @@ SMOLLM2 = ModelCase(
     "<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n",
     ("<|im_end|>", "<|endoftext|>"),
 )
+# The pretrained (not instruction-tuned) Gemma-3-270M: its file has no chat template and its replies
+# to a turn prompt are rambling, so its distributions are flat; the comparison is numerical, and
+# flat distributions make it stricter (more near-ties to land on the same side of).
 GEMMA3 = ModelCase(
     "gemma-3-270m-q4_k_m",
     (

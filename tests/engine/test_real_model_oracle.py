@@ -8,7 +8,6 @@ GPU is present the same prompts run in bfloat16 on it against the float32 refere
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +33,7 @@ def reference() -> torch.nn.Module:
     return model.eval()
 
 
-def engine_on(model_cache: Path, device: str, dtype: str) -> Iterator[Engine]:
+def engine_on(device: str, dtype: str) -> Iterator[Engine]:
     engine = Engine()
     loaded = engine.load(LoadRequest(device=device, dtype=dtype, context=512, chunk=512))
     assert loaded.ok, loaded.error
@@ -43,8 +42,8 @@ def engine_on(model_cache: Path, device: str, dtype: str) -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="module")
-def cpu_engine(model_cache: Path) -> Iterator[Engine]:
-    yield from engine_on(model_cache, "cpu", "float32")
+def cpu_engine() -> Iterator[Engine]:
+    yield from engine_on("cpu", "float32")
 
 
 def reference_run(
@@ -96,11 +95,11 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_bfloat16_gpu_against_float32_reference(model_cache: Path, reference: torch.nn.Module) -> None:
+def test_bfloat16_gpu_against_float32_reference(reference: torch.nn.Module) -> None:
     """bf16 rounds differently from float32, so greedy paths may part at a near-tie. Along our own
     sequence the reference says, at every step: our log-probability is within bf16 accuracy of its
     float32 one, and where our greedy choice is not its argmax the two were nearly tied."""
-    for engine in engine_on(model_cache, "cuda", "bfloat16"):
+    for engine in engine_on("cuda", "bfloat16"):
         for prompt_text in PROMPTS:
             result = engine.generate(
                 GenerateRequest(

@@ -196,7 +196,7 @@ def test_a_save_position_outside_the_prompt_is_refused(model: torch.nn.Module) -
     assert none.value.error.code == ErrorCode.INVALID_SNAPSHOT_SLOT
 
 
-def test_a_chat_follow_up_prefills_only_the_new_message(model_cache: Path) -> None:
+def test_a_chat_follow_up_prefills_only_the_new_message() -> None:
     """The real model and its chat template, as the window uses them."""
     from ds4desk.engine import Engine, GenerateRequest, LoadRequest
 

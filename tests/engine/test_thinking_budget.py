@@ -3,8 +3,6 @@ and the same through the engine thread."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -79,7 +77,7 @@ def test_a_meaningless_budget_is_a_bad_request(runtime: Runtime, budget: Thinkin
     assert failure.value.error.code == ErrorCode.BAD_REQUEST
 
 
-def test_through_the_engine_on_the_real_model(model_cache: Path) -> None:
+def test_through_the_engine_on_the_real_model() -> None:
     from ds4desk.engine import Engine, GenerateRequest, LoadRequest
 
     engine = Engine()
@@ -101,7 +99,7 @@ def test_through_the_engine_on_the_real_model(model_cache: Path) -> None:
     assert result.to_json()["budget_forced_close"] is True
 
 
-def test_the_engine_spells_the_close_itself_when_none_is_given(model_cache: Path) -> None:
+def test_the_engine_spells_the_close_itself_when_none_is_given() -> None:
     """The window cannot know token ids: an empty close sequence means the tokenizer's `</think>`."""
     from ds4desk.engine import Engine, GenerateRequest, LoadRequest
     from ds4desk.engine.loading.default_model import default_model_path
@@ -109,7 +107,7 @@ def test_the_engine_spells_the_close_itself_when_none_is_given(model_cache: Path
     from ds4desk.engine.tokenizer import ChatTokenizer
 
     source = read_source(default_model_path())
-    spelled = ChatTokenizer.from_folder(source.folder, source.chat_template).encode("</think>")
+    spelled = ChatTokenizer.from_source(source).encode("</think>")
     assert len(spelled) >= 1
     engine = Engine()
     try:

@@ -267,7 +267,7 @@ REAL = Settings(temperature=0.0, max_new_tokens=8, context=256, chunk=64, device
 
 
 @pytest.fixture(scope="module")
-def real_client(model_cache: Path) -> Iterator[Any]:
+def real_client() -> Iterator[Any]:
     from ds4desk.engine import Engine, EngineClient
 
     engine = Engine()

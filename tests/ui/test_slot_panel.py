@@ -194,7 +194,7 @@ REAL = Settings(temperature=0.0, max_new_tokens=8, context=1024, chunk=64, devic
 
 
 @pytest.fixture
-def real_window(qtbot: Any, loop: Any, model_cache: Path, tmp_path: Path) -> Iterator[MainWindow]:
+def real_window(qtbot: Any, loop: Any, tmp_path: Path) -> Iterator[MainWindow]:
     engine = Engine()
     history = History(tmp_path / "history.sqlite3")
     window = MainWindow(EngineClient(engine), history, REAL)

@@ -193,7 +193,9 @@ def _config(
         window = read.int_or("attention.sliding_window", None)
         config |= {
             "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": head_dim,
+            # No key stores it: head_dim for 270M to 12B; 27B (62 layers, head_dim 128) scales by
+            # hidden / heads = 168, as its published config says.
+            "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
             "sliding_window": window,
             "layer_types": [
                 "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"

@@ -125,25 +125,27 @@ def _add_bos_eos(tok: Tokenizer, meta: dict[str, object], tokens: list[str], add
     themselves); this keeps the rebuilt tokenizer equal to the model's published one for any other
     caller."""
 
-    def flagged(key: str, default: bool) -> str | None:
+    def flagged(key: str, default: bool) -> tuple[str, int] | None:
         flag = meta.get(f"tokenizer.ggml.add_{key}_token", default)
         tid = meta.get(f"tokenizer.ggml.{key}_token_id")
         if flag is not True or type(tid) is not int or not 0 <= tid < len(tokens):
             return None
-        return tokens[tid]
+        return tokens[tid], tid
 
     bos, eos = flagged("bos", add_bos_default), flagged("eos", False)
     if bos is None and eos is None:
         return
     # The pair template repeats the same marks around the second text, as the published tokenizers do.
-    first = ([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else [])
-    second = ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else [])
-    marks = {t: tok.token_to_id(t) for t in (bos, eos) if t is not None}
-    tok.post_processor = processors.TemplateProcessing(
-        single=" ".join(first),
-        pair=" ".join(first + second),
-        special_tokens=[(t, i) for t, i in marks.items() if i is not None],
-    )
+    first = ([f"{bos[0]}:0"] if bos else []) + ["$A:0"] + ([f"{eos[0]}:0"] if eos else [])
+    second = ([f"{bos[0]}:1"] if bos else []) + ["$B:1"] + ([f"{eos[0]}:1"] if eos else [])
+    try:
+        tok.post_processor = processors.TemplateProcessing(
+            single=" ".join(first),
+            pair=" ".join(first + second),
+            special_tokens=list({mark for mark in (bos, eos) if mark is not None}),
+        )
+    except Exception:  # a marker spelled with a space or colon cannot be templated; ds4desk never needs it
+        return
 
 
 def _byte_level_pre_tokenizer(

@@ -57,6 +57,17 @@ class PackedEmbedding(nn.Module):
         self.weight = _bytes_param(num_embeddings, embedding_dim, type_id)
 
 
+def parameter_count(model: nn.Module) -> int:
+    """The model's weights as values (a packed weight counts its rows x cols, not its bytes)."""
+    packed = {
+        id(m.weight): m.weight.shape[0] * (m.in_features if isinstance(m, PackedLinear) else m.embedding_dim)
+        for m in model.modules()
+        if isinstance(m, (PackedLinear, PackedEmbedding))
+    }
+    unique = {id(p): p for p in model.parameters()}
+    return sum(packed.get(key, p.numel()) for key, p in unique.items())
+
+
 def linear(
     in_features: int,
     out_features: int,
