@@ -6,12 +6,14 @@ vocabulary 49,152), against a bf16 torch.mm GEMV on the same shape and the devic
 
 Each timing replays a CUDA graph of 40 calls that cycle through enough copies of the weight to exceed
 the L2 cache (a decode step streams every weight from memory), median of 5 replays. Per type and
-shape it prints one JSON line: microseconds a call and GB/s of packed bytes for the GEMV (T = 1 and
-T = 4) and for the fused forms the decode graph uses (RMSNorm input on q and gate/up, residual add on
-o, SiLU(gate)·up input + residual add on down); the same for a bf16 torch.mm (x @ Wᵀ, W bf16); the
-fraction of the copy bandwidth the GEMV reaches; its largest relative error against the reference
-(dequantize + float32 matmul); and prefill (T = 512: dequantize to a bf16 scratch + mm) against a
-bf16 mm. --sweep also times every (BLOCK_N, values per iteration, warps) setting and keeps the best.
+shape it prints one JSON line: microseconds a call and GB/s of packed bytes for the GEMV (T = 1,
+with and without programmatic dependent launch, and T = 4) and for the fused form the decode graph
+would use there (RMSNorm input on q, k/v, gate/up and the head, residual add on o, SiLU(gate)·up
+input + residual add on down); the same for a bf16 torch.mm (x @ Wᵀ, W bf16); the fraction of the
+copy bandwidth the GEMV reaches; its error against the reference (dequantize + float32 matmul,
+norm-relative, T = 4); prefill (T = 512: dequantize to a bf16 scratch + mm) against a bf16 mm; and
+whether the dequantized scratch equals the reference bit for bit. --sweep also times every
+(BLOCK_N, values per iteration, warps) setting of the GEMV and keeps the best three.
 Without CUDA it prints why and exits 0.
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ds4desk.engine.formats import GGUF_TYPES, gguf_packed_bytes
+from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.quant import gguf
 from ds4desk.engine.kernels.quant import gguf_triton as gt
 
@@ -169,6 +172,8 @@ def bench(name: str, shape: tuple[str, int, int, str], configs: list[tuple[int, 
     )
     row["gemv_us"] = graph_time(gemv1, copies) * 1e6
     row["gemv_gb_s"] = packed_bytes / row["gemv_us"] / 1e3
+    with launch.PDL.force(False):
+        row["gemv_no_pdl_us"] = graph_time(gemv1, copies) * 1e6
     row["gemv_t4_us"] = graph_time(gemv4, copies) * 1e6
     row[f"{fused}_gemv_us"] = graph_time(fused_form, copies) * 1e6
     row["bf16_mm_us"] = graph_time(torch_gemv, bf16_copies) * 1e6

@@ -13,7 +13,6 @@ import argparse
 import json
 import platform
 import statistics
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 

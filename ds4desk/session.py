@@ -244,9 +244,7 @@ def _op_of(line: str) -> str | None:
     return command.get("op") if isinstance(command, dict) else None
 
 
-def run_session(
-    load: LoadRequest, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout
-) -> int:
+def run_session(load: LoadRequest, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
     engine = Engine()
     session = Session(engine, stdout)
     try:

@@ -47,7 +47,7 @@ def main() -> None:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     home = Path(tempfile.mkdtemp(prefix="ds4shot-"))
-    dirs = resolve_data_dirs(home).create()
+    resolve_data_dirs(home).create()
     engine = Engine()
     history = History(home / "history.sqlite3")
     settings = Settings(temperature=0.0, max_new_tokens=200, context=2048, device="cpu")

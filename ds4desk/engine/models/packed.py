@@ -121,10 +121,6 @@ class Projection:
         assert self.weight_t is not None
         return self.weight_t.shape[1]
 
-    @property
-    def is_float(self) -> bool:
-        return not self.parts and self.weight_t is not None
-
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ Wᵀ (+ b): [T, rows], into `out` when given."""
         if self.weight_t is not None:

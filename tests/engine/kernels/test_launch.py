@@ -25,6 +25,7 @@ KERNEL_MODULES = (
     "deepseek_v4.route",
     "quant.fp4",
     "quant.fp8",
+    "quant.gguf_triton",
 )
 
 

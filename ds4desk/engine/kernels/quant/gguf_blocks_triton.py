@@ -1,16 +1,19 @@
 """Triton source of the GGUF kernels (gguf_triton.py launches them): the block decoders, the GEMV
 and the dequantize-to-scratch kernel. Imported only where Triton is.
 
-A tile is [BLOCK_N rows, S sub-blocks, L values]: sub-block s of a row holds its values s*L ..
-s*L + L - 1 (in value order), L = 32 for the types whose scales go by 32 values, 16 for Q2_K, Q3_K
-and Q6_K. A decoder loads each scale once per sub-block ([BLOCK_N, S, 1]) and the codes per value
-([BLOCK_N, S, L]), and keeps gguf.py's order of float32 operations, so the dequantize kernel (launched
-without FMA contraction) gives the reference's values bit for bit.
+A tile is [BLOCK_N rows, S sub-blocks, W, V]: sub-block s of a row holds its values s*L .. s*L + L - 1
+(L = 32 for the types whose scales go by 32 values, 16 for Q2_K, Q3_K and Q6_K), value j = V * w + b
+of a sub-block at [.., w, b]. V is the unit the code bytes are read by: an int32 (V = 4) or int16
+(V = 2) load where the type's blocks align its codes so, bytes for MXFP4. A decoder loads each
+scale once per sub-block ([BLOCK_N, S, 1, 1]) and each unit of codes once, takes the codes out of a
+unit by shifts and masks on the whole unit and then one constant shift a byte, and turns them into
+floats by the exponent trick (_exact_float). It keeps gguf.py's order of float32 operations, so the
+dequantize kernel (launched without FMA contraction) gives the reference's values bit for bit.
 
-Bytes are read as uint8 and widened to int32 before any shift or mask (the same on a GPU and in the
-interpreter); fp16 scales are put together from their two bytes, so no load needs an alignment.
-Where a sub-block's codes are contiguous bytes, the addresses are `base + j` along the L axis, which
-lets Triton widen the code loads to 16 bytes on rows of whole 16-byte multiples.
+Everything is integer arithmetic on int32 (the same on a GPU and in the interpreter); fp16 scales
+are put together from their two bytes, and bfloat16 results are rounded on their bits (`rounded`),
+where the interpreter would truncate. The decoders' loads are not masked: callers pass real rows
+and sub-blocks only (clamped), and mask the inputs and the stores.
 """
 
 from __future__ import annotations
@@ -88,10 +91,12 @@ def cast(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _units(ptr, j):
-    """[BLOCK_N, S, W, 1] int32: the W code units of V bytes (j: [1, 1, W, V]; V = 4, 2 or 1) from
-    ptr ([BLOCK_N, S, 1, 1] byte pointers aligned to V), little-endian: one load per V codes."""
-    k = tl.arange(0, j.shape[2])[None, None, :, None]
+def _units(ptr, j, k=None):
+    """[BLOCK_N, S, W, 1] int32: the code units of V bytes (j: [1, 1, W, V]; V = 4, 2 or 1) at ptr
+    ([BLOCK_N, S, 1, 1] byte pointers aligned to V), little-endian, one load per V codes: unit w of
+    the W, or unit k[w] (k: [1, 1, W, 1]) where given."""
+    if k is None:
+        k = tl.arange(0, j.shape[2])[None, None, :, None]
     if j.shape[3] == 4:
         u = tl.load(ptr.to(tl.pointer_type(tl.int32)) + k)
     elif j.shape[3] == 2:
@@ -113,24 +118,8 @@ def _nibbles32(codes, j):
     low nibble of byte j, value j >= 16 the high nibble of byte j - 16 (gguf._nibbles32)."""
     per_half: tl.constexpr = 16 // j.shape[3]  # units in 16 bytes
     w = tl.arange(0, j.shape[2])[None, None, :, None]
-    u = tl.load(_unit_pointer(codes, j) + w % per_half)
-    if j.shape[3] == 2:
-        u = u.to(tl.int32) & 0xFFFF
-    else:
-        u = u.to(tl.int32)
+    u = _units(codes, j, w % per_half)
     return _unit_bytes((u >> ((w // per_half) * 4)) & 0x0F0F0F0F, j)
-
-
-@triton.jit
-def _unit_pointer(ptr, j):
-    """ptr as a pointer to the code units of j ([1, 1, W, V])."""
-    if j.shape[3] == 4:
-        p = ptr.to(tl.pointer_type(tl.int32))
-    elif j.shape[3] == 2:
-        p = ptr.to(tl.pointer_type(tl.int16))
-    else:
-        p = ptr
-    return p
 
 
 @triton.jit
@@ -328,10 +317,16 @@ def gemv_kernel(
     SILU: tl.constexpr,
     NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, n] (+)= sum over columns of input_t · W[n] for BLOCK_N rows n, every row of x (T of
     them) against one decoded tile, so each weight byte is read once. A program walks its rows' whole
-    length (no split of the columns: the result is one sum, rounded once)."""
+    length (no split of the columns: the result is one sum, rounded once). PDL: launched early
+    (programmatic dependent launch, as dense/gemv.py): wait for the kernel before, which writes x
+    and the residual, then let the next one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the end read the last row again (stores are masked), and sub-blocks past the row's
     # end the last sub-block (their inputs are 0): the weight loads need no mask.

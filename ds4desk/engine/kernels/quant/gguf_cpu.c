@@ -15,16 +15,22 @@
  * reference by the order of its sums only. FMA contraction is therefore off for this file
  * (-ffp-contract=off); the sums use explicit FMA intrinsics.
  *
- * Two implementations of each type: portable C (any CPU; a block is decoded into a small buffer and
- * dotted), and AVX-512 (F, BW, VL, DQ + F16C, FMA) kernels that decode a block in registers: 4-bit
- * codes index a 16-float table (scale * code + min, built once per block) with vpermps, 5-bit codes
- * a 32-float table with vpermt2ps. The AVX-512 path is picked at run time (cpuid), so one build runs
- * on any x86-64.
+ * Two implementations of each type: portable C (any CPU: a block is decoded into a small buffer and
+ * dotted; on x86-64 GCC builds it twice, for AVX2 and for the baseline, and the loader picks one), and
+ * AVX-512 (F, BW, VL, DQ + F16C, FMA) kernels that decode a block in registers: 4-bit codes index a
+ * 16-float table (scale * code + min, built once per block or sub-block) with vpermps, 5-bit codes a
+ * 32-float table with vpermt2ps, the rest convert integer codes. The AVX-512 path is picked at run
+ * time (cpuid), so one build runs on any x86-64.
  *
- * Threads: OpenMP, splitting rows. The extension links libgomp.so.1 by its soname; torch's CPU
- * wheel carries a libgomp with that same soname and loads it first (gguf_cpu.py imports torch before
- * this module), so both share one OpenMP runtime and one thread pool, instead of two pools of
- * spinning threads fighting over the cores.
+ * Threads: OpenMP, splitting rows into chunks that the threads claim one at a time. The extension
+ * links libgomp.so.1 by its soname; torch's CPU wheel carries a libgomp with that same soname and
+ * loads it first (gguf_cpu.py imports torch before this module), so both share one OpenMP runtime
+ * and one thread pool, instead of two pools of spinning threads fighting over the cores.
+ * (Measured against a pool of our own, spinning briefly then sleeping on a futex, whose caller never
+ * waits for a worker that has not started: on a machine loaded by other programs it avoided the
+ * multi-millisecond stalls of the OpenMP barrier in a GEMV alone, but a whole decode step, where
+ * torch's own ops wait at the same barriers, was no faster, and a second set of spinning threads
+ * takes cores from torch's. So OpenMP it is.)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -146,7 +152,7 @@ typedef void (*DequantFn)(const uint8_t *, int, int, float *);
 
 /* ---- portable decoders: one block to float32, in the reference's order of operations -------------- */
 
-static void decode_block(int type, const uint8_t *b, float *out) {
+static inline __attribute__((always_inline)) void decode_block(int type, const uint8_t *b, float *out) {
     switch (type) {
     case T_F16:
         out[0] = fp16_at(b);
@@ -213,22 +219,30 @@ static void decode_block(int type, const uint8_t *b, float *out) {
         }
         return;
     }
+    /* The super-block types, sub-block by sub-block: inner loops of a fixed length with no
+     * division, which the compiler vectorizes. Sub-block s = 8h + q of 16 values (Q2_K, Q3_K, Q6_K)
+     * starts at value 128h + 16q. */
     case T_Q2_K: {
         float d = fp16_at(b + 80), dmin = fp16_at(b + 82);
-        for (int p = 0; p < 256; p++) {
-            int s = p / 16, q = (b[16 + (p / 128) * 32 + p % 32] >> (2 * ((p % 128) / 32))) & 3;
+        for (int s = 0; s < 16; s++) {
+            const uint8_t *codes = b + 16 + 32 * (s / 8) + 16 * (s % 2);
+            int shift = 2 * ((s % 8) / 2);
             float scale = d * (float)(b[s] & 0x0F), min = dmin * (float)(b[s] >> 4);
-            out[p] = scale * (float)q - min;
+            for (int l = 0; l < 16; l++) out[16 * s + l] = scale * (float)((codes[l] >> shift) & 3) - min;
         }
         return;
     }
     case T_Q3_K: {
         float d = fp16_at(b + 108);
-        for (int p = 0; p < 256; p++) {
-            int low = (b[32 + (p / 128) * 32 + p % 32] >> (2 * ((p % 128) / 32))) & 3;
-            int high = (b[p % 32] >> (p / 32)) & 1;
-            float scale = d * (float)q3_k_scale(b + 96, p / 16);
-            out[p] = scale * (float)(low - (high ? 0 : 4));
+        for (int s = 0; s < 16; s++) {
+            const uint8_t *codes = b + 32 + 32 * (s / 8) + 16 * (s % 2);
+            const uint8_t *high = b + 16 * (s % 2);
+            int shift = 2 * ((s % 8) / 2), bit = s / 2;
+            float scale = d * (float)q3_k_scale(b + 96, s);
+            for (int l = 0; l < 16; l++) {
+                int low = (codes[l] >> shift) & 3;
+                out[16 * s + l] = scale * (float)(low - 4 * (1 - ((high[l] >> bit) & 1)));
+            }
         }
         return;
     }
@@ -236,46 +250,68 @@ static void decode_block(int type, const uint8_t *b, float *out) {
     case T_Q5_K: {
         float d = fp16_at(b), dmin = fp16_at(b + 2);
         const uint8_t *codes = b + (type == T_Q4_K ? 16 : 48);
-        for (int p = 0; p < 256; p++) {
+        for (int j = 0; j < 8; j++) {
             int sc, mn;
-            k_scale_min(b + 4, p / 32, &sc, &mn);
-            int q = (codes[(p / 64) * 32 + p % 32] >> (4 * ((p % 64) / 32))) & 0x0F;
-            if (type == T_Q5_K) q |= ((b[16 + p % 32] >> (p / 32)) & 1) << 4;
-            out[p] = (d * (float)sc) * (float)q - dmin * (float)mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            float scale = d * (float)sc, min = dmin * (float)mn;
+            const uint8_t *at = codes + 32 * (j / 2);
+            int shift = 4 * (j % 2);
+            if (type == T_Q4_K) {
+                for (int l = 0; l < 32; l++) out[32 * j + l] = scale * (float)((at[l] >> shift) & 0x0F) - min;
+            } else {
+                for (int l = 0; l < 32; l++) {
+                    int q = ((at[l] >> shift) & 0x0F) | (((b[16 + l] >> j) & 1) << 4);
+                    out[32 * j + l] = scale * (float)q - min;
+                }
+            }
         }
         return;
     }
     case T_Q6_K: {
         float d = fp16_at(b + 208);
-        for (int p = 0; p < 256; p++) {
-            int h = p / 128;
-            int low = (b[h * 64 + p % 64] >> (4 * ((p % 128) / 64))) & 0x0F;
-            int high = (b[128 + h * 32 + p % 32] >> (2 * ((p % 128) / 32))) & 3;
-            float scale = d * (float)(int8_t)b[192 + p / 16];
-            out[p] = scale * ((float)(low | (high << 4)) - 32.0f);
+        for (int s = 0; s < 16; s++) {
+            int h = s / 8, q = s % 8;
+            const uint8_t *low = b + 64 * h + 16 * (q % 4), *high = b + 128 + 32 * h + 16 * (q % 2);
+            int low_shift = 4 * (q / 4), high_shift = 2 * (q / 2);
+            float scale = d * (float)(int8_t)b[192 + s];
+            for (int l = 0; l < 16; l++) {
+                int code = ((low[l] >> low_shift) & 0x0F) | (((high[l] >> high_shift) & 3) << 4);
+                out[16 * s + l] = scale * ((float)code - 32.0f);
+            }
         }
         return;
     }
     case T_IQ4_XS: {
         float d = fp16_at(b);
-        for (int p = 0; p < 256; p++) {
-            int s = p / 32, q = (b[8 + s * 16 + p % 16] >> (4 * ((p % 32) / 16))) & 0x0F;
-            out[p] = (d * (float)iq4_xs_scale(b, s)) * (float)IQ4_NL_VALUES[q];
+        for (int s = 0; s < 8; s++) {
+            float scale = d * (float)iq4_xs_scale(b, s);
+            for (int l = 0; l < 16; l++) {
+                out[32 * s + l] = scale * (float)IQ4_NL_VALUES[b[8 + 16 * s + l] & 0x0F];
+                out[32 * s + 16 + l] = scale * (float)IQ4_NL_VALUES[b[8 + 16 * s + l] >> 4];
+            }
         }
         return;
     }
     }
 }
 
+/* The portable path is compiled twice, for AVX2 CPUs and for any x86-64, and the loader picks one
+ * (GCC's function multi-versioning); other compilers and CPUs get the plain build. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(GGUF_CPU_PORTABLE_ONLY)
+#define PORTABLE_CLONES __attribute__((target_clones("arch=haswell", "default")))
+#else
+#define PORTABLE_CLONES
+#endif
+
 /* Values decoded at a time by the portable path (whole blocks; the plain float types take 256). */
 #define CHUNK 256
 
-static void portable_dequant_row(const TypeInfo *ti, const uint8_t *row, int cols, float *dst) {
+PORTABLE_CLONES static void portable_dequant_row(const TypeInfo *ti, const uint8_t *row, int cols, float *dst) {
     int blocks = cols / ti->block_values;
     for (int k = 0; k < blocks; k++) decode_block(ti->type, row + (size_t)k * ti->block_bytes, dst + (size_t)k * ti->block_values);
 }
 
-static float dot(const float *a, const float *b, int n) {
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int n) {
     /* Eight running sums, so the compiler vectorizes without reassociating anything itself. */
     float sums[8] = {0};
     int i = 0;
@@ -299,7 +335,7 @@ struct Gemv {
     GemvFn kernel; /* the rows kernel: AVX-512 or portable */
 };
 
-static void portable_gemv_rows(const Gemv *g, Py_ssize_t r0, Py_ssize_t r1) {
+PORTABLE_CLONES static void portable_gemv_rows(const Gemv *g, Py_ssize_t r0, Py_ssize_t r1) {
     const TypeInfo *ti = g->ti;
     float buf[CHUNK];
     int per_chunk = ti->block_values >= CHUNK ? 1 : CHUNK / ti->block_values;
@@ -683,13 +719,25 @@ INLINE_AVX512 __m512 q2_k_sub(const uint8_t *b, int s, float d, float dmin) {
         _mm512_storeu_ps(dst + off_ + 16, (W1));                                                     \
     } while (0)
 
+#define PREFETCH_BYTES 4096
+
+INLINE_AVX512 void prefetch_row(const uint8_t *row, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
+}
+
 #define DEFINE_KERNELS(NAME, LOOP)                                                                   \
     INLINE_AVX512 void gemv_##NAME##_nt(const Gemv *g, Py_ssize_t r0, Py_ssize_t r1, int t0, const int NT) { \
         const int blocks = g->cols / g->ti->block_values;                                            \
         const float *xs[4];                                                                          \
         for (int t = 0; t < NT; t++) xs[t] = g->x + (t0 + t) * g->x_stride;                          \
+        const int row_bytes = blocks * g->ti->block_bytes;                                           \
+        /* A row is a few hundred bytes and a thread's chunk a few dozen rows: the hardware          \
+         * prefetcher alone leaves the loop waiting on memory, so fetch PREFETCH_BYTES ahead. */      \
+        const Py_ssize_t ahead = (PREFETCH_BYTES + row_bytes - 1) / row_bytes;                       \
+        for (Py_ssize_t p = r0; p < r0 + ahead && p < r1; p++) prefetch_row(g->w + p * g->w_stride, row_bytes); \
         for (Py_ssize_t r = r0; r < r1; r++) {                                                       \
             const uint8_t *row = g->w + r * g->w_stride;                                             \
+            if (r + ahead < r1) prefetch_row(row + ahead * g->w_stride, row_bytes);                  \
             __m512 acc[4][2];                                                                        \
             for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();                \
             LOOP(row, blocks, FMA_EMIT);                                                             \

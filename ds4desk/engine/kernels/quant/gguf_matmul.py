@@ -31,7 +31,7 @@ def gguf_matmul(
         out = torch.empty((x.shape[0], rows), device=x.device, dtype=x.dtype)
     if x.is_cuda and gguf_triton.covers(type_id, x.dtype):
         return gguf_triton.matmul(x, weight, type_id, cols, out)
-    if x.device.type == "cpu" and gguf_cpu.covers(type_id, x.dtype):
+    if x.is_cpu and gguf_cpu.covers(type_id, x.dtype):
         return gguf_cpu.matmul(x, weight, type_id, cols, out)
     return reference_matmul(x, weight, type_id, cols, out)
 

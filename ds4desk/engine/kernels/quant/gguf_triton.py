@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.formats import E2M1_VALUES, IQ4_NL_VALUES, gguf_packed_bytes, gguf_type
-from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, on_its_device
+from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, on_its_device, pdl
 from ds4desk.engine.kernels.quant import gguf
 from ds4desk.engine.kernels.quant.common import device_sms, nvidia_cuda
 
 # Default: the kernels for CUDA tensors on NVIDIA GPUs with Triton. Forced on: whatever the device
 # (TRITON_INTERPRET=1 runs them on CPU tensors: the tests); off: gguf_matmul's reference path.
-SWITCH = Switch("quant.gguf", "the GGUF block-type GEMV and dequantize kernels", nvidia_cuda)
+SWITCH = Switch("quant.gguf_triton", "the GGUF block-type GEMV and dequantize kernels", nvidia_cuda)
 
 # Rows of x up to which the GEMV runs; beyond, dequantize + cuBLAS, whose cost does not grow with T.
 GEMV_MAX_ROWS = 8
@@ -298,6 +298,7 @@ def _kernels() -> _Kernels | None:
         block_n, values, warps = gemv_config(rows, cols, device_sms(x))
         values = max(values, sub)
         x = x if x.stride(1) == 1 else x.contiguous()
+        use_pdl = pdl(x)
         target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
         source.gemv_kernel[(-(-rows // block_n),)](
             x,
@@ -322,7 +323,9 @@ def _kernels() -> _Kernels | None:
             SILU=silu,
             NORM=with_norm,
             RESIDUAL=residual,
+            PDL=use_pdl,
             num_warps=warps,
+            launch_pdl=use_pdl,
         )
         if target is not out:
             out.copy_(target)

@@ -43,6 +43,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.kernels.dense import gemv as kernels
 from ds4desk.engine.kernels.dense.silu_mul import silu_mul
+from ds4desk.engine.kernels.quant import gguf_triton
 from ds4desk.engine.models.packed import Projection
 
 if TYPE_CHECKING:
@@ -341,8 +342,7 @@ class KernelDecodeSteps(LayerSteps):
         self.qkv_out, self.gate_up_out = buffers.qkv, buffers.gate_up
 
     def qkv(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        w, b = _float_weight(plan.qkv)
-        return kernels.norm_gemv(x, plan.ln1, w, b, self.eps, out=self.qkv_out)
+        return norm_project(x, plan.ln1, plan.qkv, self.eps, self.qkv_out)
 
     def rope_write(self, qkv: torch.Tensor, plan: LayerPlan) -> None:
         assert plan.kv_cache is not None
@@ -360,16 +360,13 @@ class KernelDecodeSteps(LayerSteps):
         return attn.view(1, self.q_width)
 
     def out_residual(self, x: torch.Tensor, attn: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        w, b = _float_weight(plan.o)
-        return kernels.gemv_add_(x, attn, w, b, silu=False)
+        return add_project_(x, attn, plan.o, silu=False)
 
     def gate_up(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        w, b = _float_weight(plan.gate_up)
-        return kernels.norm_gemv(x, plan.ln2, w, b, self.eps, out=self.gate_up_out)
+        return norm_project(x, plan.ln2, plan.gate_up, self.eps, self.gate_up_out)
 
     def down_residual(self, x: torch.Tensor, gate_up: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        w, b = _float_weight(plan.down)
-        return kernels.gemv_add_(x, gate_up, w, b, silu=True)
+        return add_project_(x, gate_up, plan.down, silu=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bool) -> torch.Tensor:
@@ -380,11 +377,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bo
     return normed if weight is None else normed * weight
 
 
-def _float_weight(projection: Projection) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A float projection's [rows, cols] weight and bias, for the fused kernels (which only run
-    layers whose projections are all float: DenseModel._kernels_fit)."""
-    assert projection.weight_t is not None
-    return projection.weight_t.t(), projection.bias
+def fused_kernels_fit(projection: Projection, dtype: torch.dtype) -> bool:
+    """Whether the one-row fused kernels run `projection`: one float weight the bf16 kernels take,
+    or one GGUF-packed weight whose type the GGUF kernels decode (not a group of differing types)."""
+    if projection.weight_t is not None:
+        return kernels.fits(projection.weight_t.t())
+    return projection.packed is not None and gguf_triton.covers(projection.type_id, dtype)
+
+
+def norm_project(
+    x: torch.Tensor, norm: torch.Tensor, projection: Projection, eps: float, out: torch.Tensor
+) -> torch.Tensor:
+    """out = RMSNorm(x) @ Wᵀ (+ b) for one row, in one fused kernel (float or packed weight)."""
+    if projection.weight_t is not None:
+        return kernels.norm_gemv(x, norm, projection.weight_t.t(), projection.bias, eps, out=out)
+    assert projection.packed is not None
+    gguf_triton.norm_gemv(x, norm, projection.packed, projection.type_id, projection.cols, eps, out)
+    return out if projection.bias is None else out.add_(projection.bias)
+
+
+def add_project_(x: torch.Tensor, inp: torch.Tensor, projection: Projection, silu: bool) -> torch.Tensor:
+    """x += inp @ Wᵀ (+ b) in place for one row (silu: inp is gate | up, and SiLU(gate) · up goes
+    in), in one fused kernel (float or packed weight)."""
+    if projection.weight_t is not None:
+        return kernels.gemv_add_(x, inp, projection.weight_t.t(), projection.bias, silu=silu)
+    assert projection.packed is not None
+    gguf_triton.gemv_add_(x, inp, projection.packed, projection.type_id, projection.cols, silu=silu)
+    return x if projection.bias is None else x.add_(projection.bias)
 
 
 def _rotate(

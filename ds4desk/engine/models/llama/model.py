@@ -39,6 +39,8 @@ from ds4desk.engine.models.llama.layer import (
     PrefillSteps,
     Shard,
     decode_buffers,
+    fused_kernels_fit,
+    norm_project,
     rms_norm,
 )
 from ds4desk.engine.models.packed import PackedLinear, Projection, embedding, linear, projection_of
@@ -336,11 +338,9 @@ class DenseModel(CausalLM):
         if index + 1 < len(self._shards):
             return x, here
         if on_kernels:
-            head = self.head_weight()
-            logits = torch.empty((1, head.shape[0]), device=x.device, dtype=torch.float32)
-            return (
-                kernels.norm_gemv(x, self.model.norm.weight, head, None, cfg.rms_norm_eps, out=logits)[0],
-            )
+            head = self.head_projection()
+            logits = torch.empty((1, head.rows), device=x.device, dtype=torch.float32)
+            return (norm_project(x, self.model.norm.weight, head, cfg.rms_norm_eps, logits)[0],)
         x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.one_pass_norm)
         return (self.logits_from(x, "last", x),)
 
@@ -351,9 +351,8 @@ class DenseModel(CausalLM):
         projections = [self.head_projection()] if shard is self._shards[-1] else []
         for plan in shard.plans:
             projections += [plan.qkv, plan.o, plan.gate_up, plan.down]
-        if not all(p.is_float for p in projections):
-            return False  # GGUF-packed weights: the torch steps, on the packed matmuls
-        return all(kernels.fits(p.weight_t.t()) for p in projections if p.weight_t is not None)
+        # A group of differing GGUF types (q/k/v of a Q4_K_M file) runs on the torch steps.
+        return all(fused_kernels_fit(p, self.dtype) for p in projections)
 
 
 def _on(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

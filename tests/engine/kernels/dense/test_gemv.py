@@ -215,3 +215,54 @@ def test_the_fused_kernels_and_early_launch_stay_off_the_cpu() -> None:
     assert launch.PDL.forced is None and not launch.pdl(cpu)
     with launch.PDL.force(True):  # forced on: still never for a CPU tensor
         assert not launch.pdl(cpu)
+
+
+_PACKED_MODEL_CHECK = """
+import tempfile
+from pathlib import Path
+import torch
+from ds4desk.engine.kernels.dense import gemv as kd
+from ds4desk.engine.kernels.dense import decode_attention as da
+from ds4desk.engine.kernels.quant import gguf_triton
+from ds4desk.engine.loader import fill, plan_load
+from ds4desk.engine.loading.detect import read_source
+from tests.engine.tiny_dense import save_tiny
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+da.SWITCH.forced = True
+root = Path(tempfile.mkdtemp())
+wide = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 256}
+for family, weights in (("llama", "q4"), ("qwen2", "q8")):
+    save_tiny(family, root / family, **wide)
+    plan = plan_load(read_source(root / family), device, torch.float32, 64, weights=weights)
+    model = fill(plan).model
+    model.decode_attention = "triton"
+    model.allocate_cache(64)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).to(device)
+    token = torch.zeros(1, dtype=torch.long, device=device)
+    at = torch.zeros(1, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        model.forward(prompt, 0, "none")
+        for pos in range(9, 11):
+            token.fill_(pos * 7 % 256)
+            at.fill_(pos)
+            before = model._cache.clone()
+            with kd.SWITCH.force(False), gguf_triton.SWITCH.force(False):
+                assert not model._kernels_fit(model._shards[0])
+                expected = model.decode_graphable(token, at, 64)  # torch steps, reference matmuls
+            expected_cache = model._cache.clone()
+            model._cache.copy_(before)
+            with kd.SWITCH.force(True), gguf_triton.SWITCH.force(True):
+                assert model._kernels_fit(model._shards[0])
+                got = model.decode_graphable(token, at, 64)  # fused kernels on the packed blocks
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(model._cache, expected_cache, rtol=1e-5, atol=1e-5)
+    print(family, weights, "ok")
+"""
+
+
+def test_the_step_on_packed_weights_runs_the_fused_gguf_kernels() -> None:
+    """GGUF-packed projections (here quantized on load) take the same fused kernel path as bf16
+    ones, and give the unfused step on the reference matmuls."""
+    stdout = run_triton_check(_PACKED_MODEL_CHECK)
+    assert "llama q4 ok" in stdout and "qwen2 q8 ok" in stdout

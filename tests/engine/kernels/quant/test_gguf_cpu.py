@@ -7,6 +7,8 @@ the type, random valid blocks otherwise, and from the real SmolLM2 GGUF that ds4
 
 from __future__ import annotations
 
+import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +25,18 @@ from ds4desk.engine.kernels.quant import gguf_cpu
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul, reference_matmul
 from ds4desk.engine.loading.default_model import default_model_path
 
-pytestmark = pytest.mark.skipif(not gguf_cpu.available(), reason="the C extension is not built")
+needs_extension = pytest.mark.skipif(not gguf_cpu.available(), reason="the C extension is not built")
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or shutil.which("gcc") is None, reason="the build needs Linux and GCC"
+)
+def test_the_extension_is_built_where_gcc_is() -> None:
+    """The extension is optional (an install without a compiler still works), so a build that
+    failed would only show as skipped tests: where GCC is, it must have been built and imported."""
+    assert gguf_cpu.available(), "pip install -e . did not build ds4desk/engine/kernels/quant/_gguf_cpu"
+    assert gguf_cpu.kernel_isa() in ("avx512", "portable")
+
 
 COVERED = [t for t in GGUF_TYPES.values() if gguf_cpu.covers(t.type_id, torch.float32)]
 # Where each block type keeps its fp16 scales (random bytes there could be huge, NaN or infinite).
@@ -104,6 +117,7 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
         ext.set_isa("best")
 
 
+@needs_extension
 def test_the_kernels_cover_the_quantized_types() -> None:
     names = {t.name for t in COVERED}
     assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"} <= names
@@ -114,6 +128,7 @@ def test_the_kernels_cover_the_quantized_types() -> None:
 
 
 @pytest.mark.parametrize("kind", COVERED, ids=lambda t: t.name)
+@needs_extension
 def test_dequantize_is_the_reference_bit_for_bit(kind: GgufType, isa: str) -> None:
     cols = 2 * max(kind.block_values, 32) if kind.block_values < 256 else 512
     raw = packed_weight(kind, 13, cols, seed=kind.type_id)
@@ -129,6 +144,7 @@ SHAPES = [(1, 1), (37, 2), (130, 3)]  # (rows, blocks of 256 values per row)
 @pytest.mark.parametrize("tokens", [1, 2, 7, 64])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("kind", COVERED, ids=lambda t: t.name)
+@needs_extension
 def test_matmul_is_the_reference(kind: GgufType, shape: tuple[int, int], tokens: int, isa: str) -> None:
     rows, cols = shape[0], shape[1] * 256
     raw = packed_weight(kind, rows, cols, seed=rows * 1000 + kind.type_id)
@@ -140,6 +156,7 @@ def test_matmul_is_the_reference(kind: GgufType, shape: tuple[int, int], tokens:
 
 
 @pytest.mark.parametrize("kind", COVERED, ids=lambda t: t.name)
+@needs_extension
 def test_row_slices_strided_outputs_and_small_tiles(kind: GgufType, isa: str, monkeypatch) -> None:
     rows, cols = 50, 512
     raw = packed_weight(kind, rows, cols, seed=7)
@@ -159,6 +176,7 @@ def test_row_slices_strided_outputs_and_small_tiles(kind: GgufType, isa: str, mo
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@needs_extension
 def test_any_thread_count_gives_the_reference(threads: int) -> None:
     kind = GGUF_TYPES[3]  # Q4_1
     before = torch.get_num_threads()
@@ -174,6 +192,7 @@ def test_any_thread_count_gives_the_reference(threads: int) -> None:
         torch.set_num_threads(before)
 
 
+@needs_extension
 def test_malformed_operands_are_refused() -> None:
     raw = packed_weight(GGUF_TYPES[3], 4, 64, seed=1)
     x = torch.randn(1, 64)
@@ -195,6 +214,7 @@ def smollm2_gguf() -> Path | None:
 
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="the embedded SmolLM2 GGUF is not installed")
+@needs_extension
 def test_the_real_smollm2_weights_through_the_dispatcher() -> None:
     """The file's own Q4_1 projections and Q8_0 embedding (the tied head), through gguf_matmul."""
     reader = gguf.GGUFReader(smollm2_gguf())
