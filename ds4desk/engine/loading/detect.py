@@ -1,8 +1,8 @@
 """Work out what a path the user dropped is, and check it enough to give a clear error up front.
 
 Accepted: a Hugging Face model folder (config.json + safetensors + tokenizer files), a file inside
-one (config.json, a .safetensors shard), or a single .gguf file, which is imported into a folder in
-the cache first. What comes back is a ModelSource: the config (in one spelling, whatever the
+one (config.json, a .safetensors shard), or a single .gguf file, read in place (gguf_source.py).
+What comes back is a ModelSource: the config (in one spelling, whatever the
 checkpoint used), every tensor's header entry and the tokenizer files. Tensor shapes are checked
 against the architecture later, on the meta model (`loader.plan_load`, `preflight.check_model`).
 """
