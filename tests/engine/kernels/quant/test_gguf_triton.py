@@ -89,11 +89,13 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def test_the_cpu_keeps_the_reference_path() -> None:
+    """Without a GPU the Triton kernels stay off; gguf_matmul still gives the reference's values (by
+    the CPU kernels where they were built, whose sums run in another order: accumulation error)."""
     assert gguf_triton.SWITCH.forced is None and not gguf_triton.enabled(torch.device("cpu"))
-    x = torch.randn(2, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
     weight = tame_blocks(BY_NAME["Q4_K"], 8, 256, seed=1)
     out = gguf_matmul(x, weight, BY_NAME["Q4_K"].type_id, 256)
-    torch.testing.assert_close(out, gguf_triton.reference_matmul(x, weight, 12, 256), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, gguf_triton.reference_matmul(x, weight, 12, 256), rtol=1e-4, atol=1e-4)
 
 
 def test_covers_only_the_block_types_and_float_activations() -> None:
