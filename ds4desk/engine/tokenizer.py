@@ -92,6 +92,9 @@ class ChatTokenizer:
     # ("deepseek_v4": DeepSeek ships its chat format as Python code, not as a template; "gemma":
     # Gemma 3 GGUF conversions often carry no template).
     chat_format: str = "plain"
+    # What the user may want to know about how the tokenizer was rebuilt (a GGUF's unknown
+    # pre-tokenizer name, for one): shown by describe().
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def from_source(cls, source: ModelSource) -> ChatTokenizer:
@@ -104,6 +107,7 @@ class ChatTokenizer:
             chat_template=source.chat_template,
             special_tokens=dict(spec.special_tokens),
             add_bos_token=spec.add_bos_token,
+            notes=spec.notes,
         )
         self._finish(source.architecture, set(spec.stop_ids))
         return self
@@ -239,7 +243,7 @@ class ChatTokenizer:
             text += "; no chat template (plain 'User:/Assistant:' prompt)"
         elif not self.template.ok:
             text += "; chat template is broken"
-        return text
+        return "; ".join((text, *self.notes))
 
 
 def _folder_architecture(folder: Path) -> str | None:

@@ -115,7 +115,6 @@ def gguf_source(path: Path) -> ModelSource:
         chat_template=_chat_template(meta),
         tokenizer=TokenizerSpec(
             tokenizer=built.tokenizer,
-            kind=built.kind,
             special_tokens=_special_tokens(meta),
             add_bos_token=meta.get("tokenizer.ggml.add_bos_token", False) is True,
             stop_ids=_stop_ids(meta),
@@ -327,14 +326,6 @@ def packed_types(source: ModelSource) -> dict[str, int]:
         for name, entry in source.tensors.items()
         if entry.encoding == "gguf" and entry.dtype not in FLOAT_TYPE_NAMES and len(entry.shape) == 2
     }
-
-
-def type_summary(source: ModelSource) -> dict[str, int]:
-    """GGML type name -> the bytes the file's tensors take in it (what a model card shows)."""
-    sizes: dict[str, int] = {}
-    for entry in source.tensors.values():
-        sizes[entry.dtype] = sizes.get(entry.dtype, 0) + entry.end - entry.begin
-    return dict(sorted(sizes.items(), key=lambda item: -item[1]))
 
 
 def _token(meta: dict[str, object], key: str) -> str | None:

@@ -44,7 +44,6 @@ class TokenizerSpec:
     tokenizer_config.json and generation_config.json would say about it."""
 
     tokenizer: Tokenizer
-    kind: str  # "BPE (byte-level)" or "BPE (SentencePiece)"
     special_tokens: dict[str, str]  # bos_token, eos_token, ... -> text
     add_bos_token: bool
     stop_ids: tuple[int, ...]

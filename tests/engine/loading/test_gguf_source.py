@@ -35,9 +35,9 @@ from ds4desk.engine.loading.gguf_source import (
     packed_types,
     permute_rope_rows,
     rope_row_order,
-    type_summary,
 )
 from ds4desk.engine.models.packed import PackedEmbedding, PackedLinear
+from ds4desk.engine.preflight import stored_types
 from tests.engine.gguf_fakes import (
     HEADS,
     KV_HEADS,
@@ -141,7 +141,7 @@ def test_smollm_source_has_a_sane_config_and_its_stored_types(smollm: Path) -> N
     assert len(source.tensors) == len(stored) == 2 + 30 * 9
     for name, entry in source.tensors.items():
         assert entry.dtype == stored[gguf_tensor_name(name)], name
-    assert set(type_summary(source)) == {"Q4_1", "Q8_0", "F32"}
+    assert set(stored_types(source)) == {"Q4_1", "Q8_0", "F32"}
     assert source.tensors["model.embed_tokens.weight"].shape == (49152, 576)
     assert source.tensors["model.layers.29.self_attn.k_proj.weight"].shape == (192, 576)
     assert source.tensors["model.layers.0.self_attn.q_proj.weight"].rope_heads == 9
