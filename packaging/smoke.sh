@@ -23,7 +23,7 @@ step() { echo "smoke: $*"; }
 # --- the window, run inside xvfb-run (this script calls itself with --window) -----------------------
 if [[ "${1:-}" == "--window" ]]; then
     bundle="$2" home="$3" label="$4"
-    data="$home/gui" # shared by both starts: the first imports the embedded model, the second finds it
+    data="$home/gui" # shared by both starts: the first writes the settings, the second reads them
     err="$home/window-$label.err"
     start=$(date +%s.%N)
     env -i HOME="$home" PATH=/usr/bin:/bin LANG=C.UTF-8 DISPLAY="$DISPLAY" XAUTHORITY="${XAUTHORITY:-}" \
@@ -43,7 +43,7 @@ if [[ "${1:-}" == "--window" ]]; then
     fi
     python3 -c "import sys; print(f'smoke: window ({sys.argv[3]}) visible {float(sys.argv[1]) - float(sys.argv[2]):.2f} s after launch')" \
         "$visible" "$start" "$label"
-    sleep "${SMOKE_SCREENSHOT_AFTER_S:-15}" # the embedded model loads meanwhile (imported on a first start)
+    sleep "${SMOKE_SCREENSHOT_AFTER_S:-15}" # the embedded model loads meanwhile
     mkdir -p "$SHOTS"
     import -window root "$SHOTS/window-$label.png" || fail "screenshot ($label) failed"
     kill -0 "$pid" 2>/dev/null || { cat "$err" >&2; fail "the window ($label) died after it was shown"; }
@@ -120,7 +120,7 @@ import json, sys
 result = json.loads(sys.stdin.read())
 assert result["finish_reason"] in ("stop", "length") and not result["error"], result
 assert "Paris" in result["text"], result["text"]
-print("smoke: generate (embedded SmolLM2, first start imports it):", repr(result["text"]))
+print("smoke: generate (embedded SmolLM2):", repr(result["text"]))
 ' || fail "generate answered: $out"
 
 out=$(printf '%s\n' '{"op":"generate","id":1,"prompt":"Say hello.","max_tokens":8}' '{"op":"quit"}' |
