@@ -48,22 +48,6 @@ SHAPES = [
 CALLS = 40
 L2_BYTES = 256 << 20
 PREFILL_ROWS = 512
-# Where each type's blocks hold fp16 scales (set to a small finite value: random bits could be NaN).
-FP16_FIELDS = {
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q2_K": (80, 82),
-    "Q3_K": (108,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-    "IQ4_NL": (0,),
-    "IQ4_XS": (0,),
-    "MXFP4": (),
-}
 BY_NAME = {t.name: t for t in GGUF_TYPES.values()}
 
 
@@ -119,7 +103,7 @@ def packed_weight(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, device="cuda", generator=gen)
     blocks = raw.view(-1, kind.block_bytes)
     scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8).cuda()
-    for at in FP16_FIELDS[name]:
+    for at in kind.fp16_scales:
         blocks[:, at : at + 2] = scale
     if name == "MXFP4":
         blocks[:, 0] = 120

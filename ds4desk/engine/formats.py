@@ -39,6 +39,9 @@ class GgufType:
     type_id: int  # the number a GGUF tensor header stores
     block_values: int  # weights per block
     block_bytes: int  # bytes one block takes
+    # Byte offsets of the block's fp16 scales (d, and dmin / m where the type has one): where random
+    # test bytes must be made finite.
+    fp16_scales: tuple[int, ...] = ()
 
 
 GGUF_TYPES: dict[int, GgufType] = {
@@ -48,29 +51,29 @@ GGUF_TYPES: dict[int, GgufType] = {
         GgufType("F16", 1, 1, 2),
         GgufType("BF16", 30, 1, 2),
         # fp16 scale d, 32 4-bit codes: d * (q - 8)
-        GgufType("Q4_0", 2, 32, 18),
+        GgufType("Q4_0", 2, 32, 18, (0,)),
         # fp16 scale d and minimum m, 32 4-bit codes: d * q + m
-        GgufType("Q4_1", 3, 32, 20),
+        GgufType("Q4_1", 3, 32, 20, (0, 2)),
         # fp16 d, 32 fifth bits, 32 4-bit codes: d * (q - 16)
-        GgufType("Q5_0", 6, 32, 22),
+        GgufType("Q5_0", 6, 32, 22, (0,)),
         # fp16 d and m, 32 fifth bits, 32 4-bit codes: d * q + m
-        GgufType("Q5_1", 7, 32, 24),
+        GgufType("Q5_1", 7, 32, 24, (0, 2)),
         # fp16 d, 32 int8 codes: d * q
-        GgufType("Q8_0", 8, 32, 34),
+        GgufType("Q8_0", 8, 32, 34, (0,)),
         # 16 sub-blocks of 16 values, each with a 4-bit scale and a 4-bit minimum; 2-bit codes
-        GgufType("Q2_K", 10, GGUF_SUPER_BLOCK, 84),
+        GgufType("Q2_K", 10, GGUF_SUPER_BLOCK, 84, (80, 82)),
         # 16 sub-blocks of 16 values with signed 6-bit scales; 3-bit codes (2 low bits + 1 high bit)
-        GgufType("Q3_K", 11, GGUF_SUPER_BLOCK, 110),
+        GgufType("Q3_K", 11, GGUF_SUPER_BLOCK, 110, (108,)),
         # 8 sub-blocks of 32 values, each with a 6-bit scale and a 6-bit minimum; 4-bit codes
-        GgufType("Q4_K", 12, GGUF_SUPER_BLOCK, 144),
+        GgufType("Q4_K", 12, GGUF_SUPER_BLOCK, 144, (0, 2)),
         # as Q4_K with a fifth bit per code
-        GgufType("Q5_K", 13, GGUF_SUPER_BLOCK, 176),
+        GgufType("Q5_K", 13, GGUF_SUPER_BLOCK, 176, (0, 2)),
         # 16 sub-blocks of 16 values with int8 scales; 6-bit codes (4 low bits + 2 high bits)
-        GgufType("Q6_K", 14, GGUF_SUPER_BLOCK, 210),
+        GgufType("Q6_K", 14, GGUF_SUPER_BLOCK, 210, (208,)),
         # fp16 d, 32 4-bit indices into IQ4_NL_VALUES: d * value
-        GgufType("IQ4_NL", 20, 32, 18),
+        GgufType("IQ4_NL", 20, 32, 18, (0,)),
         # 8 sub-blocks of 32 values with signed 6-bit scales; 4-bit indices into IQ4_NL_VALUES
-        GgufType("IQ4_XS", 23, GGUF_SUPER_BLOCK, 136),
+        GgufType("IQ4_XS", 23, GGUF_SUPER_BLOCK, 136, (0,)),
         # one UE8M0 exponent byte, 32 e2m1 codes (the OCP microscaling FP4 format)
         GgufType("MXFP4", 39, 32, 17),
     )

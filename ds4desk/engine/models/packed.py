@@ -11,7 +11,7 @@ torch.mm / addmm, packed ones through kernels/quant/gguf_matmul. Layers never te
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -159,3 +159,52 @@ def projection_of(module: nn.Linear | PackedLinear | nn.Embedding | PackedEmbedd
         cols = module.in_features if isinstance(module, PackedLinear) else module.embedding_dim
         return Projection(packed=module.weight, type_id=module.type_id, cols=cols, bias=bias)
     return Projection(weight_t=module.weight.t(), bias=bias)
+
+
+Fused = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) a group's parameters are views of
+
+
+def fuse_group(
+    parts: Sequence[nn.Linear | PackedLinear], device: torch.device, empty: bool = True
+) -> Fused | None:
+    """Point the parts' weights (and biases) at consecutive row ranges of one tensor each, so a
+    q/k/v or gate/up group runs as one matmul with no second copy of any weight. Packed weights fuse
+    too (rows of GGUF blocks are independent) when the parts share one block type; a group whose
+    types differ (Q4_K_M's q/k in Q4_K, v in Q6_K) stays separate: None.
+
+    `empty`: allocate fresh storage (the loader fills it); otherwise keep the current values. The
+    caller keeps the result off the state dict."""
+    if len({getattr(part, "type_id", None) for part in parts}) != 1:
+        return None
+    fused: list[torch.Tensor | None] = []
+    for attr in ("weight", "bias"):
+        current = [getattr(part, attr) for part in parts]
+        if current[0] is None:
+            fused.append(None)
+            continue
+        if empty:
+            rows = sum(c.shape[0] for c in current)
+            storage = torch.empty((rows, *current[0].shape[1:]), device=device, dtype=current[0].dtype)
+        else:
+            storage = torch.cat([c.detach() for c in current])
+        start = 0
+        for part, c in zip(parts, current, strict=True):
+            stop = start + c.shape[0]
+            setattr(part, attr, nn.Parameter(storage[start:stop], requires_grad=False))
+            start = stop
+        fused.append(storage)
+    weight, bias = fused
+    assert weight is not None
+    return weight, bias
+
+
+def group_projection(parts: Sequence[nn.Linear | PackedLinear], fused: Fused | None) -> Projection:
+    """The projection of a group laid side by side in the output: one over its fused tensor, or one
+    per part (differing block types, or a model filled without fusing)."""
+    if fused is None:
+        return Projection(parts=tuple(projection_of(part) for part in parts))
+    weight, bias = fused
+    first = parts[0]
+    if isinstance(first, PackedLinear):
+        return Projection(packed=weight, type_id=first.type_id, cols=first.in_features, bias=bias)
+    return Projection(weight_t=weight.t(), bias=bias)

@@ -32,7 +32,16 @@ from ds4desk.engine.models.gemma3.layer import (
     Shard,
     rms_norm,
 )
-from ds4desk.engine.models.packed import Projection, embed, embedding, linear, projection_of
+from ds4desk.engine.models.packed import (
+    Fused,
+    Projection,
+    embed,
+    embedding,
+    fuse_group,
+    group_projection,
+    linear,
+    projection_of,
+)
 from ds4desk.engine.split import materialize_parameters
 
 
@@ -80,7 +89,7 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, dtype)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, dtype)
         # Set by materialize: "qkv" / "gate_up" -> the fused (weight, bias) the float parts view.
-        self.fused: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.fused: dict[str, Fused] = {}
 
 
 class Backbone(nn.Module):
@@ -137,8 +146,8 @@ class Gemma3Model(CausalLM):
                 ("qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
                 ("gate_up", (mlp.gate_proj, mlp.up_proj)),
             ):
-                if all(type(part) is nn.Linear for part in parts):
-                    layer.fused[key] = _fuse(parts, where, self.dtype)
+                if all(type(part) is nn.Linear for part in parts):  # float groups only
+                    layer.fused[key] = fuse_group(parts, where)
         materialize_parameters(self, device, split)
 
     def finish_loading(self) -> None:
@@ -167,13 +176,13 @@ class Gemma3Model(CausalLM):
         q_norm, k_norm = _scale(attn.q_norm), _scale(attn.k_norm)
         return LayerPlan(
             input_norm=_scale(layer.input_layernorm),
-            qkv=_grouped(layer, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
+            qkv=group_projection((attn.q_proj, attn.k_proj, attn.v_proj), layer.fused.get("qkv")),
             # One [H + KV, D] scale lets a single multiply normalise query and key heads together.
             qk_norm=torch.cat([q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)]),
             o=projection_of(attn.o_proj),
             post_attention_norm=_scale(layer.post_attention_layernorm),
             pre_feedforward_norm=_scale(layer.pre_feedforward_layernorm),
-            gate_up=_grouped(layer, "gate_up", (mlp.gate_proj, mlp.up_proj)),
+            gate_up=group_projection((mlp.gate_proj, mlp.up_proj), layer.fused.get("gate_up")),
             down=projection_of(mlp.down_proj),
             post_feedforward_norm=_scale(layer.post_feedforward_layernorm),
             window=cfg.sliding_windows[index],
@@ -351,39 +360,6 @@ class Gemma3Model(CausalLM):
 def _scale(norm: RMSNorm) -> torch.Tensor:
     """Gemma's norm factor: 1 + weight, in float32 (the reference adds in float32)."""
     return 1.0 + norm.weight.float()
-
-
-def _fuse(
-    parts: tuple[nn.Linear, ...], device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Point the parts' weights (and biases) at consecutive row ranges of one fresh tensor each (the
-    loader fills them); returns (weight, bias), kept off the state dict."""
-    fused: list[torch.Tensor | None] = []
-    for attr in ("weight", "bias"):
-        current = [getattr(part, attr) for part in parts]
-        if current[0] is None:
-            fused.append(None)
-            continue
-        rows = sum(c.shape[0] for c in current)
-        storage = torch.empty((rows, *current[0].shape[1:]), device=device, dtype=dtype)
-        start = 0
-        for part, c in zip(parts, current, strict=True):
-            stop = start + c.shape[0]
-            setattr(part, attr, nn.Parameter(storage[start:stop], requires_grad=False))
-            start = stop
-        fused.append(storage)
-    weight, bias = fused
-    assert weight is not None
-    return weight, bias
-
-
-def _grouped(layer: DecoderLayer, key: str, parts: tuple[nn.Module, ...]) -> Projection:
-    """One Projection for parts laid side by side in the output: the fused tensor where materialize
-    made one, else each part's own (packed weights, or a model filled without materialize)."""
-    if key in layer.fused:
-        weight, bias = layer.fused[key]
-        return Projection(weight_t=weight.t(), bias=bias)
-    return Projection(parts=tuple(projection_of(part) for part in parts))  # type: ignore[arg-type]
 
 
 def _rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:

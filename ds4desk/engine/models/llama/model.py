@@ -43,7 +43,7 @@ from ds4desk.engine.models.llama.layer import (
     norm_project,
     rms_norm,
 )
-from ds4desk.engine.models.packed import PackedLinear, Projection, embedding, linear, projection_of
+from ds4desk.engine.models.packed import Fused, embedding, fuse_group, group_projection, linear, projection_of
 from ds4desk.engine.models.packed import embed as packed_embed
 from ds4desk.engine.split import materialize_parameters
 
@@ -84,8 +84,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype, f"{prefix}.mlp", packed)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # Set by _fuse: the tensors q/k/v and gate/up parameters are views of.
-        self.fused: dict[str, torch.Tensor] | None = None
+        # Set by _fuse: "qkv" / "gate_up" -> the tensors their parameters are views of.
+        self.fused: dict[str, Fused] | None = None
 
 
 class Backbone(nn.Module):
@@ -176,11 +176,11 @@ class DenseModel(CausalLM):
             )
         return LayerPlan(
             ln1=layer.input_layernorm.weight,
-            qkv=_group_projection(fused, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
+            qkv=group_projection([attn.q_proj, attn.k_proj, attn.v_proj], fused.get("qkv")),
             qk_norm=qk_norm,
             o=projection_of(attn.o_proj),
             ln2=layer.post_attention_layernorm.weight,
-            gate_up=_group_projection(fused, "gate_up", [mlp.gate_proj, mlp.up_proj]),
+            gate_up=group_projection([mlp.gate_proj, mlp.up_proj], fused.get("gate_up")),
             down=projection_of(mlp.down_proj),
             window=cfg.sliding_windows[index] if cfg.sliding_windows else None,
         )
@@ -361,49 +361,15 @@ def _on(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _fuse(layer: DecoderLayer, device: torch.device, empty: bool) -> None:
-    """Point q/k/v (and gate/up) weights and biases at consecutive row ranges of one tensor each.
-    Packed weights fuse too (rows of GGUF blocks are independent) when the parts share one block
-    type; a group whose types differ (Q4_K_M's q/k in Q4_K, v in Q6_K) stays separate.
-
-    `empty`: allocate fresh storage (the loader fills it); otherwise keep the current values.
-    The fused tensors live in `layer.fused`, a plain dict, so they never show up in state_dict.
-    """
+    """Fuse the layer's q/k/v and gate/up groups (models/packed.fuse_group) into `layer.fused`, a plain
+    dict, so the fused tensors never show up in state_dict."""
     attn, mlp = layer.self_attn, layer.mlp
-    fused: dict[str, torch.Tensor] = {}
+    layer.fused = {}
     groups = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "gate_up": [mlp.gate_proj, mlp.up_proj]}
     for key, parts in groups.items():
-        if len({getattr(part, "type_id", None) for part in parts}) != 1:
-            continue
-        for attr in ("weight", "bias"):
-            current = [getattr(part, attr) for part in parts]
-            if current[0] is None:
-                continue
-            if empty:
-                rows = sum(c.shape[0] for c in current)
-                storage = torch.empty((rows, *current[0].shape[1:]), device=device, dtype=current[0].dtype)
-            else:
-                storage = torch.cat([c.detach() for c in current])
-            start = 0
-            for part, c in zip(parts, current, strict=True):
-                stop = start + c.shape[0]
-                setattr(part, attr, nn.Parameter(storage[start:stop], requires_grad=False))
-                start = stop
-            fused[f"{key}.{attr}"] = storage
-    layer.fused = fused
-
-
-def _group_projection(
-    fused: dict[str, torch.Tensor], key: str, parts: list[nn.Linear | PackedLinear]
-) -> Projection:
-    """The projection of a q/k/v or gate/up group: one over its fused tensor, or one per part."""
-    weight = fused.get(f"{key}.weight")
-    if weight is None:
-        return Projection(parts=tuple(projection_of(part) for part in parts))
-    bias = fused.get(f"{key}.bias")
-    first = parts[0]
-    if isinstance(first, PackedLinear):
-        return Projection(packed=weight, type_id=first.type_id, cols=first.in_features, bias=bias)
-    return Projection(weight_t=weight.t(), bias=bias)
+        fused = fuse_group(parts, device, empty)
+        if fused is not None:
+            layer.fused[key] = fused
 
 
 def build(

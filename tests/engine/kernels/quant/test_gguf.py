@@ -26,22 +26,6 @@ from ds4desk.engine.kernels.quant.gguf import dequantize
 TYPES = list(GGUF_TYPES.values())
 BY_NAME = {t.name: t for t in TYPES}
 
-# Where each block holds fp16 scales: random bytes there could be NaN or infinity.
-FP16_FIELDS = {
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q2_K": (80, 82),
-    "Q3_K": (108,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-    "IQ4_NL": (0,),
-    "IQ4_XS": (0,),
-    "MXFP4": (),  # its scale is a UE8M0 byte; GGML gives every byte a finite power of two
-}
 # The plain float types: (bit width, exponent mask) of the values.
 FLOAT_BITS = {"F32": (32, 0x7F800000), "F16": (16, 0x7C00), "BF16": (16, 0x7F80)}
 
@@ -68,7 +52,7 @@ def random_blocks(kind: GgufType, shape: tuple[int, ...], seed: int) -> np.ndarr
         raw = finite_float_bits(rng, n_values, width, exponent).view(np.uint8)
     else:
         blocks = rng.integers(0, 256, (n_values // kind.block_values, kind.block_bytes), dtype=np.uint8)
-        for at in FP16_FIELDS[kind.name]:
+        for at in kind.fp16_scales:
             blocks[:, at : at + 2] = (
                 finite_float_bits(rng, len(blocks), 16, 0x7C00).view(np.uint8).reshape(-1, 2)
             )

@@ -39,22 +39,6 @@ def test_the_extension_is_built_where_gcc_is() -> None:
 
 
 COVERED = [t for t in GGUF_TYPES.values() if gguf_cpu.covers(t.type_id, torch.float32)]
-# Where each block type keeps its fp16 scales (random bytes there could be huge, NaN or infinite).
-FP16_FIELDS = {
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q2_K": (80, 82),
-    "Q3_K": (108,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-    "IQ4_NL": (0,),
-    "IQ4_XS": (0,),
-    "MXFP4": (),
-}
 
 
 def quantizable(kind: GgufType) -> bool:
@@ -81,7 +65,7 @@ def packed_weight(kind: GgufType, rows: int, cols: int, seed: int) -> torch.Tens
         dtype = torch.float16 if kind.name == "F16" else torch.bfloat16
         return values.to(dtype).view(torch.uint8).reshape(rows, -1).clone()
     blocks = rng.integers(0, 256, (rows * cols // kind.block_values, kind.block_bytes), dtype=np.uint8)
-    for at in FP16_FIELDS[kind.name]:
+    for at in kind.fp16_scales:
         scales = rng.uniform(0.5, 1.0, len(blocks)) * np.exp2(rng.integers(-12, 2, len(blocks)))
         scales *= rng.choice([-1.0, 1.0], len(blocks))
         blocks[:, at : at + 2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)

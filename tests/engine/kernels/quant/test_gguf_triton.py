@@ -24,7 +24,7 @@ from ds4desk.engine.formats import GGUF_TYPES, IQ4_NL_VALUES, GgufType
 from ds4desk.engine.kernels.quant import gguf, gguf_triton
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from tests.engine.kernels.quant.samples import needs_nvidia_gpu
-from tests.engine.kernels.quant.test_gguf import FP16_FIELDS, random_blocks
+from tests.engine.kernels.quant.test_gguf import random_blocks
 from tests.engine.triton_check import run_triton_check
 
 BY_NAME = {t.name: t for t in GGUF_TYPES.values()}
@@ -43,7 +43,7 @@ def tame_blocks(kind: GgufType, rows: int, cols: int, seed: int) -> torch.Tensor
     2^-10 .. 2^0)."""
     blocks = random_blocks(kind, (rows, cols), seed).reshape(-1, kind.block_bytes).copy()
     rng = np.random.default_rng(seed + 1)
-    for at in FP16_FIELDS[kind.name]:
+    for at in kind.fp16_scales:
         scale = rng.uniform(0.002, 0.05, len(blocks)) * rng.choice([-1.0, 1.0], len(blocks))
         blocks[:, at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
     if kind.name == "MXFP4":
