@@ -149,7 +149,7 @@ class CrashLog:
             return
         self.write("unhandled exception", exc, tb)
         sys.__excepthook__(kind, exc, tb)  # and on stderr, for whoever started us from a terminal
-        self._tell(f"{kind.__name__}: {exc}")
+        self._tell(_summary(exc))
 
     def _thread_excepthook(self, args: threading.ExceptHookArgs) -> None:
         name = args.thread.name if args.thread else "?"
@@ -165,7 +165,15 @@ class CrashLog:
         exc = context.get("exception")
         message = str(context.get("message", "asyncio error"))
         self.write(f"asyncio: {message}", exc if isinstance(exc, BaseException) else None)
-        self._tell(f"{type(exc).__name__}: {exc}" if exc else message)
+        self._tell(_summary(exc) if isinstance(exc, BaseException) else message)
+
+
+def _summary(exc: BaseException) -> str:
+    if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+        return (
+            f"the chat history file is damaged ({exc}); restart ds4desk to set it aside and start a fresh one"
+        )
+    return f"{type(exc).__name__}: {exc}"
 
 
 class UnavailableBackend:
@@ -215,31 +223,48 @@ class UnavailableBackend:
         pass
 
 
-def engine_backend_factory(dirs: DataDirs) -> Callable[[], ChatBackend]:
+def engine_backend_factory(dirs: DataDirs, settings: Settings | None = None) -> Callable[[], ChatBackend]:
+    """`settings`: as the window read them (None: read the file again)."""
+
     def make() -> ChatBackend:
         # Imported here: the engine's public face is torch-free, but nothing UI-side needs it earlier.
         from ds4desk.engine.client import EngineClient
         from ds4desk.engine.engine import Engine
 
-        options = Settings.load(dirs.settings_file).engine_options()
+        options = (settings or Settings.load(dirs.settings_file)).engine_options()
         return EngineClient(Engine(**options))
 
     return make
 
 
 def open_history(path: Path) -> tuple[History, str | None]:
-    """The history, and a problem to show the user if it could not be opened as it was."""
+    """The history, and a problem to show the user if it could not be opened as it was. A file
+    that is not a database, or whose pages fail SQLite's own check, is moved aside whole (with its
+    journal files) and a fresh history starts: the damaged one stays for the user to recover."""
     try:
-        return History(path), None
+        history = History(path)
     except HistoryError as exc:
         # A newer ds4desk wrote it: leave it alone, keep this session in memory.
         return History(":memory:"), f"{exc}. Chats of this session will not be saved."
     except sqlite3.DatabaseError as exc:
-        broken = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                Path(f"{path}{suffix}").replace(f"{broken}{suffix}")
-        return History(path), f"The chat history was damaged ({exc}); it was moved to {broken.name}."
+        damage = str(exc)
+    else:
+        damage = history.damage()
+        if damage is None:
+            return history, None
+        history.close_without_purging()
+    broken = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            Path(f"{path}{suffix}").replace(f"{broken}{suffix}")
+    log.error("history %s is damaged (%s); moved to %s", path, damage, broken.name)
+    try:
+        fresh = History(path)
+    except (sqlite3.Error, OSError) as exc:  # the folder itself is the problem: keep this session
+        return History(
+            ":memory:"
+        ), f"The chat history could not be opened ({exc}); chats of this session will not be saved."
+    return fresh, f"The chat history was damaged ({damage}); it was moved to {broken.name}."
 
 
 def run_app(
@@ -256,7 +281,7 @@ def run_app(
     dirs.create()
     crash = CrashLog(dirs.crash_log).install()
     try:
-        return _run(dirs, model_path, device, backend_factory or engine_backend_factory(dirs), argv, crash)
+        return _run(dirs, model_path, device, backend_factory, argv, crash)
     finally:
         crash.uninstall()
 
@@ -265,7 +290,7 @@ def _run(
     dirs: DataDirs,
     model_path: str | None,
     device: str | None,
-    backend_factory: Callable[[], ChatBackend],
+    backend_factory: Callable[[], ChatBackend] | None,
     argv: list[str] | None,
     crash: CrashLog,
 ) -> int:
@@ -284,22 +309,25 @@ def _run(
     loop.set_exception_handler(crash.asyncio_handler)
     crash.loop = loop
 
-    settings = Settings.load(dirs.settings_file)
+    opened = Settings.load_checked(dirs.settings_file)
+    settings = opened.settings
     history, history_problem = open_history(dirs.history_db)
     try:
-        backend: ChatBackend = backend_factory()
+        backend: ChatBackend = (backend_factory or engine_backend_factory(dirs, settings))()
     except Exception as exc:
         crash.write("the engine did not start", exc)
         backend = UnavailableBackend(f"the engine did not start: {type(exc).__name__}: {exc}")
 
-    window = MainWindow(backend, history, settings, settings_path=dirs.settings_file, device_override=device)
+    settings_path = dirs.settings_file if opened.writable else None  # never overwrite what was not read
+    window = MainWindow(backend, history, settings, settings_path=settings_path, device_override=device)
     window.setWindowTitle(APP_NAME)
     crash.notify = window.report_exception
     window.show()
     if os.environ.get(REPORT_VISIBLE_ENV) and (handle := window.windowHandle()) is not None:
         VisibleReporter(handle)
-    if history_problem:
-        window.set_status(history_problem, error=True)
+    for problem in (history_problem, opened.problem):
+        if problem:
+            window.show_notice(problem)  # stays until dismissed: the load's status comes next
     # Scheduled, not awaited here: the window paints first, then the load starts.
     loop.call_soon(window.start_load, model_path)
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import version
@@ -150,6 +153,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         args_list.insert(0, "gui")
     args = build_parser().parse_args(args_list)
     dirs = resolve_data_dirs(args.data_dir).create()
+    if args.verb == "gui":
+        from ds4desk.app import run_app
+
+        return run_app(dirs, model_path=args.model, device=args.device)
+    _quiet_logging()
+    try:
+        return _headless(args, dirs)
+    except KeyboardInterrupt:  # Ctrl+C outside a verb's own handling (during imports, say)
+        return 130
+    except BrokenPipeError:  # whoever read our output has gone: nothing left to tell them
+        _drop_stdout()
+        return 1
+
+
+def _headless(args: argparse.Namespace, dirs: DataDirs) -> int:
     if args.verb == "generate":
         return _generate(args, dirs)
     if args.verb == "check":
@@ -157,12 +175,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verb == "session":
         from ds4desk.session import run_session
 
-        return run_session(load_request_of(args))
-    if args.verb == "make-tiny":
-        return _make_tiny(args)
-    from ds4desk.app import run_app
+        code = run_session(load_request_of(args), snapshot_dir=dirs.data / "snapshots")
+        with contextlib.suppress(BrokenPipeError, ValueError, OSError):
+            sys.stdout.flush()
+            return code
+        _drop_stdout()
+        return code
+    return _make_tiny(args)
 
-    return run_app(dirs, model_path=args.model, device=args.device)
+
+class _OneLine(logging.Formatter):
+    """Headless verbs report their errors in their answer; the log adds one line, not a traceback
+    (DS4DESK_DEBUG=1 brings tracebacks back)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and not os.environ.get("DS4DESK_DEBUG"):
+            exc = record.exc_info[1]
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+            if exc is not None:
+                record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc}"
+                record.args = None
+        return super().format(record)
+
+
+def _quiet_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_OneLine("ds4desk: %(levelname)s: %(message)s"))
+        handler.setLevel(logging.WARNING)
+        root.addHandler(handler)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush does not fail a second time."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def load_request_of(args: argparse.Namespace) -> LoadRequest:
@@ -184,7 +234,14 @@ def load_request_of(args: argparse.Namespace) -> LoadRequest:
 def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
     from ds4desk.engine import Engine, GenerateRequest, SamplingParams
 
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        print(f"error: --seed must be in 0..{2**63 - 1}", file=sys.stderr)
+        return 2
+    if args.max_tokens < 1:
+        print("error: --max-tokens must be at least 1", file=sys.stderr)
+        return 2
     engine = Engine()
+    request: GenerateRequest | None = None
     try:
         loaded = engine.load(load_request_of(args))
         if not loaded.ok:
@@ -201,10 +258,19 @@ def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
         )
 
         def stream(_token: int | None, text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            with contextlib.suppress(BrokenPipeError):  # the reader left: the answer still ends cleanly
+                sys.stdout.write(text)
+                sys.stdout.flush()
 
         result = engine.generate(request, None if args.json else stream)
+    except KeyboardInterrupt:
+        # Cancelled, not abandoned: the engine thread stops at its next step, so close() is prompt.
+        engine.cancel_load()
+        if request is not None:
+            engine.cancel(request.request_id)
+        engine.close()
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     finally:
         engine.close()
     if args.json:
@@ -241,6 +307,9 @@ def _check(args: argparse.Namespace, dirs: DataDirs) -> int:
         split = _check_split(args, dirs) if args.devices is not None or args.layer_split is not None else None
     except EngineFailure as failure:
         print(f"cannot load {args.path}: {failure.error.detail}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file or folder the checks above did not reach (permissions, say)
+        print(f"cannot load {args.path}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     print(report.describe())
     if split is not None:

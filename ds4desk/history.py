@@ -21,6 +21,9 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant")
 TITLE_CHARS = 48
+# A chat hidden (deleted, undo pending) by another window may still be brought back there: opening
+# the history purges only chats hidden longer ago than this, far past any undo window.
+STALE_HIDDEN_S = 120.0
 
 
 class HistoryError(Exception):
@@ -130,6 +133,7 @@ class History:
         """`path` may be ":memory:". Raises HistoryError for a database from a newer ds4desk and
         sqlite3.DatabaseError for a file that is not a database."""
         self.path = str(path)
+        self._hidden_here: set[int] = set()  # chats this instance hid: close() purges only those
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         # Autocommit mode: transactions are explicit (see _tx) so no DDL or DML slips outside one.
@@ -141,7 +145,8 @@ class History:
             # In WAL mode NORMAL loses nothing when the app crashes, only (maybe) on power loss.
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._migrate()
-            self.purge_hidden()  # left hidden by a session that ended before it could purge
+            # Left hidden by a session that ended before it could purge; not one still in its undo.
+            self.purge_hidden(older_than_s=STALE_HIDDEN_S)
         except BaseException:
             self._conn.close()
             raise
@@ -149,10 +154,26 @@ class History:
     # ---- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Chats still hidden (an undo that never came) are deleted now."""
+        """Chats this history hid and that are still hidden (an undo that never came) are deleted
+        now; another window's pending deletions are its own."""
         with contextlib.suppress(sqlite3.Error):
-            self.purge_hidden()
+            for chat_id in sorted(self._hidden_here):
+                self.purge_hidden(chat_id)
         self._conn.close()
+
+    def close_without_purging(self) -> None:
+        """For a file about to be set aside: nothing more is written to it."""
+        self._conn.close()
+
+    def damage(self) -> str | None:
+        """None when SQLite's own page check passes, else what it found (a damaged page would
+        otherwise surface later, in whichever read or write first touches it)."""
+        try:
+            rows = self._conn.execute("PRAGMA quick_check(5)").fetchall()
+        except sqlite3.DatabaseError as exc:
+            return str(exc)
+        found = [str(row[0]) for row in rows]
+        return None if found == ["ok"] else "; ".join(found)
 
     def __enter__(self) -> History:
         return self
@@ -247,6 +268,7 @@ class History:
         or until `purge_hidden` (the undo window ended, or the history was closed) deletes it."""
         with self._tx() as conn:
             conn.execute("UPDATE chats SET deleted = ? WHERE id = ?", (time.time(), chat_id))
+        self._hidden_here.add(chat_id)
 
     def restore_chat(self, chat_id: int) -> bool:
         """False when it is gone already (purged)."""
@@ -254,15 +276,19 @@ class History:
             cur = conn.execute(
                 "UPDATE chats SET deleted = NULL WHERE id = ? AND deleted IS NOT NULL", (chat_id,)
             )
+        self._hidden_here.discard(chat_id)
         return cur.rowcount > 0
 
-    def purge_hidden(self, chat_id: int | None = None) -> int:
-        """Delete hidden chats for good (one, or all of them); returns how many."""
+    def purge_hidden(self, chat_id: int | None = None, *, older_than_s: float = 0.0) -> int:
+        """Delete hidden chats for good (one, or all hidden more than `older_than_s` ago); returns
+        how many."""
         with self._tx() as conn:
             if chat_id is None:
-                cur = conn.execute("DELETE FROM chats WHERE deleted IS NOT NULL")
+                cutoff = time.time() - older_than_s
+                cur = conn.execute("DELETE FROM chats WHERE deleted IS NOT NULL AND deleted <= ?", (cutoff,))
             else:
                 cur = conn.execute("DELETE FROM chats WHERE id = ? AND deleted IS NOT NULL", (chat_id,))
+                self._hidden_here.discard(chat_id)
         return cur.rowcount
 
     # ---- messages -------------------------------------------------------------------------

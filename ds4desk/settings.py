@@ -1,7 +1,9 @@
 """Typed user settings, kept as JSON in the user config dir.
 
 A settings file is something people edit by hand and older versions wrote, so loading never fails:
-unknown keys are ignored and a value of the wrong type or range falls back to its default.
+unknown keys are ignored and a value of the wrong type or range falls back to its default. What
+could not be read is never overwritten: `Settings.load_checked` keeps a copy of such a file beside it and
+says so, so the user can see what went wrong and take back what was in it.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
+import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,20 @@ from ds4desk.engine.api import WEIGHT_MODES, LoadRequest, SamplingParams, Thinki
 log = logging.getLogger(__name__)
 
 MAX_RECENT_MODELS = 8
+MAX_SETTINGS_BYTES = 4 * 2**20  # a settings file is a few KB; a long system prompt, a few hundred
+# Every number is bounded where it is read, as the settings dialog bounds it: a hand-edited
+# snapshot_slots of 10^8 would otherwise cost 12 GB on every answer.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "context": (2, 1_048_576),
+    "chunk": (0, 65_536),
+    "max_new_tokens": (1, 1_048_576),
+    "snapshot_slots": (1, 1024),
+    "snapshot_memory_mb": (1, 1_048_576),
+    "top_k": (0, 1_000_000),
+    "thinking_budget_tokens": (0, 1_048_576),
+}
+MAX_IDLE_PARK_MINUTES = 10_000.0
+MAX_DEVICES = 64
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -123,10 +142,45 @@ class Settings:
             return cls()
         try:
             data = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             log.warning("settings: %s is not valid JSON (%s), using defaults", path, exc)
             return cls()
         return cls.from_json(data)
+
+    @classmethod
+    def load_checked(cls, path: Path) -> OpenedSettings:
+        """Like `load`, and what the user must be told: a file that is not valid JSON is moved
+        aside (settings.json.broken-TIME) so the next save cannot overwrite it; one with values
+        that were ignored is copied aside before anything is saved over it; one that cannot be read
+        at all is left in place and must not be saved over (`writable` False)."""
+        try:
+            size = path.stat().st_size
+            if size > MAX_SETTINGS_BYTES:
+                raise ValueError(f"it is {size} bytes, more than a settings file can be")
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return OpenedSettings(cls())
+        except OSError as exc:
+            problem = (
+                f"The settings in {path} could not be read ({exc.strerror or exc}); defaults are used "
+                "and changes will not be saved this session."
+            )
+            return OpenedSettings(cls(), problem, writable=False)
+        except ValueError as exc:
+            return _set_aside(path, cls(), str(exc), move=True)
+        try:
+            data = json.loads(raw.decode("utf-8"))  # Infinity/NaN parse, and fail as values
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            return _set_aside(path, cls(), f"not valid JSON: {exc}", move=True)
+        if not isinstance(data, dict):
+            return _set_aside(path, cls(), "not a JSON object", move=True)
+        settings = cls.from_json(data)
+        ignored = [
+            f.name for f in fields(cls) if f.name in data and _validated(f.name, data[f.name]) is _INVALID
+        ]
+        if ignored:
+            return _set_aside(path, settings, f"invalid values for {', '.join(ignored)}", move=False)
+        return OpenedSettings(settings)
 
     def save(self, path: Path) -> None:
         """Atomic: a crash mid-write leaves the previous file, never half of the new one."""
@@ -145,11 +199,43 @@ class Settings:
             raise
 
 
+@dataclass(slots=True)
+class OpenedSettings:
+    settings: Settings
+    problem: str | None = None  # what to tell the user, once
+    writable: bool = True  # False: the file could not be read and is still there
+
+
+def _set_aside(path: Path, settings: Settings, why: str, *, move: bool) -> OpenedSettings:
+    """Keep the unreadable (move) or partly ignored (copy) file as settings.json.broken-TIME."""
+    kept = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        if move:
+            os.replace(path, kept)
+        else:
+            shutil.copy2(path, kept)
+    except OSError as exc:
+        problem = (
+            f"The settings file {path} has problems ({why}) and could not be set aside "
+            f"({exc.strerror or exc}); defaults are used and changes will not be saved this session."
+        )
+        return OpenedSettings(settings, problem, writable=False)
+    log.warning("settings: %s: %s; kept as %s", path, why, kept.name)
+    what = "Defaults are used" if move else "Those settings are back to their defaults"
+    problem = f"The settings file had problems ({why}). {what}; the file was kept as {kept.name}."
+    return OpenedSettings(settings, problem)
+
+
 _INVALID = object()
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a number
+
+
+def _is_number(value: object) -> bool:
+    """A finite JSON number (Python's json reads Infinity and NaN; they are no setting)."""
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
 
 
 def _validated(name: str, value: Any) -> Any:
@@ -164,32 +250,40 @@ def _validated(name: str, value: Any) -> Any:
         case "weights":
             ok = value in WEIGHT_MODES
         case "devices":
-            ok = isinstance(value, list) and all(
-                isinstance(v, str) and v != "auto" and bool(_DEVICE.match(v)) for v in value
+            ok = (
+                isinstance(value, list)
+                and len(value) <= MAX_DEVICES
+                and all(isinstance(v, str) and v != "auto" and bool(_DEVICE.match(v)) for v in value)
             )
         case "layer_split":
-            ok = isinstance(value, list) and all(_is_int(v) and v > 0 for v in value)
+            ok = (
+                isinstance(value, list)
+                and len(value) <= MAX_DEVICES
+                and all(_is_int(v) and 0 < v <= 1_000_000 for v in value)
+            )
         case "unpark_on_generate" | "park_cancels_running" | "thinking":
             ok = isinstance(value, bool)
         case "idle_park_minutes":
-            ok = (_is_int(value) or isinstance(value, float)) and value >= 0
+            ok = _is_number(value) and 0 <= value <= MAX_IDLE_PARK_MINUTES
             value = float(value) if ok else value
-        case "chunk":
-            ok = _is_int(value) and value >= 0
-        case "context" | "max_new_tokens" | "snapshot_slots" | "snapshot_memory_mb":
-            ok = _is_int(value) and value > 0
+        case "context" | "chunk" | "max_new_tokens" | "snapshot_slots" | "snapshot_memory_mb":
+            low, high = INT_RANGES[name]
+            ok = _is_int(value) and low <= value <= high
         case "top_k" | "thinking_budget_tokens":
-            ok = _is_int(value) and value >= 0
+            low, high = INT_RANGES[name]
+            ok = _is_int(value) and low <= value <= high
         case "temperature":
-            ok = (_is_int(value) or isinstance(value, float)) and 0.0 <= value <= 5.0
+            ok = _is_number(value) and 0.0 <= value <= 5.0
             value = float(value) if ok else value
         case "top_p":
-            ok = (_is_int(value) or isinstance(value, float)) and 0.0 < value <= 1.0
+            ok = _is_number(value) and 0.0 < value <= 1.0
             value = float(value) if ok else value
         case "last_model":
-            ok = value is None or (isinstance(value, str) and value != "")
+            ok = value is None or (isinstance(value, str) and value != "" and "\0" not in value)
         case "recent_models":
-            ok = isinstance(value, list) and all(isinstance(v, str) and v != "" for v in value)
+            ok = isinstance(value, list) and all(
+                isinstance(v, str) and v != "" and "\0" not in v for v in value
+            )
             value = list(dict.fromkeys(value))[:MAX_RECENT_MODELS] if ok else value
         case "system_prompt":
             ok = isinstance(value, str)

@@ -433,7 +433,8 @@ class Engine:
         if parked is not None and parked.request == request:
             snapshots = parked.snapshots  # unparking: the same model, its snapshots still apply
         else:
-            identity = ModelIdentity(_fingerprint(source), info.dtype, context)
+            layout, vocab = _state_check(runtime.model, context)
+            identity = ModelIdentity(_fingerprint(source), info.dtype, context, layout, vocab)
             snapshots = SnapshotStore(identity, self._snapshot_slots, self._snapshot_budget_bytes)
         if keep:
             # The old model goes only now that the new one is ready; the cuBLAS workspaces stay,
@@ -531,6 +532,10 @@ class Engine:
             store = chosen.snapshots
             if op in ("free", "pin", "unpin", "save") and slot is None:
                 raise EngineFailure(ErrorCode.BAD_REQUEST, f"'{op}' needs a slot")
+            if slot is not None and (not isinstance(slot, int) or isinstance(slot, bool)):
+                raise EngineFailure(ErrorCode.BAD_REQUEST, f"a slot is a number, got {slot!r}")
+            if path is not None and not isinstance(path, Path):
+                raise EngineFailure(ErrorCode.BAD_REQUEST, f"a slot path is a file path, got {path!r}")
             if op in ("save", "load") and path is None:
                 raise EngineFailure(ErrorCode.BAD_REQUEST, f"'{op}' needs a path")
             if op == "free":
@@ -544,7 +549,14 @@ class Engine:
             elif op != "list":
                 raise EngineFailure(ErrorCode.BAD_REQUEST, f"unknown slot command '{op}'")
         except EngineFailure as failure:
-            return SlotResult(slot=slot, error=failure.error)
+            return SlotResult(slot=slot if isinstance(slot, int) else None, error=failure.error)
+        except OSError as exc:  # a disk that is full, read-only or gone: the user's to fix
+            error = EngineError(ErrorCode.BAD_REQUEST, f"{op} failed: {exc.strerror or exc}")
+            return SlotResult(slot=slot if isinstance(slot, int) else None, error=error)
+        except Exception as exc:  # a bug of ours: still one answer, and the engine goes on
+            log.error("slot command %s failed: %s: %s", op, type(exc).__name__, exc)
+            error = EngineError(ErrorCode.BAD_REQUEST, f"{op} failed: {type(exc).__name__}: {exc}")
+            return SlotResult(slot=slot if isinstance(slot, int) else None, error=error)
         return SlotResult([snap.describe() for snap in store.list()], slot)
 
     def _generate(self, request: GenerateRequest, sink: DeltaSink | None) -> GenerateResult:
@@ -677,6 +689,25 @@ def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]
     if not ids:
         raise EngineFailure(ErrorCode.BAD_REQUEST, "the prompt is empty")
     return ids
+
+
+def _state_check(model: Any, context: int) -> tuple[Any, int | None]:
+    """What a snapshot file must hold for this model: its state layout and its vocabulary size. A
+    model whose layout cannot be learned gets every file refused, never trusted."""
+    from ds4desk.engine.snapshots import state_layout
+
+    vocab = getattr(model, "vocab_size", None)
+    try:
+        return state_layout(model, context), vocab if isinstance(vocab, int) else None
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+
+        def refuse(_length: int) -> dict[str, Any]:
+            raise EngineFailure(
+                ErrorCode.INVALID_SNAPSHOT_SLOT, f"snapshot files of this model cannot be checked ({reason})"
+            )
+
+        return refuse, vocab if isinstance(vocab, int) else None
 
 
 def _fingerprint(source: Any) -> str:

@@ -195,6 +195,7 @@ class MainWindow(QMainWindow):
         column = QVBoxLayout(main)
         column.setContentsMargins(0, 0, 0, 12)
         column.setSpacing(10)
+        column.addWidget(self._build_notice_bar())
         column.addWidget(self.chat_view, 1)
         column.addWidget(park_box)
         column.addWidget(self.chat_options)
@@ -346,6 +347,36 @@ class MainWindow(QMainWindow):
         bar.addPermanentWidget(self.model_label)
 
     # ---- status ---------------------------------------------------------------------------
+
+    def _build_notice_bar(self) -> QWidget:
+        """Problems found at start (a damaged history or settings file set aside): unlike the status
+        line, which the next step overwrites, a notice stays until the user dismisses it."""
+        self.notice_bar = QWidget(objectName="NoticeBar")
+        self.notice_label = QLabel(objectName="NoticeLabel")
+        self.notice_label.setWordWrap(True)
+        self.notice_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.notice_dismiss = QPushButton("Dismiss", objectName="NoticeDismiss")
+        self.notice_dismiss.setAccessibleName("Dismiss the notice")
+        self.notice_dismiss.clicked.connect(self.dismiss_notices)
+        row = QHBoxLayout(self.notice_bar)
+        row.setContentsMargins(12, 8, 12, 8)
+        row.addWidget(self.notice_label, 1)
+        row.addWidget(self.notice_dismiss)
+        self.notice_bar.hide()
+        self.notices: list[str] = []
+        return self.notice_bar
+
+    def show_notice(self, text: str) -> None:
+        """Shown above the chat until dismissed; several notices stack."""
+        self.notices.append(text)
+        self.notice_label.setText("\n\n".join(self.notices))
+        self.notice_bar.show()
+        self.set_status(text, error=True)
+
+    def dismiss_notices(self) -> None:
+        self.notices.clear()
+        self.notice_label.clear()
+        self.notice_bar.hide()
 
     def set_status(self, text: str, *, error: bool = False) -> None:
         self.status_label.setText(text)

@@ -37,6 +37,33 @@ FOLDER_FILES = frozenset(
 )
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_TEMPLATE_BYTES = 4 * 1024 * 1024
+# Upper bounds on the config sizes that decide how much is built or allocated, each far above any
+# published model: everything per layer, per head or per expert is sized from these before memory
+# is checked, so a config that lies (10^9 layers) is refused here, before anything is built.
+MAX_CONFIG_SIZES: dict[str, int] = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 2**17,
+    "intermediate_size": 2**20,
+    "moe_intermediate_size": 2**20,
+    "vocab_size": 2**23,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "head_dim": 4096,
+    "n_routed_experts": 4096,
+    "num_experts_per_tok": 4096,
+    "n_shared_experts": 64,
+    "q_lora_rank": 2**17,
+    "o_lora_rank": 2**17,
+    "o_groups": 4096,
+    "index_n_heads": 4096,
+    "index_head_dim": 4096,
+    "index_topk": 2**20,
+    "hc_mult": 64,
+    "hc_sinkhorn_iters": 10_000,
+    "sliding_window": 2**22,
+    "sliding_window_pattern": 1024,
+    "max_window_layers": 1024,
+}
 
 
 def _fail(message: str) -> EngineFailure:
@@ -57,12 +84,28 @@ def read_source(path: Path) -> ModelSource:
     """What `path` is, as a loadable folder; LOAD_FAILED with a human message for anything else."""
     path = Path(path).expanduser()
     try:
-        exists, is_dir, is_file = path.exists(), path.is_dir(), path.is_file()
+        path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise _fail(f"{path} is a symbolic link to something that does not exist") from None
+        raise _fail(f"{path} does not exist") from None
+    except OSError as exc:  # ELOOP: a symbolic link loop; EACCES: a folder above it is closed to us
+        raise _fail(f"cannot look at {path}: {exc.strerror or exc}") from None
+    source = _read_source(path)
+    check_config_sizes(source.config, path)
+    return source
+
+
+def _read_source(path: Path) -> ModelSource:
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
     except OSError as exc:
-        raise _fail(f"cannot look at {path}: {exc.strerror or exc}") from exc
-    if not exists:
-        raise _fail(f"{path} does not exist")
+        raise _fail(f"cannot look at {path}: {exc.strerror or exc}") from None
     if is_dir:
+        try:
+            next(path.iterdir(), None)
+        except OSError as exc:
+            raise _fail(f"cannot open the folder {path}: {exc.strerror or exc}") from None
         return inspect_folder(path)
     if not is_file:
         raise _fail(f"{path} is not a model: expected a folder with config.json or a .gguf file")
@@ -76,6 +119,23 @@ def read_source(path: Path) -> ModelSource:
             "one can run arbitrary code. Use the model's safetensors or GGUF version instead"
         )
     raise _fail(f"{path.name} is not a model: expected a folder with config.json or a .gguf file")
+
+
+def check_config_sizes(config: dict[str, Any], path: Path) -> None:
+    """LOAD_FAILED when a size in the config (or in its text_config) is past MAX_CONFIG_SIZES."""
+    parts = [config]
+    if isinstance(config.get("text_config"), dict):
+        parts.append(config["text_config"])
+    for part in parts:
+        for key, most in MAX_CONFIG_SIZES.items():
+            value = part.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > most:
+                raise _fail(f"{path.name}: config '{key}' is {value}, more than ds4desk allows ({most})")
+        layer_lists = [part.get(k) for k in ("layer_types", "mlp_layer_types", "compress_ratios")]
+        if any(
+            isinstance(v, list) and len(v) > 2 * MAX_CONFIG_SIZES["num_hidden_layers"] for v in layer_lists
+        ):
+            raise _fail(f"{path.name}: config lists more layer types than ds4desk allows layers")
 
 
 def inspect_folder(folder: Path) -> ModelSource:
@@ -131,6 +191,7 @@ def read_config(folder: Path) -> dict[str, Any]:
     if deepseek_v4_names.is_model_args_config(config):
         # DeepSeek's reference-code config (inference/config.json style).
         config = deepseek_v4_names.model_args_to_hf(config)
+    check_config_sizes(config, path)  # before anything builds a per-layer list from it
     if "architectures" not in config and config.get("model_type") == "deepseek_v4":
         # Some DeepSeek config.json files name only the model type.
         config["architectures"] = [deepseek_v4_names.ARCHITECTURE]
@@ -231,6 +292,7 @@ def find_chat_template(folder: Path) -> str | None:
 
 
 __all__ = [
+    "check_config_sizes",
     "inspect_folder",
     "is_gguf",
     "read_config",

@@ -28,6 +28,13 @@ SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts and predates every model wo
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 8  # ggml itself has 4; anything far beyond that is a corrupt header
 MAX_ARRAY_NESTING = 2
+# Metadata is parsed into Python objects, which take about ten times the bytes they came from, so
+# its size is bounded before anything is parsed: the largest real vocabularies (262k tokens with
+# their scores, types and merges) stay far below both limits.
+MAX_ARRAY_ELEMENTS = 2**22
+MAX_METADATA_BYTES = 256 * 2**20
+# `<arch>.block_count` sizes everything built per layer: refused above this before anything is.
+MAX_LAYERS = 1024
 
 # GGUF value type id -> (struct format, size) for scalars.
 _SCALARS: dict[int, tuple[str, int]] = {
@@ -121,7 +128,10 @@ class _Cursor:
 
     def text(self, what: str) -> str:
         # Values are data (token strings, templates); a stray invalid byte should not reject the file.
-        return self.raw_string(what).decode("utf-8", errors="replace")
+        text = self.raw_string(what).decode("utf-8", errors="replace")
+        if self.pos > MAX_METADATA_BYTES:  # checked as it goes: an array of strings is parsed one by one
+            raise _BadGGUF(f"its metadata is larger than {MAX_METADATA_BYTES // 2**20} MiB")
+        return text
 
     def value(self, vtype: int, what: str, depth: int = 0) -> object:
         if vtype in _SCALARS:
@@ -137,6 +147,10 @@ class _Cursor:
         raise _BadGGUF(f"{what} has unknown value type {vtype}")
 
     def array(self, etype: int, count: int, what: str, depth: int) -> list[object]:
+        if count > MAX_ARRAY_ELEMENTS:
+            raise _BadGGUF(
+                f"{what} claims {count} elements; metadata arrays are limited to {MAX_ARRAY_ELEMENTS}"
+            )
         if etype in _NUMPY_SCALARS:
             size = _SCALARS[etype][1]
             self.need(count * size, what)
@@ -200,6 +214,12 @@ def _parse(path: Path, cur: _Cursor) -> GGUFHeader:
         if key in header.metadata:
             raise _BadGGUF(f"metadata key '{key}' appears twice")
         header.metadata[key] = cur.value(vtype, f"'{key}'")
+        if cur.pos > MAX_METADATA_BYTES:
+            raise _BadGGUF(f"its metadata is larger than {MAX_METADATA_BYTES // 2**20} MiB")
+        if key.endswith(".block_count"):
+            layers = header.metadata[key]
+            if type(layers) is not int or not 0 < layers <= MAX_LAYERS:
+                raise _BadGGUF(f"'{key}' is {layers!r}; ds4desk loads models of 1..{MAX_LAYERS} layers")
 
     infos: list[tuple[str, tuple[int, ...], int, int]] = []
     for _ in range(tensor_count):

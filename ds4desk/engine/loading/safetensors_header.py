@@ -18,8 +18,10 @@ from pathlib import Path
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.source import TensorEntry
 
-# The reference implementation refuses headers over 100 MB; a real one is a few hundred KB.
-MAX_HEADER_BYTES = 100_000_000
+# A real header is a few hundred KB (a few MB for a single file of ~100k tensors). The parsed JSON
+# takes about 17x its bytes in Python objects, so the reference implementation's 100 MB limit
+# would cost 1.7 GB before a refusal; 16 MiB bounds that at under 300 MB.
+MAX_HEADER_BYTES = 16 * 2**20
 
 # Bits per element. Sub-byte types (FP4/FP6) pack several elements into a byte.
 DTYPE_BITS: dict[str, int] = {

@@ -13,6 +13,10 @@ import torch
 
 from ds4desk.engine.models.base import config_float, config_int, load_failure
 
+# The deepest published models have under 200 layers; a config claiming more is refused before
+# anything is built per layer.
+MAX_LAYERS = 1024
+
 # Attention kinds (transformers' `layer_types`) and FFN kinds (`mlp_layer_types`).
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -128,6 +132,10 @@ class DeepseekV4Config:
         if not isinstance(config, dict):
             raise load_failure("config.json is not a JSON object")
         layers = config_int(config, "num_hidden_layers")
+        if layers > MAX_LAYERS:  # everything per layer is sized from it: refused before
+            raise load_failure(
+                f"config.json num_hidden_layers {layers} is more than ds4desk loads ({MAX_LAYERS})"
+            )
         hidden = config_int(config, "hidden_size")
         heads = config_int(config, "num_attention_heads")
         head_dim = config_int(config, "head_dim")

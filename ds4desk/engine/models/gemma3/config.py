@@ -19,6 +19,10 @@ from typing import Any
 from ds4desk.engine.models.base import config_float, config_int, load_failure
 from ds4desk.engine.models.llama.config import RopeConfig
 
+# The deepest published models have under 200 layers; a config claiming more is refused before
+# anything is built per layer.
+MAX_LAYERS = 1024
+
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 # transformers' defaults for a key a config.json leaves out.
 _DEFAULT_THETA = {GLOBAL: 1_000_000.0, LOCAL: 10_000.0}
@@ -58,6 +62,10 @@ class Gemma3Config:
         heads = config_int(config, "num_attention_heads")
         kv_heads = config_int(config, "num_key_value_heads", heads)
         layers = config_int(config, "num_hidden_layers")
+        if layers > MAX_LAYERS:  # everything per layer is sized from it: refused before
+            raise load_failure(
+                f"config.json num_hidden_layers {layers} is more than ds4desk loads ({MAX_LAYERS})"
+            )
         if heads % kv_heads:
             raise load_failure(
                 f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"

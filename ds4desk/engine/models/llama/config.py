@@ -20,6 +20,10 @@ import torch
 from ds4desk.engine.models.base import config_float, config_int, load_failure
 from ds4desk.engine.models.registry import families_of
 
+# The deepest published models have under 200 layers; a config claiming more is refused before
+# anything is built per layer.
+MAX_LAYERS = 1024
+
 # Hugging Face architecture name -> our family name, for the families this package runs.
 DENSE_ARCHITECTURES = families_of("llama")
 
@@ -130,6 +134,10 @@ class DenseConfig:
         heads = config_int(config, "num_attention_heads")
         kv_heads = config_int(config, "num_key_value_heads", heads)
         layers = config_int(config, "num_hidden_layers")
+        if layers > MAX_LAYERS:  # everything per layer is sized from it: refused before
+            raise load_failure(
+                f"config.json num_hidden_layers {layers} is more than ds4desk loads ({MAX_LAYERS})"
+            )
         if heads % kv_heads:
             raise load_failure(
                 f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"

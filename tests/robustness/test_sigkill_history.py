@@ -1,0 +1,91 @@
+"""SIGKILL at random points while answers stream into the history and chats are renamed, deleted
+and branched: after every restart the database passes PRAGMA integrity_check, every answer that
+was reported complete is there with its text and marked finished, every rename reported is kept
+and every deletion reported stays deleted.
+
+KILLS restarts are enough to land kills inside streaming writes, commits and purges many times over
+(each run does hundreds of transactions); more would only cost CI time."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ds4desk.history import History
+
+KILLS = 20
+WORKER = [sys.executable, "-m", "tests.robustness.history_worker"]
+
+
+def _run_until_killed(db: Path, seed: int, after_lines: int) -> list[list[str]]:
+    """Start the worker, SIGKILL it once it has reported `after_lines` steps (plus a random few
+    milliseconds, so the kill lands anywhere in the step after), return what it reported."""
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen([*WORKER, str(db), str(seed)], stdout=subprocess.PIPE, text=True, cwd=root)
+    assert process.stdout is not None
+    reported: list[list[str]] = []
+    for line in process.stdout:
+        reported.append(line.split())
+        if len(reported) >= after_lines:
+            break
+    time.sleep(random.Random(seed).random() * 0.02)
+    process.send_signal(signal.SIGKILL)
+    # Lines already written before the kill count as shown too.
+    rest = threading.Thread(target=lambda: reported.extend(line.split() for line in process.stdout or []))
+    rest.start()
+    process.wait(timeout=30)
+    rest.join(30)
+    return reported
+
+
+def test_sigkill_never_loses_a_completed_answer_or_damages_the_database(tmp_path: Path) -> None:
+    db = tmp_path / "history.sqlite3"
+    complete: dict[int, str] = {}  # answer id -> sha256 of its text
+    chat_of: dict[int, int] = {}  # answer id -> its chat
+    titles: dict[int, str] = {}
+    deleted: set[int] = set()
+    ever_deleted = 0
+    rng = random.Random(22)
+    for kill in range(KILLS):
+        for words in _run_until_killed(db, seed=kill, after_lines=rng.randrange(1, 60)):
+            # In order: SQLite hands a deleted chat's (or message's) id to the next one made.
+            if words[0] == "COMPLETE":
+                chat_id, message_id = int(words[1]), int(words[2])
+                deleted.discard(chat_id)
+                complete[message_id] = words[3]
+                chat_of[message_id] = chat_id
+            elif words[0] == "RENAMED":
+                titles[int(words[1])] = " ".join(words[2:])
+            elif words[0] == "DELETED":
+                chat_id = int(words[1])
+                deleted.add(chat_id)
+                titles.pop(chat_id, None)
+                for message_id in [m for m, c in chat_of.items() if c == chat_id]:
+                    del complete[message_id], chat_of[message_id]
+                ever_deleted += 1
+
+        raw = sqlite3.connect(db)
+        try:
+            assert raw.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+            assert raw.execute("PRAGMA foreign_key_check").fetchall() == []
+        finally:
+            raw.close()
+        with History(db) as history:
+            for chat_id in deleted:
+                assert history.get_chat(chat_id) is None
+            for chat_id, title in titles.items():
+                if chat_id not in deleted:
+                    chat = history.get_chat(chat_id)
+                    assert chat is not None and chat.title == title
+            for message_id, digest in complete.items():
+                message = history.get_message(message_id)
+                assert message is not None and message.finished, (message_id, message)
+                assert hashlib.sha256(message.content.encode()).hexdigest() == digest
+    assert len(complete) > 50 and ever_deleted and titles  # the kills landed among every kind of step
