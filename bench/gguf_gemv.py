@@ -47,6 +47,10 @@ SHAPES = [
 ]
 CALLS = 40
 L2_BYTES = 256 << 20
+SWEPT_SHAPES = ("q", "gate_up", "down", "head")  # --sweep: the shapes whose settings are tried
+ONE_ROW_TYPES = tuple(gt.ONE_ROW_GROUPS)  # the types with their own one-row kernel (gguf_gemv1_triton)
+# (BLOCK_N, values per row per iteration, num_warps) of the general kernel tried by --sweep
+GENERAL_CONFIGS = list(itertools.product((1, 2, 4, 8), (256, 512, 1024), (4, 8)))
 PREFILL_ROWS = 512
 BY_NAME = {t.name: t for t in GGUF_TYPES.values()}
 
@@ -129,6 +133,8 @@ def bench(name: str, shape: tuple[str, int, int, str], configs: list[tuple[int, 
     reference = gt.reference_matmul(x4, weights[0], type_id, cols)
     got = gt.matmul(x4.contiguous(), weights[0], type_id, cols, out)
     rel_err = float((got.float() - reference).norm() / reference.norm())
+    got1 = gt.matmul(x1.contiguous(), weights[0], type_id, cols, out1.clone())
+    rel_err1 = float((got1.float() - reference[:1]).norm() / reference[:1].norm())
 
     def gemv1(i: int) -> None:
         gt.gemv(x1, weights[i], type_id, cols, out1)
@@ -150,7 +156,18 @@ def bench(name: str, shape: tuple[str, int, int, str], configs: list[tuple[int, 
     row: dict[str, object] = {"type": name, "shape": label, "rows": rows, "cols": cols}
     row["packed_mb"] = packed_bytes / 1e6
     row["rel_err_t4"] = rel_err
+    row["rel_err_t1"] = rel_err1
     gt.OVERRIDE = None
+    one_row = name in ONE_ROW_TYPES
+    if one_row:
+        row["one_row_config"] = list(gt.one_row_config(name, rows))
+        kept, gt.ONE_ROW_MIN_ROWS = gt.ONE_ROW_MIN_ROWS, {}  # the general kernel, for comparison
+        row["general_gemv_us"] = graph_time(gemv1, copies) * 1e6
+        row[f"general_{fused}_gemv_us"] = graph_time(fused_form, copies) * 1e6
+        gt.ONE_ROW_MIN_ROWS = dict.fromkeys(kept, 0)  # the one-row kernel, whatever the height
+        row["one_row_gemv_us"] = graph_time(gemv1, copies) * 1e6
+        row[f"one_row_{fused}_gemv_us"] = graph_time(fused_form, copies) * 1e6
+        gt.ONE_ROW_MIN_ROWS = kept
     row["default_config"] = list(
         gt.gemv_config(rows, cols, torch.cuda.get_device_properties(0).multi_processor_count)
     )
@@ -173,15 +190,20 @@ def bench(name: str, shape: tuple[str, int, int, str], configs: list[tuple[int, 
     exact = torch.equal(scratch, gguf.dequantize(weights[0], type_id, (rows, cols)).bfloat16())
     row["dequantize_exact"] = exact
 
-    if configs:
+    if configs and label in SWEPT_SHAPES:
+        kept, gt.ONE_ROW_MIN_ROWS = gt.ONE_ROW_MIN_ROWS, dict.fromkeys(gt.ONE_ROW_MIN_ROWS, 0)
         tried = []
-        for config in configs:
-            gt.OVERRIDE = config
+        for config in configs[name] if one_row else GENERAL_CONFIGS:
+            if one_row:
+                gt.ONE_ROW_OVERRIDE = config
+            else:
+                gt.OVERRIDE = config
             try:
                 tried.append((graph_time(gemv1, copies) * 1e6, config))
             except Exception as exc:  # a setting that does not compile is skipped, not fatal
                 print(f"  {name} {label} {config}: {type(exc).__name__}", flush=True)
-        gt.OVERRIDE = None
+        gt.OVERRIDE = gt.ONE_ROW_OVERRIDE = None
+        gt.ONE_ROW_MIN_ROWS = kept
         tried.sort()
         row["best"] = [{"us": us, "gb_s": packed_bytes / us / 1e3, "config": list(c)} for us, c in tried[:3]]
     print(json.dumps(row), flush=True)
@@ -202,7 +224,15 @@ def main() -> int:
     if unknown:
         print(json.dumps({"error": f"not covered by the GGUF kernels here: {unknown}"}))
         return 1
-    configs = list(itertools.product((1, 2, 4, 8), (256, 512, 1024), (4, 8))) if args.sweep else None
+    configs = None
+    if args.sweep:  # (BLOCK_N, groups a tile, warps) of the one-row kernel, by type
+        configs = {
+            t: [
+                (b, values // gt.ONE_ROW_GROUPS[t], warps)
+                for b, (values, warps) in itertools.product((4, 8, 16), ((1024, 1), (2048, 1), (2048, 2)))
+            ]
+            for t in ONE_ROW_TYPES
+        }
     copy_gb_s = copy_bandwidth()
     print(json.dumps({"copy_gb_s": copy_gb_s}), flush=True)
     rows = []

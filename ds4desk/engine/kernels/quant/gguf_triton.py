@@ -36,6 +36,13 @@ from ds4desk.engine.kernels.quant.common import device_sms, nvidia_cuda
 # (TRITON_INTERPRET=1 runs them on CPU tensors: the tests); off: gguf_matmul's reference path.
 SWITCH = Switch("quant.gguf_triton", "the GGUF block-type GEMV and dequantize kernels", nvidia_cuda)
 
+# The one-row GEMV of gguf_gemv1_triton: the values in a group of each type it takes (the run that
+# shares its scales), the rows from which a matrix takes it (measured on an H200 with
+# bench/gguf_gemv.py: below, its programs are too few to hide the loads and the general kernel is
+# faster; empty: never), and the (BLOCK_N, groups a tile, num_warps) forced for it (the sweep).
+ONE_ROW_GROUPS = {"Q8_0": 32, "Q4_K": 64, "Q6_K": 64}
+ONE_ROW_MIN_ROWS = {"Q8_0": 1024, "Q4_K": 4096, "Q6_K": 1024}
+ONE_ROW_OVERRIDE: tuple[int, int, int] | None = None
 # Rows of x up to which the GEMV runs; beyond, dequantize + cuBLAS, whose cost does not grow with T.
 GEMV_MAX_ROWS = 8
 # Elements of one dequantized slice of the weight (64 MB in bf16): bounds the prefill scratch.
@@ -121,6 +128,23 @@ def gemv_config(rows: int, cols: int, sms: int) -> tuple[int, int, int]:
     return block_n, values, 8 if block_n * values >= 4096 else 4
 
 
+def one_row_fits(name: str, rows: int) -> bool:
+    """Whether a one-row GEMV of this type and height takes gguf_gemv1_triton's kernel."""
+    return name in ONE_ROW_MIN_ROWS and rows >= ONE_ROW_MIN_ROWS[name]
+
+
+def one_row_config(name: str, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_N, groups a tile, num_warps) of the one-row kernel: one warp a program (its rows' sums
+    stay in its threads), 4 rows a program, 8 from 8192 rows and 16 from 32768 (the head), tiles of
+    2048 values (1024 at 16 rows: the registers). The best of bench/gguf_gemv.py --sweep on an H200
+    for the benchmark model's shapes, within 10%."""
+    if ONE_ROW_OVERRIDE is not None:
+        return ONE_ROW_OVERRIDE
+    block_n = 16 if rows >= 32768 else 8 if rows >= 8192 else 4
+    values = 1024 if block_n == 16 else 2048
+    return block_n, values // ONE_ROW_GROUPS[name], 1
+
+
 # --- torch forms (the tests' reference) -----------------------------------------------------------
 
 
@@ -199,6 +223,18 @@ def norm_gemv(
     return _launch(x, weight, type_id, cols, out, norm, eps, silu=False, with_norm=True, residual=False)
 
 
+def normed_row(x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x [1, cols]; norm, eps) in x's dtype, in one kernel: the input of a group of packed
+    projections whose types differ (each part then runs its own GEMV on it)."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in _DTYPES or norm.shape != (x.shape[1],):
+        raise ValueError(f"normed_row takes one float row and its norm weight, got {list(x.shape)}")
+    kernels = _kernels()
+    assert kernels is not None
+    out = torch.empty_like(x)
+    kernels.prepare(x.contiguous(), norm, eps, x.shape[1], out)
+    return out
+
+
 def dequantize_into(weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor) -> torch.Tensor:
     """out [rows, cols] (float32, bfloat16 or float16) = dequantize(weight), rounded once to out's
     dtype: equal to gguf.dequantize(...).to(out.dtype)."""
@@ -268,12 +304,14 @@ def _aligned(weight: torch.Tensor) -> torch.Tensor:
 class _Kernels:
     gemv: Callable[..., None]
     dequantize: Callable[..., None]
+    prepare: Callable[..., None]
 
 
 @functools.cache
 def _kernels() -> _Kernels | None:
     try:
         from ds4desk.engine.kernels.quant import gguf_blocks_triton as source
+        from ds4desk.engine.kernels.quant import gguf_gemv1_triton as one_row_source
     except Exception:  # no Triton: gguf_matmul's reference path runs
         return None
 
@@ -294,6 +332,17 @@ def _kernels() -> _Kernels | None:
             return
         weight = _aligned(weight)
         name = gguf_type(type_id).name
+        if t == 1 and one_row_fits(name, rows):
+            x = x if x.stride(1) == 1 else x.contiguous()
+            target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
+            if silu or with_norm:  # the input row, prepared once for every program
+                prepared = torch.empty((1, cols), device=x.device, dtype=x.dtype)
+                launch_input(x, norm, eps, cols, prepared)
+                x = prepared
+            launch_one_row(x, weight, type_id, name, cols, target, residual)
+            if target is not out:
+                out.copy_(target)
+            return
         sub, unit = _TILES[name]
         block_n, values, warps = gemv_config(rows, cols, device_sms(x))
         values = max(values, sub)
@@ -330,6 +379,54 @@ def _kernels() -> _Kernels | None:
         if target is not out:
             out.copy_(target)
 
+    def launch_one_row(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        type_id: int,
+        name: str,
+        cols: int,
+        out: torch.Tensor,
+        residual: bool,
+    ) -> None:
+        rows = weight.shape[0]
+        n_groups = cols // ONE_ROW_GROUPS[name]
+        block_n, groups, warps = one_row_config(name, rows)
+        use_pdl = pdl(x)
+        one_row_source.gemv1_kernel[(-(-rows // block_n),)](
+            x,
+            weight,
+            out,
+            rows,
+            weight.stride(0),
+            KIND=type_id,
+            G=min(groups, next_power_of_two(n_groups)),
+            N_GROUPS=n_groups,
+            BLOCK_N=block_n,
+            RESIDUAL=residual,
+            PDL=use_pdl,
+            ASM=x.is_cuda,  # PTX where it compiles for a GPU; Triton's interpreter runs CPU tensors
+            num_warps=warps,
+            launch_pdl=use_pdl,
+        )
+
+    def launch_input(
+        x: torch.Tensor, norm: torch.Tensor | None, eps: float, cols: int, out: torch.Tensor
+    ) -> None:
+        use_pdl = pdl(x)
+        block = next_power_of_two(cols)
+        one_row_source.input_kernel[(1,)](
+            x,
+            norm if norm is not None else x,
+            out,
+            eps,
+            COLS=cols,
+            BLOCK=block,
+            SILU=norm is None,
+            PDL=use_pdl,
+            num_warps=min(16, max(4, block // 512)),
+            launch_pdl=use_pdl,
+        )
+
     def launch_dequantize(weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor) -> None:
         rows = weight.shape[0]
         if rows == 0:
@@ -358,4 +455,4 @@ def _kernels() -> _Kernels | None:
             enable_fp_fusion=False,
         )
 
-    return _Kernels(on_its_device(launch_gemv), on_its_device(launch_dequantize))
+    return _Kernels(on_its_device(launch_gemv), on_its_device(launch_dequantize), on_its_device(launch_input))

@@ -379,9 +379,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bo
 
 def fused_kernels_fit(projection: Projection, dtype: torch.dtype) -> bool:
     """Whether the one-row fused kernels run `projection`: one float weight the bf16 kernels take,
-    or one GGUF-packed weight whose type the GGUF kernels decode (not a group of differing types)."""
+    or GGUF-packed weights whose types the GGUF kernels decode (one, or a group of differing types:
+    q/k/v of a Q4_K_M file)."""
     if projection.weight_t is not None:
         return kernels.fits(projection.weight_t.t())
+    if projection.parts:
+        return all(p.packed is not None and gguf_triton.covers(p.type_id, dtype) for p in projection.parts)
     return projection.packed is not None and gguf_triton.covers(projection.type_id, dtype)
 
 
@@ -391,6 +394,16 @@ def norm_project(
     """out = RMSNorm(x) @ Wᵀ (+ b) for one row, in one fused kernel (float or packed weight)."""
     if projection.weight_t is not None:
         return kernels.norm_gemv(x, norm, projection.weight_t.t(), projection.bias, eps, out=out)
+    if projection.parts:  # differing block types: the normed row once, then a GEMV a part
+        normed, start = gguf_triton.normed_row(x, norm, eps), 0
+        for part in projection.parts:
+            assert part.packed is not None
+            stop = start + part.rows
+            gguf_triton.gemv(normed, part.packed, part.type_id, part.cols, out[:, start:stop])
+            if part.bias is not None:
+                out[:, start:stop].add_(part.bias)
+            start = stop
+        return out
     assert projection.packed is not None
     gguf_triton.norm_gemv(x, norm, projection.packed, projection.type_id, projection.cols, eps, out)
     return out if projection.bias is None else out.add_(projection.bias)

@@ -351,7 +351,6 @@ class DenseModel(CausalLM):
         projections = [self.head_projection()] if shard is self._shards[-1] else []
         for plan in shard.plans:
             projections += [plan.qkv, plan.o, plan.gate_up, plan.down]
-        # A group of differing GGUF types (q/k/v of a Q4_K_M file) runs on the torch steps.
         return all(fused_kernels_fit(p, self.dtype) for p in projections)
 
 

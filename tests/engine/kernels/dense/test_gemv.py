@@ -130,6 +130,7 @@ for family in ("llama", "mistral", "qwen2", "qwen3"):
     model = load_model(source, device, torch.float32).model
     model.decode_attention = "triton"
     model.allocate_cache(64)
+    assert (weights == "mixed") == any(p.qkv.parts for p in model._shards[0].plans)
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).to(device)
     token = torch.zeros(1, dtype=torch.long, device=device)
     at = torch.zeros(1, dtype=torch.long, device=device)
@@ -226,18 +227,30 @@ from ds4desk.engine.kernels.dense import decode_attention as da
 from ds4desk.engine.kernels.quant import gguf_triton
 from ds4desk.engine.loader import fill, plan_load
 from ds4desk.engine.loading.detect import read_source
+from ds4desk.engine import loader
 from tests.engine.tiny_dense import save_tiny
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 da.SWITCH.forced = True
 root = Path(tempfile.mkdtemp())
 wide = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 256}
-for family, weights in (("llama", "q4"), ("qwen2", "q8")):
+as_q4 = loader.requantize_types
+
+
+def mixed(source, weights):  # q4 with v in Q8_0: q/k/v groups of differing types, as in Q4_K_M
+    types = as_q4(source, "q4")
+    return {n: loader.Q8_0 if "v_proj" in n else t for n, t in types.items()}
+
+
+for family, weights in [CASE]:
     save_tiny(family, root / family, **wide)
-    plan = plan_load(read_source(root / family), device, torch.float32, 64, weights=weights)
+    loader.requantize_types = mixed if weights == "mixed" else as_q4
+    quantize = weights.replace("mixed", "q4")
+    plan = plan_load(read_source(root / family), device, torch.float32, 64, weights=quantize)
     model = fill(plan).model
     model.decode_attention = "triton"
     model.allocate_cache(64)
+    assert (weights == "mixed") == any(p.qkv.parts for p in model._shards[0].plans)
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).to(device)
     token = torch.zeros(1, dtype=torch.long, device=device)
     at = torch.zeros(1, dtype=torch.long, device=device)
@@ -261,8 +274,10 @@ for family, weights in (("llama", "q4"), ("qwen2", "q8")):
 """
 
 
-def test_the_step_on_packed_weights_runs_the_fused_gguf_kernels() -> None:
-    """GGUF-packed projections (here quantized on load) take the same fused kernel path as bf16
-    ones, and give the unfused step on the reference matmuls."""
-    stdout = run_triton_check(_PACKED_MODEL_CHECK)
-    assert "llama q4 ok" in stdout and "qwen2 q8 ok" in stdout
+@pytest.mark.parametrize(("family", "weights"), [("llama", "q4"), ("qwen2", "q8"), ("llama", "mixed")])
+def test_the_step_on_packed_weights_runs_the_fused_gguf_kernels(family: str, weights: str) -> None:
+    """GGUF-packed projections (here quantized on load; "mixed": q/k/v of differing types, as in a
+    Q4_K_M file) take the same fused kernel path as bf16 ones, and give the unfused step on the
+    reference matmuls."""
+    stdout = run_triton_check(_PACKED_MODEL_CHECK.replace("CASE", repr((family, weights))))
+    assert f"{family} {weights} ok" in stdout

@@ -280,6 +280,73 @@ def test_the_triton_kernels_equal_the_reference(types: tuple[str, ...]) -> None:
     assert "triton ok" in stdout and all(f"checked {t}" in stdout for t in types)
 
 
+_ONE_ROW_CHECK = """
+import torch
+from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
+from tests.engine.kernels.quant.test_gguf_triton import (
+    BY_NAME, accumulation_bound, assert_matches, quantized_blocks, tame_blocks,
+)
+
+gt.SWITCH.forced = True
+gt.ONE_ROW_MIN_ROWS = dict.fromkeys(gt.ONE_ROW_GROUPS, 0)  # every height takes the one-row kernel
+device = "cuda" if torch.cuda.is_available() else "cpu"
+gen = torch.Generator().manual_seed(1)
+
+def randn(*shape, scale=1.0):
+    return (scale * torch.randn(*shape, generator=gen)).to(device)
+
+for name in ("Q8_0", "Q4_K", "Q6_K"):
+    kind = BY_NAME[name]
+    group = gt.ONE_ROW_GROUPS[name]
+    # (rows, cols, settings): rows no program height divides, a row of groups that the tile does
+    # not divide (masked groups), several tiles along a row, and the default settings.
+    for rows, cols, config in [(9, 768, (4, 8, 1)), (20, 1024, (8, 4096 // group // 2, 1)), (6, 512, None)]:
+        gt.ONE_ROW_OVERRIDE = config
+        blocks = quantized_blocks if name == "Q8_0" else tame_blocks
+        raw = blocks(kind, rows, cols, seed=rows).to(device)
+        w = gguf.dequantize(raw, kind.type_id, (rows, cols))
+        for dtype in (torch.float32, torch.bfloat16):
+            what = (name, rows, cols, config, dtype)
+            x = randn(1, cols).to(dtype)
+            out = gt.matmul(x, raw, kind.type_id, cols, torch.empty(1, rows, device=device, dtype=dtype))
+            assert_matches(out, x.float() @ w.t(), accumulation_bound(x, raw, kind, cols), what)
+
+            residual = randn(1, rows).to(dtype)
+            want = residual.float() + x.float() @ w.t()
+            bound = accumulation_bound(x, raw, kind, cols) + residual.float().abs()
+            gt.gemv_add_(residual, x, raw, kind.type_id, cols)
+            assert_matches(residual, want, bound, (what, "add"))
+
+            gate_up = randn(1, 2 * cols, scale=2.0).to(dtype)
+            residual = randn(1, rows).to(dtype)
+            gate, up = gate_up.float().chunk(2, dim=-1)
+            act = (torch.nn.functional.silu(gate) * up).to(dtype)
+            want = residual.float() + act.float() @ w.t()
+            bound = accumulation_bound(act, raw, kind, cols) + residual.float().abs()
+            gt.gemv_add_(residual, gate_up, raw, kind.type_id, cols, silu=True)
+            slack = 0.0 if dtype == torch.float32 else 2.0**-8  # a GPU's sigmoid is not torch's
+            assert_matches(residual, want, bound, (what, "silu add"), slack)
+
+            norm = (1 + 0.1 * randn(cols)).to(dtype)
+            normed = torch.nn.functional.rms_norm(x.float(), (cols,), norm.float(), 1e-5).to(dtype)
+            out = torch.empty(1, rows, device=device, dtype=dtype)
+            gt.norm_gemv(x, norm, raw, kind.type_id, cols, 1e-5, out)
+            bound = accumulation_bound(normed, raw, kind, cols)
+            assert_matches(out, normed.float() @ w.t(), bound, (what, "norm"), slack)
+    gt.ONE_ROW_OVERRIDE = None
+    print("checked", name)
+print("one row ok")
+"""
+
+
+def test_the_one_row_kernel_equals_the_reference() -> None:
+    """gguf_gemv1_triton (Q8_0, Q4_K, Q6_K at one input row) against dequantize + float32 matmul:
+    plain, with the residual, and behind the norm and SiLU input kernel; on Triton's interpreter
+    (its pure-Triton byte conversion) or a GPU (its PTX one)."""
+    stdout = run_triton_check(_ONE_ROW_CHECK)
+    assert "one row ok" in stdout and all(f"checked {t}" in stdout for t in ("Q8_0", "Q4_K", "Q6_K"))
+
+
 # --- compiled for an H200 without one: Triton's own compiler and ptxas, no GPU needed ---------------
 
 
@@ -377,6 +444,41 @@ def test_the_kernels_compile_for_an_h200(name: str, dtype: str, t: int, form: st
         aligned = {"w", "out", "stride_out"} | ({"row_bytes"} if row_bytes % 16 == 0 else set())
         dequantize = _compile_for_hopper(source.dequantize_kernel, args, constants, aligned, options)
         assert _stack_bytes(dequantize, tmp_path) in (None, 0), (name, "dequantize spills")
+
+
+@pytest.mark.parametrize(
+    ("name", "rows", "cols"),
+    [(n, r, c) for n in ("Q8_0", "Q4_K", "Q6_K") for r, c in ((8192, 2048), (2048, 8192), (49152, 2048))],
+)
+def test_the_one_row_kernel_compiles_for_an_h200(name: str, rows: int, cols: int, tmp_path: object) -> None:
+    """The one-row GEMV (with its PTX byte conversion) and its input kernel pass Triton's compiler
+    and ptxas for sm_90 with the settings of the benchmark model's shapes, and spill nothing."""
+    pytest.importorskip("triton")
+    from ds4desk.engine.kernels.quant import gguf_gemv1_triton as source
+
+    kind = BY_NAME[name]
+    block_n, groups, warps = gguf_triton.one_row_config(name, rows)
+    args = {"x": "*bf16", "w": "*u8", "out": "*bf16", "rows": "i32", "row_bytes": "i32"}
+    constants = {
+        "KIND": kind.type_id,
+        "G": groups,
+        "N_GROUPS": cols // gguf_triton.ONE_ROW_GROUPS[name],
+        "BLOCK_N": block_n,
+        "RESIDUAL": True,
+        "PDL": True,
+        "ASM": True,
+    }
+    row_bytes = gguf_triton.gguf_packed_bytes(kind.type_id, (cols,))
+    aligned = {"x", "w", "out"} | ({"row_bytes"} if row_bytes % 16 == 0 else set())
+    gemv = _compile_for_hopper(source.gemv1_kernel, args, constants, aligned, {"num_warps": warps})
+    assert _stack_bytes(gemv, tmp_path) in (None, 0), (name, "one-row gemv spills")
+    args = {"x": "*bf16", "norm": "*bf16", "out": "*bf16", "eps": "fp32"}
+    for silu in (False, True):
+        constants = {"COLS": cols, "BLOCK": cols, "SILU": silu, "PDL": True}
+        kernel = _compile_for_hopper(
+            source.input_kernel, args, constants, {"x", "norm", "out"}, {"num_warps": 16}
+        )
+        assert _stack_bytes(kernel, tmp_path) in (None, 0), (name, "input kernel spills", silu)
 
 
 # --- on an NVIDIA GPU (the lead runs these on the H200) ---------------------------------------------
