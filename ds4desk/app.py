@@ -29,6 +29,7 @@ from PySide6.QtGui import QIcon, QWindow
 from PySide6.QtWidgets import QApplication
 
 from ds4desk.engine.api import (
+    DeviceChoice,
     EngineError,
     ErrorCode,
     GenerateRequest,
@@ -46,6 +47,7 @@ from ds4desk.history import History, HistoryError
 from ds4desk.paths import DataDirs
 from ds4desk.settings import Settings
 from ds4desk.ui.backend import ChatBackend
+from ds4desk.ui.device_choice import DeviceLister
 from ds4desk.ui.main_window import MainWindow
 from ds4desk.ui.theme import apply_theme
 
@@ -237,6 +239,18 @@ def engine_backend_factory(dirs: DataDirs, settings: Settings | None = None) -> 
     return make
 
 
+async def engine_devices() -> list[DeviceChoice]:
+    """Settings > Device's list, from the engine side: it imports torch, so it runs on a worker
+    thread (while the first load imports it on the engine thread, this costs no extra time)."""
+
+    def read() -> list[DeviceChoice]:
+        from ds4desk.engine.devices import visible_devices
+
+        return visible_devices()
+
+    return await asyncio.get_running_loop().run_in_executor(None, read)
+
+
 def open_history(path: Path) -> tuple[History, str | None]:
     """The history, and a problem to show the user if it could not be opened as it was. A file
     that is not a database, or whose pages fail SQLite's own check, is moved aside whole (with its
@@ -274,14 +288,19 @@ def run_app(
     *,
     backend_factory: Callable[[], ChatBackend] | None = None,
     argv: list[str] | None = None,
+    list_devices: DeviceLister | None = None,
 ) -> int:
     """Runs the GUI until the window closes; returns the exit code.
 
-    `model_path`/`device` override the settings for this session (the CLI's flags)."""
+    `model_path`/`device` override the settings for this session (the CLI's flags).
+    `list_devices`: which devices exist (default: the engine's list with the engine's backend,
+    none with another backend)."""
     dirs.create()
     crash = CrashLog(dirs.crash_log).install()
+    if list_devices is None and backend_factory is None:
+        list_devices = engine_devices
     try:
-        return _run(dirs, model_path, device, backend_factory, argv, crash)
+        return _run(dirs, model_path, device, backend_factory, argv, crash, list_devices)
     finally:
         crash.uninstall()
 
@@ -293,6 +312,7 @@ def _run(
     backend_factory: Callable[[], ChatBackend] | None,
     argv: list[str] | None,
     crash: CrashLog,
+    list_devices: DeviceLister | None,
 ) -> int:
     existing = QApplication.instance()
     app = (
@@ -319,7 +339,14 @@ def _run(
         backend = UnavailableBackend(f"the engine did not start: {type(exc).__name__}: {exc}")
 
     settings_path = dirs.settings_file if opened.writable else None  # never overwrite what was not read
-    window = MainWindow(backend, history, settings, settings_path=settings_path, device_override=device)
+    window = MainWindow(
+        backend,
+        history,
+        settings,
+        settings_path=settings_path,
+        device_override=device,
+        list_devices=list_devices,
+    )
     window.setWindowTitle(APP_NAME)
     crash.notify = window.report_exception
     window.show()
@@ -329,7 +356,8 @@ def _run(
         if problem:
             window.show_notice(problem)  # stays until dismissed: the load's status comes next
     # Scheduled, not awaited here: the window paints first, then the load starts.
-    loop.call_soon(window.start_load, model_path)
+    # A model named on the command line is for this session, but File > Open recent lists it.
+    loop.call_soon(lambda: window.start_load(model_path, recent=model_path is not None))
 
     restore_sigint = _quit_on_sigint(window.close)
     try:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ds4desk.engine.api import LoadRequest
 
 VERBS = ("gui", "generate", "check", "session", "make-tiny")
+DEVICE_HELP = "auto, cpu, cuda or cuda:N (default: auto, the first GPU when there is one, else the CPU)"
 
 
 def _common(parser: argparse.ArgumentParser, top_level: bool = False) -> None:
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     gui = verbs.add_parser("gui", help="open the chat window (the default)")
     _common(gui)
     gui.add_argument("model", nargs="?", help="model folder or .gguf (default: the last one, else SmolLM2)")
-    gui.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    gui.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: Settings > Device, auto at first)")
 
     gen = verbs.add_parser("generate", help="generate text headless and print it")
     _common(gen)
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
     gen.add_argument("--context", type=int, default=4096, help="context size in tokens")
-    gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    gen.add_argument("--device", default="auto", help=DEVICE_HELP)
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     _weights_argument(gen)
     _split_arguments(gen)
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     session = verbs.add_parser("session", help="drive the engine with JSON lines on stdin and stdout")
     _common(session)
     session.add_argument("model", nargs="?", help="model folder or .gguf (default: the embedded SmolLM2)")
-    session.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    session.add_argument("--device", default="auto", help=DEVICE_HELP)
     session.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     session.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
     session.add_argument("--context", type=int, default=4096, help="context size in tokens")

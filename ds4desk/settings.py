@@ -26,6 +26,9 @@ from ds4desk.engine.api import WEIGHT_MODES, LoadRequest, SamplingParams, Thinki
 log = logging.getLogger(__name__)
 
 MAX_RECENT_MODELS = 8
+# The embedded SmolLM2 as a load path (File > Open recent, the no-model bar): no file is named so.
+BUILT_IN_MODEL = "<built-in>"
+BUILT_IN_LABEL = "Built-in SmolLM2-135M-Instruct"
 MAX_SETTINGS_BYTES = 4 * 2**20  # a settings file is a few KB; a long system prompt, a few hundred
 # Every number is bounded where it is read, as the settings dialog bounds it: a hand-edited
 # snapshot_slots of 10^8 would otherwise cost 12 GB on every answer.
@@ -85,9 +88,11 @@ class Settings:
         return ThinkingBudget(max_tokens=self.thinking_budget_tokens, close_tokens=[])
 
     def load_request(self, path: str | None = None, device: str | None = None) -> LoadRequest:
-        """`path`/`device` override the stored ones for this load only (the CLI's flags)."""
+        """`path`/`device` override the stored ones for this load only (the CLI's flags);
+        BUILT_IN_MODEL asks for the embedded model whatever was loaded last."""
+        chosen = path if path is not None else self.last_model
         return LoadRequest(
-            path=path if path is not None else self.last_model,
+            path=None if chosen == BUILT_IN_MODEL else chosen,
             device=device or self.device,
             dtype=None if self.dtype == "auto" else self.dtype,
             context=self.context,

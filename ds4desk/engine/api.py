@@ -196,6 +196,30 @@ WEIGHT_MODES = ("as-stored", "q8", "q4")
 
 
 @dataclass(slots=True, frozen=True)
+class DeviceChoice:
+    """A device this torch can run a model on, as Settings > Device lists it (devices.visible_devices)."""
+
+    name: str  # what LoadRequest.device takes: "auto", "cpu", "cuda:0", ...
+    label: str  # what the user reads: "cuda:0 · NVIDIA H200, 140 GiB"
+
+
+@dataclass(slots=True, frozen=True)
+class ThinkingFormat:
+    """What a model's chat format does with thinking, learned at load (chat_template.probe_thinking)."""
+
+    # The thinking switch changes the prompt: the window offers Think only then.
+    switch: bool = False
+    # With thinking on (off) the prompt ends inside <think>: the answer starts thinking without
+    # writing the tag (off: a reasoning-only model).
+    opened_when_on: bool = False
+    opened_when_off: bool = False
+
+    def opened(self, thinking: bool) -> bool:
+        """Whether the answer starts inside <think> without writing the tag itself."""
+        return self.opened_when_on if thinking else self.opened_when_off
+
+
+@dataclass(slots=True, frozen=True)
 class ModelInfo:
     name: str
     family: str  # "llama", "qwen2", "qwen3", "mistral", ...
@@ -208,6 +232,7 @@ class ModelInfo:
     context: int
     tokenizer: str  # what the tokenizer is, e.g. "BPE, 49152 tokens"
     has_chat_template: bool
+    thinking: ThinkingFormat = field(default_factory=ThinkingFormat)
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ import ctypes
 import json
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any, NoReturn
 
@@ -35,7 +35,7 @@ from jinja2.filters import do_center, do_format, do_indent, do_join, do_replace,
 from jinja2.nodes import Concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError, safe_range
 
-from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.api import EngineFailure, ErrorCode, ThinkingFormat
 
 MAX_TEMPLATE_OPS = 5_000_000
 MAX_TEMPLATE_OUTPUT_CHARS = 64 * 1024 * 1024
@@ -338,3 +338,28 @@ def _collect(pieces: Iterator[str]) -> str:
             raise SecurityError("the template produces an enormous prompt")
         out.append(piece)
     return "".join(out)
+
+
+# A one-question conversation: enough for a template to show whether it has a thinking mode.
+_PROBE = [{"role": "user", "content": "Hello"}]
+THINK_OPEN = "<think>"
+
+# (messages, variables) -> the prompt text with the generation prompt, as the engine renders it.
+ChatRenderer = Callable[[list[dict[str, Any]], Mapping[str, Any]], str]
+
+
+def probe_thinking(render: ChatRenderer) -> ThinkingFormat:
+    """What a chat format does with thinking, learned by rendering one question both ways rather
+    than by reading the template: Jinja spells a thinking switch in many ways, and only the
+    rendered prompt says for certain whether the switch changes anything. A format that cannot
+    render the probe has no thinking the window can rely on."""
+    try:
+        on = render(_PROBE, {"thinking": True, "enable_thinking": True})
+        off = render(_PROBE, {"thinking": False, "enable_thinking": False})
+    except EngineFailure:
+        return ThinkingFormat()
+    return ThinkingFormat(
+        switch=on != off,
+        opened_when_on=on.rstrip().endswith(THINK_OPEN),
+        opened_when_off=off.rstrip().endswith(THINK_OPEN),
+    )

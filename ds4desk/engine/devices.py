@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.api import DeviceChoice, EngineFailure, ErrorCode
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -76,3 +76,16 @@ def check_fits(needed_bytes: int, device: torch.device, what: str, reclaimable: 
             ErrorCode.OUT_OF_MEMORY,
             f"{what} needs {needed_bytes / 2**30:.1f} GiB on {device}, only {free / 2**30:.1f} GiB is free",
         )
+
+
+def visible_devices() -> list[DeviceChoice]:
+    """What Settings > Device offers: 'auto', the CPU, and every GPU this torch sees (none on a
+    CPU-only build). A ROCm torch lists its GPUs as cuda:N too."""
+    gpus: list[DeviceChoice] = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            label = f"cuda:{index} · {props.name}, {props.total_memory / 2**30:.0f} GiB"
+            gpus.append(DeviceChoice(f"cuda:{index}", label))
+    first = gpus[0].name if gpus else "cpu"
+    return [DeviceChoice("auto", f"auto (here: {first})"), DeviceChoice("cpu", "cpu"), *gpus]

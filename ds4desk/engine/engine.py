@@ -36,6 +36,7 @@ from ds4desk.engine.api import (
     ProgressCallback,
     SlotResult,
     ThinkingBudget,
+    ThinkingFormat,
 )
 
 if TYPE_CHECKING:
@@ -428,6 +429,7 @@ class Engine:
             context=context,
             tokenizer=tokenizer.describe(),
             has_chat_template=source.chat_template is not None,
+            thinking=_probe_thinking(tokenizer),
         )
         parked = self._parked
         if parked is not None and parked.request == request:
@@ -689,6 +691,13 @@ def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]
     if not ids:
         raise EngineFailure(ErrorCode.BAD_REQUEST, "the prompt is empty")
     return ids
+
+
+def _probe_thinking(tokenizer: ChatTokenizer) -> ThinkingFormat:
+    """Whether the window may offer Think for this model, and whether the answer starts inside <think>."""
+    from ds4desk.engine.chat_template import probe_thinking
+
+    return probe_thinking(lambda messages, variables: tokenizer.render_chat(messages, variables=variables))
 
 
 def _state_check(model: Any, context: int) -> tuple[Any, int | None]:

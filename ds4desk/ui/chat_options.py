@@ -43,6 +43,8 @@ PRESETS = (
     Preset("Creative", 1.0, 0.98),
 )
 CUSTOM = "Custom"
+THINK_HELP = "Let the model reason first (shown folded above the answer)"
+NO_THINK_HELP = "This model's chat format has no thinking mode"
 
 
 def preset_of(settings: Settings) -> Preset | None:
@@ -69,8 +71,10 @@ class ChatOptions(QWidget):
 
         self.thinking = QCheckBox("Think", objectName="ThinkingToggle")
         self.thinking.setAccessibleName("Thinking mode")
-        self.thinking.setToolTip("Let the model reason first (shown folded above the answer)")
         self.thinking.toggled.connect(self._on_thinking)
+        # Whether the loaded model's chat format has a thinking mode; until one is known, Think is
+        # offered (the setting is the user's wish, kept for the next model that has one).
+        self.thinking_offered = True
 
         self.system_button = QPushButton("System prompt…", objectName="SystemPromptButton")
         self.system_button.setAccessibleName("Edit system prompt")
@@ -96,11 +100,19 @@ class ChatOptions(QWidget):
         self.preset.setItemText(custom_index, f"{CUSTOM} ({s.temperature:g} / top-p {s.top_p:g})")
         self.preset.setCurrentIndex(PRESETS.index(preset) if preset else custom_index)
         self.thinking.blockSignals(True)
-        self.thinking.setChecked(s.thinking)
+        self.thinking.setChecked(s.thinking and self.thinking_offered)
         self.thinking.blockSignals(False)
+        self.thinking.setEnabled(self.thinking_offered)
+        self.thinking.setToolTip(THINK_HELP if self.thinking_offered else NO_THINK_HELP)
         prompt = s.system_prompt.strip()
         self.system_button.setText("System prompt ✓" if prompt else "System prompt…")
         self.system_button.setToolTip(prompt[:300] if prompt else "No system prompt")
+
+    def offer_thinking(self, offered: bool) -> None:
+        """Think only for a model whose chat format has a thinking mode: on any other the switch
+        would change nothing, and the answer must not be shown as thinking."""
+        self.thinking_offered = offered
+        self.sync()
 
     def apply_preset(self, name: str) -> None:
         preset = next((p for p in PRESETS if p.name == name), None)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import shiboken6
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
@@ -30,6 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from ds4desk.engine.api import (
+    DeviceChoice,
     EngineError,
     ErrorCode,
     FinishReason,
@@ -40,14 +42,16 @@ from ds4desk.engine.api import (
     ModelInfo,
     SaveSnapshot,
     TextDelta,
+    ThinkingFormat,
 )
 from ds4desk.history import LEAF, History, Message, StreamingWriter
-from ds4desk.settings import Settings
+from ds4desk.settings import BUILT_IN_MODEL, Settings
 from ds4desk.ui import chat_view
 from ds4desk.ui.backend import ChatBackend
 from ds4desk.ui.chat_options import ChatOptions
 from ds4desk.ui.chat_view import ChatView, NoteKind, counts_as_thinking
 from ds4desk.ui.composer import Composer
+from ds4desk.ui.device_choice import DeviceFallback, DeviceLister, fallback_for
 from ds4desk.ui.markdown_render import split_thinking
 from ds4desk.ui.markdown_render import with_think_tag as _with_think_tag
 from ds4desk.ui.model_loader import LoaderHooks, ModelLoader
@@ -62,6 +66,13 @@ from ds4desk.ui.theme import ThemeWatcher
 log = logging.getLogger(__name__)
 
 WINDOW_TITLE = "ds4desk"
+SEND_HELP = "Send (Enter or Ctrl+Enter)"
+EMPTY_CHAT = "Ask anything. Answers stream in here."
+NO_MODEL_TITLE = "No model is loaded."
+NO_MODEL_HELP = (
+    "Open one with File > Open model… (Ctrl+O): a .gguf file or a Hugging Face model folder. You can "
+    "also drop one on this window, pick one in File > Open recent, or load the built-in SmolLM2."
+)
 
 
 @dataclass(slots=True)
@@ -105,16 +116,25 @@ class MainWindow(QMainWindow):
         *,
         settings_path: Path | None = None,
         device_override: str | None = None,
+        list_devices: DeviceLister | None = None,
         parent: QWidget | None = None,
     ) -> None:
         """`settings_path`: where to save settings the window changes (None: don't save).
-        `device_override`: the --device flag, used for this session's loads only."""
+        `device_override`: the --device flag, used for this session's loads only.
+        `list_devices`: asks the engine side which devices this torch sees (None: not known, the
+        device is not checked before a load)."""
         super().__init__(parent)
         self.backend = backend
         self.history = history
         self.settings = settings
         self._settings_path = settings_path
         self._device_override = device_override
+        self._list_devices = list_devices
+        self.device_choices: list[DeviceChoice] | None = None  # once the engine side listed them
+        self.device_fallback: DeviceFallback | None = None  # the device used instead of a missing one
+        self._device_task: asyncio.Task[None] | None = None  # listing them for an open Settings
+        self._loads_running = 0
+        self._answering = False  # Send is off while an answer is written
         self.current_chat_id: int | None = None
         self._generation: _Generation | None = None
         self._send_task: asyncio.Task[GenerateResult | None] | None = None
@@ -144,6 +164,7 @@ class MainWindow(QMainWindow):
             open_action=self.open_model_action,
             device_override=device_override,
         )
+        self.model_loader.loading_changed.connect(self._update_send)
         self._follow_theme()
         self._refresh_sidebar()
         self._show_model(backend.model_info)
@@ -168,7 +189,7 @@ class MainWindow(QMainWindow):
         self.chat_options.changed.connect(self._save_settings)
         self.chat_options.custom_requested.connect(self.open_settings)
         self.send_button = QPushButton("Send", objectName="SendButton")
-        self.send_button.setToolTip("Send (Enter or Ctrl+Enter)")
+        self.send_button.setToolTip(SEND_HELP)
         self.send_button.setAccessibleName("Send")
         self.send_button.clicked.connect(self.submit)
         self.stop_button = QPushButton("Stop", objectName="StopButton")
@@ -196,6 +217,7 @@ class MainWindow(QMainWindow):
         column.setContentsMargins(0, 0, 0, 12)
         column.setSpacing(10)
         column.addWidget(self._build_notice_bar())
+        column.addWidget(self._build_no_model_bar())
         column.addWidget(self.chat_view, 1)
         column.addWidget(park_box)
         column.addWidget(self.chat_options)
@@ -270,7 +292,7 @@ class MainWindow(QMainWindow):
 
     def _panel_tasks(self) -> list[asyncio.Future[Any]]:
         """The docks' background reads, so wait_idle (and a clean shutdown) waits for them too."""
-        tasks = [self._memory_task, self.slot_panel._task, self.perf_panel._memory_task]
+        tasks = [self._memory_task, self.slot_panel._task, self.perf_panel._memory_task, self._device_task]
         return [t for t in tasks if t is not None]
 
     def _show_memory(self, stats: MemoryStats | None) -> None:
@@ -366,6 +388,27 @@ class MainWindow(QMainWindow):
         self.notices: list[str] = []
         return self.notice_bar
 
+    def _build_no_model_bar(self) -> QWidget:
+        """Shown while no model is loaded and none is loading: how to get one, with the buttons."""
+        self.no_model_bar = QWidget(objectName="NoModelBar")
+        label = QLabel(f"<b>{NO_MODEL_TITLE}</b> {NO_MODEL_HELP}", objectName="NoModelLabel")
+        label.setWordWrap(True)
+        self.open_model_button = QPushButton("Open model…", objectName="NoModelOpen")
+        self.open_model_button.clicked.connect(lambda: self.open_model_action.trigger())
+        self.built_in_button = QPushButton("Load the built-in model", objectName="NoModelBuiltIn")
+        self.built_in_button.clicked.connect(lambda: self.model_loader.open_path(BUILT_IN_MODEL))
+        self.open_model_button.setAccessibleName("Open a model")
+        self.open_model_button.setToolTip("A .gguf file or a Hugging Face model folder (Ctrl+O)")
+        self.built_in_button.setAccessibleName("Load the built-in model")
+        self.built_in_button.setToolTip("SmolLM2-135M-Instruct, which ships with ds4desk")
+        row = QHBoxLayout(self.no_model_bar)
+        row.setContentsMargins(12, 8, 12, 8)
+        row.addWidget(label, 1)
+        row.addWidget(self.open_model_button)
+        row.addWidget(self.built_in_button)
+        self.no_model_bar.hide()
+        return self.no_model_bar
+
     def show_notice(self, text: str) -> None:
         """Shown above the chat until dismissed; several notices stack."""
         self.notices.append(text)
@@ -394,6 +437,8 @@ class MainWindow(QMainWindow):
 
     def _show_model(self, info: ModelInfo | None) -> None:
         self.park_controls.update_buttons()
+        self._update_send()
+        self.chat_options.offer_thinking(info is None or info.thinking.switch)
         if info is None:
             self.model_label.setText("No model loaded")
             self.model_label.setToolTip("")
@@ -407,17 +452,36 @@ class MainWindow(QMainWindow):
 
     # ---- model loading --------------------------------------------------------------------
 
-    def start_load(self, path: str | None = None, *, remember: bool = False) -> asyncio.Task[LoadResult]:
+    def start_load(
+        self, path: str | None = None, *, remember: bool = False, recent: bool = False
+    ) -> asyncio.Task[LoadResult]:
         """Load in the background; a message sent meanwhile waits for it."""
-        return self.model_loader.track(asyncio.ensure_future(self.load_model(path, remember=remember)))
+        load = self.load_model(path, remember=remember, recent=recent)
+        return self.model_loader.track(asyncio.ensure_future(load))
 
-    async def load_model(self, path: str | None = None, *, remember: bool = False) -> LoadResult:
-        """`remember`: a successful load becomes the model to load next time."""
-        request = self.settings.load_request(path, self._device_override)
-        label = Path(request.path).name if request.path else "the default model"
+    async def load_model(
+        self, path: str | None = None, *, remember: bool = False, recent: bool = False
+    ) -> LoadResult:
+        """`remember`: a successful load becomes the model to load next time (and first in File >
+        Open recent); `recent`: only first in Open recent (a model given on the command line)."""
+        wanted = self.settings.load_request(path)
+        label = Path(wanted.path).name if wanted.path else "the built-in model (SmolLM2)"
         self.set_status(f"Loading model {label}…")
         self.model_label.setText("Loading…")
         self.open_model_action.setEnabled(False)
+        self._loads_running += 1
+        self._update_send()  # a message may be typed and sent now: it waits for the load
+        try:
+            return await self._load_model(path, label, remember=remember, recent=recent)
+        finally:
+            self._loads_running -= 1
+            self._update_send()
+
+    async def _load_model(self, path: str | None, label: str, *, remember: bool, recent: bool) -> LoadResult:
+        await self._check_device()  # the first time, the engine side is asked which devices exist
+        if self._closed:
+            return LoadResult(error=EngineError(ErrorCode.CANCELLED, "the window closed"))
+        request = self.settings.load_request(path, self.model_loader.device_override)
         started = time.monotonic()
         try:
             result = await self.model_loader.load(request)
@@ -436,8 +500,12 @@ class MainWindow(QMainWindow):
             seconds = result.seconds or time.monotonic() - started
             unloaded = " (the previous model was unloaded first: memory holds one)" * result.dropped_previous
             self.set_status(f"Model {result.info.name} loaded in {seconds:.1f} s{unloaded}")
-            if remember and request.path:
-                self.model_loader.remember(request.path)
+            chosen = path if path is not None else request.path
+            if remember and chosen:
+                self.model_loader.remember(chosen)
+                self._save_settings()
+            elif recent and chosen:
+                self.model_loader.add_recent(chosen)
                 self._save_settings()
         elif result.error is not None and result.error.code == ErrorCode.CANCELLED:
             kept = self.backend.model_info
@@ -448,16 +516,50 @@ class MainWindow(QMainWindow):
             self.chat_view.add_error(f"Could not load the model ({label}): {detail}")
         return result
 
+    async def known_devices(self) -> list[DeviceChoice] | None:
+        """The devices this torch sees, asked of the engine side once; None when it cannot say."""
+        if self.device_choices is None and self._list_devices is not None:
+            try:
+                self.device_choices = list(await self._list_devices())
+            except Exception as exc:  # the list is a check, never a reason not to load
+                log.warning("listing the devices failed: %s", exc)
+        return self.device_choices
+
+    async def _check_device(self) -> None:
+        """A device this machine does not have (saved, or given with --device) is replaced by the
+        first GPU, else the CPU, for this session; the notice says why and stays until dismissed.
+        The saved setting is left alone: the GPU may be back next time."""
+        await self.known_devices()
+        if not self._closed:
+            self._apply_device_check()
+
+    def _apply_device_check(self) -> None:
+        wanted = self._device_override or self.settings.device
+        choices = self.device_choices
+        fallback = fallback_for(wanted, choices) if choices is not None else None
+        self.model_loader.device_override = fallback.instead if fallback else self._device_override
+        if fallback is not None and fallback != self.device_fallback:
+            self.show_notice(fallback.why)
+        self.device_fallback = fallback
+
     def open_settings(self) -> SettingsDialog:
         """Settings (Ctrl+,): window-modal, not blocking; OK saves them."""
-        dialog = SettingsDialog(self.settings, self)
+        dialog = SettingsDialog(self.settings, self, devices=self.device_choices)
+        if self.device_choices is None and self._list_devices is not None:
+            self._device_task = asyncio.ensure_future(self._list_devices_into(dialog))
         dialog.accepted.connect(self._on_settings_accepted)
         dialog.finished.connect(dialog.deleteLater)
         self.settings_dialog = dialog
         dialog.open()
         return dialog
 
+    async def _list_devices_into(self, dialog: SettingsDialog) -> None:
+        choices = await self.known_devices()
+        if choices is not None and not self._closed and shiboken6.isValid(dialog) and dialog.isVisible():
+            dialog.set_devices(choices)
+
     def _on_settings_accepted(self) -> None:
+        self._apply_device_check()  # a new device holds for the next load, a drop's check included
         self._save_settings()
         self.chat_options.sync()
         self.set_status("Settings saved. Model options apply at the next model load.")
@@ -559,6 +661,9 @@ class MainWindow(QMainWindow):
 
     def regenerate(self, message_id: int | None = None) -> asyncio.Task[GenerateResult | None] | None:
         """A new answer to the same question, as a sibling of `message_id` (default: the last one)."""
+        if not self.can_send:
+            self.set_status(f"{NO_MODEL_TITLE} {NO_MODEL_HELP}", error=True)
+            return None
         if self.busy:
             self.set_status("Still answering: press Stop (Esc) to interrupt it first.")
             return None
@@ -599,6 +704,9 @@ class MainWindow(QMainWindow):
         text = self.composer.text().strip()
         if not text:
             return
+        if not self.can_send:
+            self.set_status(f"{NO_MODEL_TITLE} {NO_MODEL_HELP}", error=True)
+            return  # the text stays in the composer
         if self.busy:
             self.set_status("Still answering: press Stop (Esc) to interrupt it first.")
             return  # the text stays in the composer
@@ -675,19 +783,24 @@ class MainWindow(QMainWindow):
             if self._closed:
                 return None
 
+        # Think only where the chat format has a thinking mode; the answer is shown as thinking only
+        # from the model's own <think>, or from the one the prompt opened.
+        info = self.backend.model_info
+        chat_format = info.thinking if info is not None else ThinkingFormat()
+        thinking = self.settings.thinking and chat_format.switch
         request = GenerateRequest(
             messages=self._conversation(chat_id, until=answer_parent if text is None else None),
             sampling=self.settings.sampling(),
             max_new_tokens=self.settings.max_new_tokens,
-            thinking=self.settings.thinking,
-            thinking_budget=self.settings.thinking_budget(),
+            thinking=thinking,
+            thinking_budget=self.settings.thinking_budget() if thinking else None,
             # The next turn's prompt starts with this one and its answer: keep the state there, so
             # a follow-up prefills only the new message.
             save_snapshot=SaveSnapshot(tag=str(chat_id)),  # the slot panel shows whose it is
         )
         row = self.history.add_message(chat_id, "assistant", "", parent_id=answer_parent, finished=False)
         generation = _Generation(chat_id, request.request_id, self.history.streaming_writer(row.id))
-        generation.think_tag_pending = self.settings.thinking
+        generation.think_tag_pending = chat_format.opened(thinking)
         self._generation = generation
         if self.current_chat_id == chat_id:
             if text is None:
@@ -802,8 +915,26 @@ class MainWindow(QMainWindow):
         return messages
 
     def _set_busy(self, busy: bool) -> None:
-        self.send_button.setEnabled(not busy)
+        # Set before the answer's task exists, and cleared while it still runs: `busy` cannot say.
+        self._answering = busy
         self.stop_button.setEnabled(busy)
+        self._update_send()
+
+    @property
+    def can_send(self) -> bool:
+        """A model is there to answer, or one is loading (a message sent meanwhile waits for it)."""
+        loading = self._loads_running > 0 or self.model_loader.loading
+        return self.backend.model_info is not None or loading
+
+    def _update_send(self) -> None:
+        """Send only when something can answer; otherwise the window says how to load a model."""
+        if self._closed:
+            return
+        can_send = self.can_send
+        self.send_button.setEnabled(can_send and not self._answering)
+        self.send_button.setToolTip(SEND_HELP if can_send else NO_MODEL_HELP)
+        self.no_model_bar.setVisible(not can_send)
+        self.chat_view.setPlaceholderText(EMPTY_CHAT if can_send else f"{NO_MODEL_TITLE}\n\n{NO_MODEL_HELP}")
 
     # ---- shutdown -------------------------------------------------------------------------
 

@@ -14,12 +14,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QMimeData, QObject
+from PySide6.QtCore import QEvent, QMimeData, QObject, Signal
 from PySide6.QtGui import QAction, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QFileDialog, QMainWindow, QMenu, QProgressBar, QPushButton, QWidget
 
 from ds4desk.engine.api import EngineError, ErrorCode, LoadRequest, LoadResult, ModelPreview
-from ds4desk.settings import MAX_RECENT_MODELS, Settings
+from ds4desk.settings import BUILT_IN_LABEL, BUILT_IN_MODEL, MAX_RECENT_MODELS, Settings
 from ds4desk.ui.backend import ChatBackend
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class LoaderHooks:
 class ModelLoader(QObject):
     """Owns the running load (`task`): one at a time, whoever started it."""
 
+    loading_changed = Signal()  # a load was tracked, or the tracked one ended
+
     def __init__(
         self,
         window: QMainWindow,
@@ -73,7 +75,8 @@ class ModelLoader(QObject):
         self._settings = settings
         self._hooks = hooks
         self._open_action = open_action
-        self._device_override = device_override
+        # The --device flag, or the device used instead of a missing one (the window decides).
+        self.device_override = device_override
         self.last_preview: ModelPreview | None = None
         self.progress_updates = 0  # how many batches of progress reached the bar
         self.task: asyncio.Task[LoadResult] | None = None  # the load running or last run
@@ -113,6 +116,8 @@ class ModelLoader(QObject):
     def track(self, task: asyncio.Task[LoadResult]) -> asyncio.Task[LoadResult]:
         """`task` is now the running load: a message sent meanwhile waits for it."""
         self.task = task
+        self.loading_changed.emit()
+        task.add_done_callback(lambda _task: None if self._hooks.closed() else self.loading_changed.emit())
         return task
 
     # ---- drag and drop ----------------------------------------------------------------------
@@ -151,8 +156,10 @@ class ModelLoader(QObject):
         return self.track(asyncio.ensure_future(self._open(path)))
 
     async def _open(self, path: str) -> LoadResult:
+        if path == BUILT_IN_MODEL:  # ships with ds4desk and always fits: nothing to check
+            return await self._hooks.load(path)
         name = Path(path).name or path
-        request = self._settings.load_request(path, self._device_override)
+        request = self._settings.load_request(path, self.device_override)
         self._hooks.say(f"Checking {name}…")
         try:
             preview = await self._backend.preview(request)
@@ -257,10 +264,17 @@ class ModelLoader(QObject):
         self._window.menuBar().addMenu(self.recent_menu)
 
     def remember(self, path: str) -> None:
-        """A model loaded from `path`: the one to open next time, first in the recent list."""
+        """A model loaded from `path`: the one to open next time, first in the recent list (the
+        built-in model is always listed, and is what no last model means)."""
         settings = self._settings
-        settings.last_model = path
-        settings.recent_models = remembered(settings.recent_models, path)
+        settings.last_model = None if path == BUILT_IN_MODEL else path
+        self.add_recent(path)
+
+    def add_recent(self, path: str) -> None:
+        """First in the recent list, without becoming the model to open next time (a model given
+        on the command line is for that session)."""
+        if path != BUILT_IN_MODEL:
+            self._settings.recent_models = remembered(self._settings.recent_models, path)
         self.rebuild_recent_menu()
 
     def rebuild_recent_menu(self) -> None:
@@ -274,11 +288,17 @@ class ModelLoader(QObject):
             action.setData(path)
             action.triggered.connect(lambda _checked=False, p=path: self.open_path(p))
             menu.addAction(action)
-        if not recent:
-            menu.addAction("No recent models").setEnabled(False)
-            return
-        menu.addSeparator()
-        menu.addAction("Clear recent models").triggered.connect(self.clear_recent)
+        if recent:
+            menu.addSeparator()
+        # Always there: the way back from a model that answers badly to the one that ships.
+        self.built_in_action = QAction(BUILT_IN_LABEL, menu, objectName="BuiltInModelAction")
+        self.built_in_action.setToolTip("The small model that ships with ds4desk")
+        self.built_in_action.setStatusTip("The small model that ships with ds4desk")
+        self.built_in_action.triggered.connect(lambda _checked=False: self.open_path(BUILT_IN_MODEL))
+        menu.addAction(self.built_in_action)
+        if recent:
+            menu.addSeparator()
+            menu.addAction("Clear recent models").triggered.connect(self.clear_recent)
 
     def clear_recent(self) -> None:
         self._settings.recent_models = []

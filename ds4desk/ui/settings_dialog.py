@@ -8,6 +8,7 @@ dialog says so.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from PySide6.QtWidgets import (
@@ -24,9 +25,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from ds4desk.engine.api import DeviceChoice
 from ds4desk.settings import DTYPES, Settings
+from ds4desk.ui.device_choice import canonical, choices_with
 
-DEVICES = ("auto", "cpu", "cuda", "cuda:0", "cuda:1")
 GRAPHS = (("Auto (on for CUDA, off for ROCm)", "auto"), ("On", "on"), ("Off", "off"))
 WEIGHTS = (("As stored", "as-stored"), ("8-bit (Q8_0)", "q8"), ("4-bit (Q4_K)", "q4"))
 WEIGHTS_HELP = (
@@ -60,17 +62,24 @@ def _double(
 
 
 class SettingsDialog(QDialog):
-    def __init__(self, settings: Settings, parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        parent: QWidget | None = None,
+        *,
+        devices: Sequence[DeviceChoice] | None = None,
+    ) -> None:
+        """`devices`: what the engine side lists (None: not known yet; set_devices fills them in)."""
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setObjectName("SettingsDialog")
         self.settings = settings
         s = settings
 
+        # Only the devices this torch sees (the engine side lists them): a device typed in that
+        # does not exist would break every later start.
         self.device = QComboBox(objectName="DeviceSetting")
-        self.device.setEditable(True)  # cuda:N for any N
-        self.device.addItems(list(DEVICES))
-        self.device.setCurrentText(s.device)
+        self.set_devices(devices)
         self.dtype = QComboBox(objectName="DtypeSetting")
         self.dtype.addItems(list(DTYPES))
         self.dtype.setCurrentText(s.dtype)
@@ -114,7 +123,7 @@ class SettingsDialog(QDialog):
         self.max_new_tokens = _spin("MaxNewTokensSetting", 1, 1_048_576, s.max_new_tokens, step=256)
 
         model = QFormLayout()
-        self._row(model, "Device", self.device, "Where the model runs: auto, cpu, cuda or cuda:N")
+        self._row(model, "Device", self.device, "Where the model runs: auto is the first GPU, else the CPU")
         self._row(model, "Data type", self.dtype, "auto: float32 on the CPU, bfloat16 on a GPU")
         self._row(model, "Weights", self.weights, WEIGHTS_HELP)
         self._row(model, "Context", self.context, "The longest conversation the model keeps, in tokens")
@@ -161,6 +170,24 @@ class SettingsDialog(QDialog):
         column.addWidget(self.error_label)
         column.addWidget(buttons)
 
+    def set_devices(self, devices: Sequence[DeviceChoice] | None) -> None:
+        """List `devices` in Settings > Device, keeping the choice shown (the saved one at first)."""
+        shown = self.device.currentData() if self.device.count() else self.settings.device
+        self.device.clear()
+        for choice in choices_with(self.settings.device, devices):
+            self.device.addItem(choice.label, choice.name)
+        index = self.device.findData(shown)
+        if index < 0:
+            index = next(
+                (
+                    i
+                    for i in range(self.device.count())
+                    if canonical(self.device.itemData(i)) == canonical(shown)
+                ),
+                0,
+            )
+        self.device.setCurrentIndex(index)
+
     def _row(self, form: QFormLayout, label: str, widget: QWidget, help_text: str) -> None:
         widget.setAccessibleName(label or widget.property("text") or widget.objectName())
         widget.setToolTip(help_text)
@@ -172,7 +199,7 @@ class SettingsDialog(QDialog):
 
     def values(self) -> dict[str, Any]:
         return {
-            "device": self.device.currentText().strip(),
+            "device": str(self.device.currentData()),
             "dtype": self.dtype.currentText(),
             "weights": self.weights.currentData(),
             "context": self.context.value(),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ds4desk.engine.api import (
+    DeviceChoice,
     EngineError,
     ErrorCode,
     FinishReason,
@@ -28,12 +29,22 @@ from ds4desk.engine.api import (
     SlotInfo,
     SlotResult,
     TextDelta,
+    ThinkingFormat,
 )
 
 DEFAULT_REPLY = "Hello! I am a **fake** model.\n\nHere is a list:\n- one\n- two\n"
+# DeepSeek-V4's format (chat_template.probe_thinking finds it so): the prompt opens <think>.
+PROMPT_OPENS_THINKING = ThinkingFormat(switch=True, opened_when_on=True)
+CPU_ONLY = [DeviceChoice("auto", "auto (here: cpu)"), DeviceChoice("cpu", "cpu")]
+TWO_GPUS = [
+    DeviceChoice("auto", "auto (here: cuda:0)"),
+    DeviceChoice("cpu", "cpu"),
+    DeviceChoice("cuda:0", "cuda:0 · Fake GPU, 80 GiB"),
+    DeviceChoice("cuda:1", "cuda:1 · Fake GPU, 80 GiB"),
+]
 
 
-def fake_info(path: str | None, device: str) -> ModelInfo:
+def fake_info(path: str | None, device: str, thinking: ThinkingFormat = PROMPT_OPENS_THINKING) -> ModelInfo:
     return ModelInfo(
         name="fake-llama-1b",
         family="llama",
@@ -46,6 +57,7 @@ def fake_info(path: str | None, device: str) -> ModelInfo:
         context=4096,
         tokenizer="BPE, 32000 tokens",
         has_chat_template=True,
+        thinking=thinking,
     )
 
 
@@ -66,6 +78,8 @@ class FakeBackend:
     raise_on_park: Exception | None = None  # a broken backend: the window must survive it
     prompt_tokens: int = 12
     reused_tokens: int = 0  # reported as taken from a snapshot
+    thinking: ThinkingFormat = PROMPT_OPENS_THINKING  # what the loaded model's chat format does
+    devices: list[DeviceChoice] = field(default_factory=lambda: list(CPU_ONLY))  # what list_devices says
 
     # What the window did.
     load_requests: list[LoadRequest] = field(default_factory=list)
@@ -119,7 +133,7 @@ class FakeBackend:
         elif self.fail_load is not None:
             result = LoadResult(error=self.fail_load, seconds=0.01)
         else:
-            self._info = fake_info(request.path, request.device)
+            self._info = fake_info(request.path, request.device, self.thinking)
             self._parked = False  # a new model replaces a parked one
             result = LoadResult(info=self._info, seconds=0.25)
         if self.on_load is not None:
@@ -156,6 +170,11 @@ class FakeBackend:
 
     def cancel(self, request_id: int) -> None:
         self.cancelled.append(request_id)
+
+    async def list_devices(self) -> list[DeviceChoice]:
+        """The window's device lister (app.engine_devices in the app)."""
+        await asyncio.sleep(self.delay_s)
+        return list(self.devices)
 
     async def wait_for_batches(self, count: int) -> None:
         """Until `count` batches were streamed in total (an event, not a timer)."""

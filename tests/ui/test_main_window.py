@@ -241,11 +241,17 @@ def test_failed_load_is_shown_and_the_window_keeps_working(qtbot, make_window, r
     assert window.settings.last_model is None  # a failed model is not remembered
     assert window.open_model_action.isEnabled()
 
-    # Sending without a model: a clear inline error, not a crash, and the window is idle again.
+    # No model: Send is off and Enter sends nothing (the text stays); the window says how to load one.
+    assert not window.send_button.isEnabled() and window.no_model_bar.isVisible()
     type_and_enter(qtbot, window, "anyone there?")
     run(window.wait_idle())
-    assert "no model is loaded" in window.chat_view.toPlainText()
-    assert window.send_button.isEnabled() and not window.busy
+    assert not window.busy and backend.generate_requests == [] and window.history.list_chats() == []
+    assert window.composer.toPlainText() == "anyone there?"
+    assert (
+        "No model is loaded" in window.status_label.text()
+        and "File > Open model" in window.status_label.text()
+    )
+    window.composer.clear()
 
     backend.fail_load = None
     assert run(window.load_model("/models/good", remember=True)).ok

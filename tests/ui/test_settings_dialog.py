@@ -15,7 +15,7 @@ from ds4desk.settings import Settings
 from ds4desk.ui.main_window import MainWindow
 from ds4desk.ui.settings_dialog import SettingsDialog
 from tests.ui.chat_helpers import type_and_enter
-from tests.ui.fake_backend import FakeBackend
+from tests.ui.fake_backend import TWO_GPUS, FakeBackend
 
 
 @pytest.fixture
@@ -30,8 +30,13 @@ def open_window(qtbot, loop, db_path: Path, settings_path: Path) -> Iterator[Cal
 
     def make(backend: FakeBackend | None = None) -> MainWindow:
         history = History(db_path)
+        backend = backend or FakeBackend(devices=list(TWO_GPUS))
         window = MainWindow(
-            backend or FakeBackend(), history, Settings.load(settings_path), settings_path=settings_path
+            backend,
+            history,
+            Settings.load(settings_path),
+            settings_path=settings_path,
+            list_devices=backend.list_devices,
         )
         window.chat_view.render_interval_ms = 0
         made.append((window, history))
@@ -71,7 +76,10 @@ def test_dialog_shows_the_current_settings(qtbot, open_window, settings_path: Pa
     ).save(settings_path)
     window = open_window()
     dialog = open_dialog(qtbot, window)
-    assert dialog.device.currentText() == "cuda:1"
+    assert dialog.device.currentData() == "cuda:1" and dialog.device.currentText().startswith("cuda:1 · ")
+    # Only the devices the engine side listed, nothing typed in.
+    assert [dialog.device.itemData(i) for i in range(dialog.device.count())] == [d.name for d in TWO_GPUS]
+    assert not dialog.device.isEditable()
     assert dialog.dtype.currentText() == "bfloat16"
     assert (dialog.context.value(), dialog.chunk.value()) == (8192, 256)
     assert dialog.cuda_graphs.currentData() == "off"
@@ -87,7 +95,7 @@ def test_ok_saves_and_the_next_load_and_answer_use_them(qtbot, open_window, sett
     backend = FakeBackend(replies=["ok"])
     window = open_window(backend)
     dialog = open_dialog(qtbot, window)
-    dialog.device.setCurrentText("cpu")
+    dialog.device.setCurrentIndex(dialog.device.findData("cpu"))
     dialog.dtype.setCurrentText("float32")
     dialog.context.setValue(2048)
     dialog.chunk.setValue(128)
@@ -161,23 +169,18 @@ def test_bad_values_are_refused_and_nothing_changes(qtbot, open_window, settings
     window = open_window()
     before = Settings.load(settings_path)
     dialog = open_dialog(qtbot, window)
-    dialog.device.setCurrentText("gpu seven")
-    qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
-    assert dialog.isVisible()
-    assert not dialog.error_label.isHidden() and "device" in dialog.error_label.text()
-    assert window.settings.device == "auto" and Settings.load(settings_path) == before
-
-    dialog.device.setCurrentText("cuda:3")
+    dialog.device.setCurrentIndex(dialog.device.findData("cuda:1"))
     dialog.context.setValue(256)
     dialog.chunk.setValue(512)
-    dialog.accept()
+    qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
     assert dialog.isVisible() and "chunk" in dialog.error_label.text()
-    assert window.settings.context == 4096
+    assert window.settings.context == 4096 and window.settings.device == "auto"
+    assert Settings.load(settings_path) == before
 
     dialog.chunk.setValue(128)
     dialog.accept()
     assert not dialog.isVisible()
-    assert (window.settings.device, window.settings.context, window.settings.chunk) == ("cuda:3", 256, 128)
+    assert (window.settings.device, window.settings.context, window.settings.chunk) == ("cuda:1", 256, 128)
 
 
 def test_cancel_changes_nothing(qtbot, open_window, settings_path: Path) -> None:
