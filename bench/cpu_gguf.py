@@ -1,12 +1,15 @@
 """CPU prefill and decode speed on GGUF files: ds4desk against llama.cpp on the very same file.
 
     .venv/bin/python bench/cpu_gguf.py [--model PATH ...] [--prompt-tokens 128 512] [--new-tokens 128]
+        [--engines ds4desk,ds4desk-torch,llama.cpp]
 
 By default the embedded SmolLM2-135M Q4_1 and, where its package is installed, Gemma-3-270M
 Q4_K_M. ds4desk runs each file in place with its weights packed; llama.cpp (llama-cpp-python) runs
 it with as many threads as there are CPUs. Each measurement is the median of `--repeats` runs in a
 fresh process. The floor for decode is the file's tensor bytes over the measured copy bandwidth (a
-token reads every weight once). Prints a table with the ratios and writes JSON under bench/results/.
+token reads every weight once). `ds4desk-torch` is ds4desk with the fused one-token CPU layer turned
+off (DS4DESK_CPU_FUSED_DECODE=0), the decode path before it. Prints a table with the ratios and
+writes JSON under bench/results/.
 """
 
 from __future__ import annotations
@@ -99,8 +102,11 @@ def bench_llama_cpp(model: str, prompt: list[int], new: int, repeats: int) -> tu
 
 WORKERS: dict[str, Callable[[str, list[int], int, int], tuple[float, float]]] = {
     "ds4desk": bench_ds4desk,
+    "ds4desk-torch": bench_ds4desk,  # decode on the torch steps: the fused CPU layer turned off
     "llama.cpp": bench_llama_cpp,
 }
+# Environment a worker runs under, per engine.
+WORKER_ENV: dict[str, dict[str, str]] = {"ds4desk-torch": {"DS4DESK_CPU_FUSED_DECODE": "0"}}
 
 
 def in_child(engine: str, model: Path, prompt: list[int], new: int, repeats: int) -> tuple[float, float]:
@@ -110,7 +116,11 @@ def in_child(engine: str, model: Path, prompt: list[int], new: int, repeats: int
         {"engine": engine, "model": str(model), "prompt": prompt, "new": new, "repeats": repeats}
     )
     child = subprocess.run(
-        [sys.executable, __file__, "--worker", job], capture_output=True, text=True, timeout=3600
+        [sys.executable, __file__, "--worker", job],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={**os.environ, **WORKER_ENV.get(engine, {})},
     )
     if child.returncode != 0:
         print(
@@ -163,7 +173,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default="ds4desk,llama.cpp")
+    parser.add_argument(
+        "--engines", default="ds4desk,llama.cpp", help=f"comma-separated, of: {', '.join(WORKERS)}"
+    )
     args = parser.parse_args()
 
     from ds4desk.engine.loading.gguf_header import read_gguf_header

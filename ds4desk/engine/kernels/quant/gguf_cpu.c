@@ -1,7 +1,7 @@
 /* CPU kernels for matmuls on GGUF-packed weights: y = x @ dequantize(W)^T with x float32.
  *
  * The weight stays as the file's GGML blocks: uint8 [rows, row_bytes], blocks running along a row.
- * Two entry points, both called from gguf_cpu.py with raw data pointers (the Python side checks
+ * The entry points, all called from gguf_cpu.py with raw data pointers (the Python side checks
  * dtypes, shapes and strides before it calls, so nothing here is exposed to unchecked input):
  *
  *   gemv(type, w, w_stride, rows, cols, x, T, x_stride, y, y_stride, threads)
@@ -9,6 +9,10 @@
  *       decode path, reading the packed bytes once per token.
  *   dequantize(type, w, w_stride, rows, cols, dst, threads)
  *       W as float32 [rows, cols] into dst: a prefill tile, which torch.mm then multiplies.
+ *   make_layer(...) / decode_layers(layers, x, pos, threads)
+ *       decoder layers (the dense family's or Gemma 3's) for one token, x updated in place: the
+ *       norms, GEMVs, RoPE, cache writes, attention and residual adds of a decode step in one call
+ *       (see "one decoder layer for one token" and "the decode team" below).
  *
  * Every weight value is computed with the same float32 operations, in the same order, as the torch
  * reference (quant/gguf.py), so the dequantized weights are bit-exact and a matmul differs from the
@@ -30,12 +34,15 @@
  * waits for a worker that has not started: on a machine loaded by other programs it avoided the
  * multi-millisecond stalls of the OpenMP barrier in a GEMV alone, but a whole decode step, where
  * torch's own ops wait at the same barriers, was no faster, and a second set of spinning threads
- * takes cores from torch's. So OpenMP it is.)
+ * takes cores from torch's. So OpenMP it is. The fused decode layers, which leave no torch op
+ * between their phases, take the barrier-free idea onto OpenMP's own threads: "the decode team".)
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -854,6 +861,704 @@ static void dequant_rows(const void *job, Py_ssize_t r0, Py_ssize_t r1) {
     }
 }
 
+/* ---- one decoder layer for one token ------------------------------------------------------------ */
+
+/* The whole one-token layer in C: after the packed GEMVs, the rest of a small model's decode step
+ * (norms, RoPE, the cache write, attention over one query row, the residual adds, the activation)
+ * is a dozen torch calls a layer whose dispatch costs as much as the GEMVs themselves. Here it is a
+ * few hundred floats of plain loops between the GEMVs, and one call from Python per layer.
+ *
+ * Every step computes what the torch path computes, in float32 and in the same order per value
+ * (RMSNorm as x * rsqrt(mean(x^2) + eps) * w, RoPE as x * cos + swap(x) * sin, the residual as
+ * (y + bias) + x); sums (the GEMVs, the norms' means, attention) differ in their order only.
+ * Attention is one pass over the keys with a running maximum (online softmax), so it needs no
+ * buffer of scores however long the cache. */
+
+#define MAX_PARTS 4
+
+typedef struct {
+    const TypeInfo *ti;
+    const uint8_t *w;
+    Py_ssize_t w_stride;
+    Py_ssize_t rows;
+    int cols;
+} Part;
+
+typedef struct {
+    int n;
+    Part parts[MAX_PARTS];
+    Py_ssize_t rows; /* all parts', side by side in the output */
+    const float *bias;
+} Proj;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
+
+typedef struct {
+    int hidden, heads, kv_heads, dim, ffn;
+    float eps, attn_scale;
+    int act;
+    int sin_folded; /* sin already holds [-sin, sin] (the dense family); else the plain table (Gemma) */
+    Py_ssize_t window; /* 0: attends to every earlier position */
+    const float *norm_in, *norm_post_attn, *norm_pre_ff, *norm_post_ff; /* the post norms may be NULL */
+    const float *qk_norm; /* [H + KV, D] or NULL */
+    Proj qkv, o, gate_up, down;
+    float *cache; /* [2, KV, cache_rows, D]: position p in row p % cache_rows */
+    Py_ssize_t cache_rows;
+    const float *cos, *sin; /* [table_rows, D] */
+    Py_ssize_t table_rows;
+} Layer;
+
+static GemvFn pick_gemv(const TypeInfo *ti, int cols) {
+#ifdef HAVE_AVX512_KERNELS
+    if (use_avx512) {
+        GemvFn fast;
+        DequantFn unused;
+        avx512_kernels(ti->type, cols, &fast, &unused);
+        if (fast) return fast;
+    }
+#else
+    (void)cols;
+#endif
+    return portable_gemv_rows;
+}
+
+/* ---- the decode team: phases that never wait for a thread that has not started --------------------
+ *
+ * A decode step is ~150 short parallel phases a token (a few microseconds of work each). With an
+ * OpenMP region per phase, every phase ends at a barrier that waits for every thread: where other
+ * programs keep the cores busy, a thread the OS has not scheduled holds the step up for a whole
+ * time slice, phase after phase (measured: a SmolLM2 token went from 13 ms on one thread to 700 ms
+ * on two while another process used one core). So decode_layers opens one OpenMP region for all
+ * of a token's layers: thread 0 runs them, and each phase is a job the other threads claim items of
+ * as they come; thread 0 claims items too and then waits only for items a thread actually claimed.
+ * A thread that wakes late finds nothing left. A busy machine then costs at most the parallelism,
+ * and one wait at the region's end. (A pool of threads of our own did the same, but torch's OpenMP
+ * threads, spinning after each torch op between tokens, then took its cores.)
+ *
+ * The claim word packs (job number : 24 | items : 20 | next item : 20), so a claim (a CAS) only
+ * succeeds on the job it read, and the job's function and data stay valid while a claimed item is
+ * unfinished (thread 0 does not move on before). Waiting threads spin, then sleep on a futex. */
+
+#if defined(__linux__) && defined(_OPENMP)
+#define HAVE_DECODE_TEAM 1
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TEAM_ITEM_BITS 20
+#define TEAM_SPIN_CYCLES 150000ull /* ~50 us: covers the gaps between phases and layers */
+
+static __thread int team_leading; /* set on thread 0 while it runs the layers: phases go to the team */
+
+static struct {
+    pthread_mutex_t user; /* one token at a time on the team */
+    RowsFn fn;
+    const void *job;
+    uint64_t claim;    /* job : 24 | items : 20 | next : 20 */
+    uint32_t seq;      /* bumped per job and at the end: the futex the others sleep on */
+    uint32_t finished; /* the token's layers are done: leave the region */
+    uint32_t done;     /* items finished in the current job: the futex thread 0 sleeps on */
+    uint32_t sleepers;
+    uint32_t leader_waits;
+} team = {.user = PTHREAD_MUTEX_INITIALIZER};
+
+static long futex(uint32_t *word, int op, uint32_t value) {
+    return syscall(SYS_futex, word, op, value, NULL, NULL, 0);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline uint64_t cycles(void) {
+#if defined(__x86_64__)
+    return __builtin_ia32_rdtsc();
+#else
+    static uint64_t n = 0;
+    return n++;
+#endif
+}
+
+/* Claims and runs items of the current job until none is left. */
+static void team_work(void) {
+    const uint64_t item_mask = (1ull << TEAM_ITEM_BITS) - 1;
+    for (;;) {
+        uint64_t c = __atomic_load_n(&team.claim, __ATOMIC_ACQUIRE);
+        uint64_t next = c & item_mask, items = (c >> TEAM_ITEM_BITS) & item_mask;
+        if (next >= items) return;
+        if (!__atomic_compare_exchange_n(&team.claim, &c, c + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+        team.fn(team.job, (Py_ssize_t)next, (Py_ssize_t)next + 1);
+        uint32_t finished = __atomic_add_fetch(&team.done, 1, __ATOMIC_SEQ_CST);
+        if (finished == items && __atomic_load_n(&team.leader_waits, __ATOMIC_SEQ_CST))
+            futex(&team.done, FUTEX_WAKE_PRIVATE, 1);
+    }
+}
+
+/* The other threads of the region: every job's items until thread 0 says the layers are done. */
+static void team_follow(void) {
+    uint32_t seen = 0; /* every job bumps seq: the first one found is new */
+    for (;;) {
+        uint64_t start = cycles();
+        uint32_t now;
+        while ((now = __atomic_load_n(&team.seq, __ATOMIC_ACQUIRE)) == seen) {
+            if (cycles() - start < TEAM_SPIN_CYCLES) {
+                cpu_relax();
+                continue;
+            }
+            __atomic_add_fetch(&team.sleepers, 1, __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&team.seq, __ATOMIC_SEQ_CST) == seen) futex(&team.seq, FUTEX_WAIT_PRIVATE, seen);
+            __atomic_sub_fetch(&team.sleepers, 1, __ATOMIC_SEQ_CST);
+            start = cycles();
+        }
+        seen = now;
+        team_work();
+        if (__atomic_load_n(&team.finished, __ATOMIC_ACQUIRE)) return;
+    }
+}
+
+static void team_publish(uint64_t claim) {
+    __atomic_store_n(&team.claim, claim, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&team.seq, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&team.sleepers, __ATOMIC_SEQ_CST)) futex(&team.seq, FUTEX_WAKE_PRIVATE, INT32_MAX);
+}
+
+/* On thread 0 inside decode_layers: fn over items [0, n) on the team. */
+static void team_run(RowsFn fn, const void *job, Py_ssize_t n) {
+    team.fn = fn;
+    team.job = job;
+    __atomic_store_n(&team.done, 0, __ATOMIC_RELAXED);
+    uint64_t number = ((__atomic_load_n(&team.claim, __ATOMIC_RELAXED) >> (2 * TEAM_ITEM_BITS)) + 1) & ((1ull << 24) - 1);
+    team_publish((number << (2 * TEAM_ITEM_BITS)) | ((uint64_t)n << TEAM_ITEM_BITS));
+    team_work();
+    /* Only items another thread claimed can still be running: wait for those alone. */
+    uint64_t start = cycles();
+    uint32_t finished;
+    while ((finished = __atomic_load_n(&team.done, __ATOMIC_SEQ_CST)) < (uint32_t)n) {
+        if (cycles() - start < TEAM_SPIN_CYCLES) {
+            cpu_relax();
+            continue;
+        }
+        __atomic_store_n(&team.leader_waits, 1, __ATOMIC_SEQ_CST);
+        if ((finished = __atomic_load_n(&team.done, __ATOMIC_SEQ_CST)) < (uint32_t)n)
+            futex(&team.done, FUTEX_WAIT_PRIVATE, finished);
+        __atomic_store_n(&team.leader_waits, 0, __ATOMIC_SEQ_CST);
+    }
+}
+#endif
+
+/* Runs fn over items [0, n) on up to `threads` threads, one item at a time: attention heads, or a
+ * projection's chunks of rows. Inside decode_layers the team's, else an OpenMP region. */
+static void parallel_items(RowsFn fn, const void *job, Py_ssize_t n, int threads) {
+    if (threads <= 1 || n <= 1) {
+        fn(job, 0, n);
+        return;
+    }
+#ifdef HAVE_DECODE_TEAM
+    /* Inside decode_layers, on thread 0: the phase is a job for the team (`threads` is its size). */
+    if (team_leading && n < (1 << TEAM_ITEM_BITS)) {
+        team_run(fn, job, n);
+        return;
+    }
+#endif
+#ifdef _OPENMP
+    Py_ssize_t next = 0;
+#pragma omp parallel num_threads(threads) shared(next)
+    {
+        for (;;) {
+            Py_ssize_t i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            if (i >= n) break;
+            fn(job, i, i + 1);
+        }
+    }
+#else
+    fn(job, 0, n);
+#endif
+}
+
+typedef struct {
+    Gemv g[MAX_PARTS];
+    Py_ssize_t first_chunk[MAX_PARTS + 1]; /* part i owns chunks [first_chunk[i], first_chunk[i + 1]) */
+    Py_ssize_t chunk;
+} PartsJob;
+
+static void parts_chunks(const void *job, Py_ssize_t c0, Py_ssize_t c1) {
+    const PartsJob *j = job;
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        int i = 0;
+        while (c >= j->first_chunk[i + 1]) i++;
+        const Gemv *g = &j->g[i];
+        Py_ssize_t r0 = (c - j->first_chunk[i]) * j->chunk;
+        g->kernel(g, r0, r0 + j->chunk < g->rows ? r0 + j->chunk : g->rows);
+    }
+}
+
+/* y[0 .. proj.rows) = x @ W^T (+ bias): every part's rows in one parallel region (a projection of
+ * parts in differing types, like Q4_K_M's q/k/v, wakes the threads once, not once a part). */
+static void project(const Proj *p, const float *x, float *y, int threads) {
+    PartsJob job;
+    Py_ssize_t start = 0, bytes = 0;
+    if (threads < 1) threads = 1;
+    /* Chunks of 4-row groups, about 8 a thread over the whole projection (as parallel_rows). */
+    job.chunk = (p->rows / ((Py_ssize_t)threads * 8) + 3) & ~(Py_ssize_t)3;
+    if (job.chunk < 16) job.chunk = 16;
+    job.first_chunk[0] = 0;
+    for (int i = 0; i < p->n; i++) {
+        const Part *part = &p->parts[i];
+        Gemv g = {part->ti, part->w, part->w_stride, part->rows, part->cols, x, 1, 0, y + start, 0,
+                  pick_gemv(part->ti, part->cols)};
+        job.g[i] = g;
+        job.first_chunk[i + 1] = job.first_chunk[i] + (part->rows + job.chunk - 1) / job.chunk;
+        start += part->rows;
+        bytes += part->rows * part->w_stride;
+    }
+    parallel_items(parts_chunks, &job, job.first_chunk[p->n], bytes < PARALLEL_MIN_BYTES ? 1 : threads);
+    if (p->bias)
+        for (Py_ssize_t r = 0; r < p->rows; r++) y[r] = y[r] + p->bias[r];
+}
+
+PORTABLE_CLONES static float sum_squares(const float *x, int n) {
+    float sums[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) sums[k] += x[i + k] * x[i + k];
+    for (; i < n; i++) sums[0] += x[i] * x[i];
+    return ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) (* w): torch's rms_norm, and the reference's order. */
+static void rms_norm_into(const float *x, const float *w, int n, float eps, float *out) {
+    float rstd = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    if (w)
+        for (int i = 0; i < n; i++) out[i] = (x[i] * rstd) * w[i];
+    else
+        for (int i = 0; i < n; i++) out[i] = x[i] * rstd;
+}
+
+/* Head vector v [D] in place: per-head RMSNorm times its weight (qk_norm rows), then RoPE. */
+static void norm_rotate(float *v, const float *norm_w, const float *cos, const float *sin, int dim, float eps,
+                        int sin_folded) {
+    float src[512]; /* head_dim is checked to be <= 512 */
+    if (norm_w) {
+        rms_norm_into(v, NULL, dim, eps, src);
+        for (int d = 0; d < dim; d++) src[d] = src[d] * norm_w[d];
+    } else {
+        memcpy(src, v, (size_t)dim * sizeof(float));
+    }
+    int half = dim / 2;
+    for (int d = 0; d < dim; d++) {
+        float other = d < half ? src[d + half] : src[d - half];
+        float s = sin[d];
+        if (!sin_folded && d < half) other = -other; /* rotate_half: [-x2, x1] */
+        v[d] = src[d] * cos[d] + other * s;
+    }
+}
+
+PORTABLE_CLONES static float dot_f32(const float *a, const float *b, int n) { return dot(a, b, n); }
+
+PORTABLE_CLONES static void axpy_scaled(float *acc, float rescale, const float *v, float p, int n) {
+    for (int d = 0; d < n; d++) acc[d] = acc[d] * rescale + p * v[d];
+}
+
+#define ATTN_TILE 64
+
+/* The running state of one head's online softmax: acc = sum_i e^(s_i - max) v_i, total = sum_i e^(s_i - max). */
+typedef struct {
+    float max, total;
+    float acc[512];
+} Online;
+
+/* One tile of n <= ATTN_TILE consecutive cache rows (keys, values point at its first row). */
+static void attend_tile_portable(Online *o, const float *q, const float *keys, const float *values, int n, int dim,
+                                 float scale) {
+    float scores[ATTN_TILE];
+    float tile_max = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        scores[i] = dot_f32(q, keys + (Py_ssize_t)i * dim, dim) * scale;
+        if (scores[i] > tile_max) tile_max = scores[i];
+    }
+    float new_max = tile_max > o->max ? tile_max : o->max;
+    float rescale = expf(o->max - new_max); /* 0 on the first tile */
+    o->total *= rescale;
+    for (int i = 0; i < n; i++) {
+        float p = expf(scores[i] - new_max);
+        o->total += p;
+        axpy_scaled(o->acc, i == 0 ? rescale : 1.0f, values + (Py_ssize_t)i * dim, p, dim);
+    }
+    o->max = new_max;
+}
+
+#ifdef HAVE_AVX512_KERNELS
+/* e^x for 16 floats within ~1 ulp: x = n ln2 + r (ln2 in two parts, so r is exact enough), e^r by
+ * its Taylor series to r^7 (|r| <= ln2 / 2: the next term is below 2^-27 of the result), times 2^n
+ * by vscalefps, which also gives 0 and infinity for n out of range. */
+INLINE_AVX512 __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* e^-104 is 0 in float32 */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* attend_tile_portable for dim % 16 == 0, in registers. */
+static AVX512 void attend_tile_avx512(Online *o, const float *q, const float *keys, const float *values, int n,
+                                      int dim, float scale) {
+    float scores[ATTN_TILE];
+    const int vecs = dim / 16;
+    for (int i = 0; i < n; i++) {
+        const float *k = keys + (Py_ssize_t)i * dim;
+        __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k)), s1 = _mm512_setzero_ps();
+        for (int v = 1; v + 1 < vecs; v += 2) {
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), _mm512_loadu_ps(k + 16 * v), s1);
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v + 16), _mm512_loadu_ps(k + 16 * v + 16), s0);
+        }
+        if (vecs % 2 == 0) s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + dim - 16), _mm512_loadu_ps(k + dim - 16), s1);
+        scores[i] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+    }
+    float tile_max = -INFINITY;
+    for (int i = 0; i < n; i++) tile_max = scores[i] > tile_max ? scores[i] : tile_max;
+    float new_max = tile_max > o->max ? tile_max : o->max;
+    /* the rescale of what came before, and every row's weight e^(s - max) */
+    const __m512 m = _mm512_set1_ps(new_max);
+    for (int i = 0; i < n; i += 16) {
+        __mmask16 lanes = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + i), m));
+        _mm512_mask_storeu_ps(scores + i, lanes, e);
+    }
+    const float rescale = _mm512_cvtss_f32(exp16(_mm512_set1_ps(o->max - new_max)));
+    float total = o->total * rescale;
+    for (int i = 0; i < n; i++) total += scores[i];
+    o->total = total;
+    o->max = new_max;
+    const __m512 r = _mm512_set1_ps(rescale);
+    for (int v = 0; v < vecs; v++) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(o->acc + 16 * v), r);
+        const float *col = values + 16 * v;
+        for (int i = 0; i < n; i++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[i]), _mm512_loadu_ps(col + (Py_ssize_t)i * dim), acc);
+        _mm512_storeu_ps(o->acc + 16 * v, acc);
+    }
+}
+#endif
+
+/* One query head over positions [lo, hi] of its kv head's keys and values (position p in row
+ * p % rows: at most two runs of consecutive rows), tile by tile. */
+static void attend_head(const float *q, const float *keys, const float *values, Py_ssize_t rows, int dim,
+                        Py_ssize_t lo, Py_ssize_t hi, float scale, float *out) {
+    Online o;
+    o.max = -INFINITY;
+    o.total = 0.0f;
+    for (int d = 0; d < dim; d++) o.acc[d] = 0.0f;
+    int fast = 0;
+#ifdef HAVE_AVX512_KERNELS
+    fast = use_avx512 && dim % 16 == 0;
+#endif
+    for (Py_ssize_t p = lo; p <= hi;) {
+        Py_ssize_t row = p % rows, run = hi - p + 1; /* the run of rows from `row` without wrapping */
+        if (run > rows - row) run = rows - row;
+        for (Py_ssize_t i = 0; i < run; i += ATTN_TILE) {
+            int n = run - i < ATTN_TILE ? (int)(run - i) : ATTN_TILE;
+            const float *k = keys + (row + i) * dim, *v = values + (row + i) * dim;
+#ifdef HAVE_AVX512_KERNELS
+            if (fast) {
+                attend_tile_avx512(&o, q, k, v, n, dim, scale);
+                continue;
+            }
+#endif
+            attend_tile_portable(&o, q, k, v, n, dim, scale);
+        }
+        p += run;
+    }
+    for (int d = 0; d < dim; d++) out[d] = o.acc[d] / o.total;
+}
+
+typedef struct {
+    const Layer *L;
+    const float *q;
+    float *out;
+    Py_ssize_t lo, hi;
+} AttendJob;
+
+static void attend_heads(const void *job, Py_ssize_t h0, Py_ssize_t h1) {
+    const AttendJob *a = job;
+    const Layer *L = a->L;
+    int group = L->heads / L->kv_heads, dim = L->dim;
+    for (Py_ssize_t h = h0; h < h1; h++) {
+        Py_ssize_t kv = h / group;
+        const float *keys = L->cache + kv * L->cache_rows * dim;
+        const float *values = L->cache + ((Py_ssize_t)L->kv_heads + kv) * L->cache_rows * dim;
+        attend_head(a->q + h * dim, keys, values, L->cache_rows, dim, a->lo, a->hi, L->attn_scale, a->out + h * dim);
+    }
+}
+
+static inline float activation(int act, float g) {
+    switch (act) {
+    case ACT_GELU_TANH: {
+        /* torch's tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) */
+        float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+        return 0.5f * g * (1.0f + tanhf(inner));
+    }
+    case ACT_GELU:
+        return g * 0.5f * (1.0f + erff(g * 0.7071067811865476f));
+    default:
+        return g / (1.0f + expf(-g));
+    }
+}
+
+#ifdef HAVE_AVX512_KERNELS
+/* gate_up[i] = act(gate_up[i]) * gate_up[ffn + i] for SiLU, g / (1 + e^-g), and GELU's tanh form
+ * as the same sigmoid: 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), without tanh's cancellation. */
+static AVX512 void activate_avx512(int act, float *gate_up, int ffn) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int i = 0; i < ffn; i += 16) {
+        __mmask16 lanes = ffn - i >= 16 ? 0xFFFF : (__mmask16)((1u << (ffn - i)) - 1);
+        __m512 g = _mm512_maskz_loadu_ps(lanes, gate_up + i);
+        __m512 arg = g; /* e^-arg is the sigmoid's */
+        if (act == ACT_GELU_TANH) {
+            __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+            __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                         _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
+            arg = _mm512_add_ps(inner, inner);
+        }
+        __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), arg))));
+        _mm512_mask_storeu_ps(gate_up + i, lanes, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(lanes, gate_up + ffn + i)));
+    }
+}
+#endif
+
+static void activate(int act, float *gate_up, int ffn) {
+#ifdef HAVE_AVX512_KERNELS
+    if (use_avx512 && act != ACT_GELU) {
+        activate_avx512(act, gate_up, ffn);
+        return;
+    }
+#endif
+    for (int i = 0; i < ffn; i++) gate_up[i] = activation(act, gate_up[i]) * gate_up[ffn + i];
+}
+
+/* x += post_norm(y) where the layer has one, else x += y. */
+static void add_residual(float *x, const float *y, const float *post_norm, int n, float eps, float *tmp) {
+    if (post_norm) {
+        rms_norm_into(y, post_norm, n, eps, tmp);
+        y = tmp;
+    }
+    for (int i = 0; i < n; i++) x[i] = y[i] + x[i];
+}
+
+/* This thread's float scratch of at least n values (grown, never shrunk; one per calling thread). */
+static float *scratch_floats(size_t n) {
+    static __thread float *buffer = NULL;
+    static __thread size_t size = 0;
+    if (n > size) {
+        float *grown = realloc(buffer, n * sizeof(float));
+        if (!grown) return NULL;
+        buffer = grown;
+        size = n;
+    }
+    return buffer;
+}
+
+static void layer_forward(const Layer *L, float *x, Py_ssize_t pos, int threads, float *scratch) {
+    const int hidden = L->hidden, dim = L->dim, heads = L->heads, kv_heads = L->kv_heads;
+    float *normed = scratch;                     /* [hidden] */
+    float *qkv = normed + hidden;                /* [(H + 2 KV) D] */
+    float *attn = qkv + L->qkv.rows;             /* [H D] */
+    float *y = attn + (Py_ssize_t)heads * dim;   /* [hidden]: a projection's output */
+    float *tmp = y + hidden;                     /* [hidden] */
+    float *gate_up = tmp + hidden;               /* [2 F] */
+
+    rms_norm_into(x, L->norm_in, hidden, L->eps, normed);
+    project(&L->qkv, normed, qkv, threads);
+
+    const float *cos = L->cos + pos * dim, *sin = L->sin + pos * dim;
+    for (int h = 0; h < heads + kv_heads; h++)
+        norm_rotate(qkv + (Py_ssize_t)h * dim, L->qk_norm ? L->qk_norm + (Py_ssize_t)h * dim : NULL, cos, sin, dim,
+                    L->eps, L->sin_folded);
+    Py_ssize_t row = pos % L->cache_rows;
+    for (int kv = 0; kv < kv_heads; kv++) {
+        memcpy(L->cache + (kv * L->cache_rows + row) * dim, qkv + (Py_ssize_t)(heads + kv) * dim,
+               (size_t)dim * sizeof(float));
+        memcpy(L->cache + ((kv_heads + kv) * L->cache_rows + row) * dim,
+               qkv + (Py_ssize_t)(heads + kv_heads + kv) * dim, (size_t)dim * sizeof(float));
+    }
+    Py_ssize_t lo = pos + 1 - L->cache_rows;
+    if (L->window > 0 && pos + 1 - L->window > lo) lo = pos + 1 - L->window;
+    if (lo < 0) lo = 0;
+    AttendJob job = {L, qkv, attn, lo, pos};
+    /* Threads only where a head's loop is long enough to pay for waking them. */
+    int attend_threads = (pos - lo + 1) * dim * heads >= 64 * 1024 ? threads : 1;
+    parallel_items(attend_heads, &job, heads, attend_threads);
+
+    project(&L->o, attn, y, threads);
+    add_residual(x, y, L->norm_post_attn, hidden, L->eps, tmp);
+
+    rms_norm_into(x, L->norm_pre_ff, hidden, L->eps, normed);
+    project(&L->gate_up, normed, gate_up, threads);
+    const int ffn = L->ffn;
+    activate(L->act, gate_up, ffn);
+    project(&L->down, gate_up, y, threads);
+    add_residual(x, y, L->norm_post_ff, hidden, L->eps, tmp);
+}
+
+/* Layers [0, n) for one token: on thread 0 of one OpenMP region whose other threads follow the
+ * phases as a team (see "the decode team"); on the calling thread alone where there is one thread,
+ * or another caller has the team. */
+static void run_layers(const Layer *const *layers, int n, float *x, Py_ssize_t pos, int threads, float *scratch) {
+#ifdef HAVE_DECODE_TEAM
+    if (threads > 1 && pthread_mutex_trylock(&team.user) == 0) {
+        __atomic_store_n(&team.finished, 0, __ATOMIC_SEQ_CST);
+#pragma omp parallel num_threads(threads)
+        {
+            if (omp_get_thread_num() == 0) {
+                team_leading = 1;
+                for (int i = 0; i < n; i++) layer_forward(layers[i], x, pos, threads, scratch);
+                team_leading = 0;
+                __atomic_store_n(&team.finished, 1, __ATOMIC_SEQ_CST);
+                uint64_t number = ((__atomic_load_n(&team.claim, __ATOMIC_RELAXED) >> (2 * TEAM_ITEM_BITS)) + 1) & ((1ull << 24) - 1);
+                team_publish(number << (2 * TEAM_ITEM_BITS)); /* a job of no items: wakes the others to leave */
+            } else {
+                team_follow();
+            }
+        }
+        pthread_mutex_unlock(&team.user);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++) layer_forward(layers[i], x, pos, threads, scratch);
+}
+
+static const char *LAYER_CAPSULE = "ds4desk.gguf_cpu.layer";
+
+static void layer_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, LAYER_CAPSULE)); }
+
+static const void *ptr_of(unsigned long long v) { return (const void *)(uintptr_t)v; }
+
+/* proj: (parts, bias_ptr) with parts a tuple of (type, w_ptr, w_stride, rows, cols). */
+static int parse_proj(PyObject *spec, int cols, Proj *out) {
+    PyObject *parts;
+    unsigned long long bias;
+    if (!PyArg_ParseTuple(spec, "OK", &parts, &bias)) return -1;
+    if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) < 1 || PyTuple_GET_SIZE(parts) > MAX_PARTS) {
+        PyErr_SetString(PyExc_ValueError, "make_layer: a projection takes 1 to 4 parts");
+        return -1;
+    }
+    out->n = (int)PyTuple_GET_SIZE(parts);
+    out->rows = 0;
+    out->bias = ptr_of(bias);
+    for (int i = 0; i < out->n; i++) {
+        int type, part_cols;
+        unsigned long long w;
+        Part *part = &out->parts[i];
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(parts, i), "iKnni", &type, &w, &part->w_stride, &part->rows,
+                              &part_cols))
+            return -1;
+        part->ti = type_info(type);
+        part->w = ptr_of(w);
+        part->cols = part_cols;
+        if (part->ti == NULL || part_cols != cols || cols % part->ti->block_values || part->rows <= 0) {
+            PyErr_SetString(PyExc_ValueError, "make_layer: a part's type or shape does not fit");
+            return -1;
+        }
+        out->rows += part->rows;
+    }
+    return 0;
+}
+
+static PyObject *py_make_layer(PyObject *self, PyObject *args) {
+    (void)self;
+    Layer L;
+    memset(&L, 0, sizeof(L));
+    unsigned long long norm_in, norm_post_attn, norm_pre_ff, norm_post_ff, qk_norm, cache, cos, sin;
+    PyObject *qkv, *o, *gate_up, *down;
+    if (!PyArg_ParseTuple(args, "(iiiii)ffiin(KKKKK)OOOO(Kn)(KKn)", &L.hidden, &L.heads, &L.kv_heads, &L.dim,
+                          &L.ffn, &L.eps, &L.attn_scale, &L.act, &L.sin_folded, &L.window, &norm_in,
+                          &norm_post_attn, &norm_pre_ff, &norm_post_ff, &qk_norm, &qkv, &o, &gate_up, &down,
+                          &cache, &L.cache_rows, &cos, &sin, &L.table_rows))
+        return NULL;
+    if (L.hidden <= 0 || L.heads <= 0 || L.kv_heads <= 0 || L.heads % L.kv_heads || L.dim <= 0 || L.dim > 512 ||
+        L.dim % 2 || L.ffn <= 0 || L.cache_rows <= 0 || L.table_rows <= 0 || L.window < 0 || L.act < 0 ||
+        L.act > ACT_GELU || !norm_in || !norm_pre_ff || !cache || !cos || !sin) {
+        PyErr_SetString(PyExc_ValueError, "make_layer: bad dimensions or missing tensors");
+        return NULL;
+    }
+    L.norm_in = ptr_of(norm_in);
+    L.norm_post_attn = ptr_of(norm_post_attn);
+    L.norm_pre_ff = ptr_of(norm_pre_ff);
+    L.norm_post_ff = ptr_of(norm_post_ff);
+    L.qk_norm = ptr_of(qk_norm);
+    L.cache = (float *)(uintptr_t)cache;
+    L.cos = ptr_of(cos);
+    L.sin = ptr_of(sin);
+    if (parse_proj(qkv, L.hidden, &L.qkv) || parse_proj(o, L.heads * L.dim, &L.o) ||
+        parse_proj(gate_up, L.hidden, &L.gate_up) || parse_proj(down, L.ffn, &L.down))
+        return NULL;
+    if (L.qkv.rows != (Py_ssize_t)(L.heads + 2 * L.kv_heads) * L.dim || L.o.rows != L.hidden ||
+        L.gate_up.rows != 2 * (Py_ssize_t)L.ffn || L.down.rows != L.hidden) {
+        PyErr_SetString(PyExc_ValueError, "make_layer: projection rows do not fit the dimensions");
+        return NULL;
+    }
+    Layer *owned = malloc(sizeof(Layer));
+    if (!owned) return PyErr_NoMemory();
+    *owned = L;
+    PyObject *capsule = PyCapsule_New(owned, LAYER_CAPSULE, layer_free);
+    if (!capsule) free(owned);
+    return capsule;
+}
+
+#define MAX_LAYERS 1024
+
+/* decode_layers(layers, x_ptr, pos, threads): a tuple of make_layer's layers, in order, for one
+ * token; x [hidden] updated in place. */
+static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tuple;
+    unsigned long long x_ptr;
+    Py_ssize_t pos;
+    int threads;
+    if (!PyArg_ParseTuple(args, "O!Kni", &PyTuple_Type, &tuple, &x_ptr, &pos, &threads)) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    if (n < 1 || n > MAX_LAYERS) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: 1 to 1024 layers");
+        return NULL;
+    }
+    const Layer *layers[MAX_LAYERS];
+    size_t need = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Layer *L = PyCapsule_GetPointer(PyTuple_GET_ITEM(tuple, i), LAYER_CAPSULE);
+        if (!L) return NULL;
+        if (i > 0 && L->hidden != layers[0]->hidden) {
+            PyErr_SetString(PyExc_ValueError, "decode_layers: layers of different widths");
+            return NULL;
+        }
+        /* The positions attention reads, [pos + 1 - window, pos], must all still be in the cache. */
+        Py_ssize_t needed = L->window > 0 && L->window < pos + 1 ? L->window : pos + 1;
+        if (pos < 0 || pos >= L->table_rows || needed > L->cache_rows) {
+            PyErr_SetString(PyExc_ValueError, "decode_layers: position outside the cache");
+            return NULL;
+        }
+        size_t floats = (size_t)L->hidden * 3 + (size_t)L->qkv.rows + (size_t)L->heads * L->dim + 2 * (size_t)L->ffn;
+        if (floats > need) need = floats;
+        layers[i] = L;
+    }
+    float *scratch = scratch_floats(need);
+    if (!scratch) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    run_layers(layers, (int)n, (float *)(uintptr_t)x_ptr, pos, threads < 1 ? 1 : threads, scratch);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* ---- Python entry points ------------------------------------------------------------------------- */
 
 static PyObject *py_gemv(PyObject *self, PyObject *args) {
@@ -937,6 +1642,10 @@ static PyMethodDef METHODS[] = {
      "gemv(type, w_ptr, w_stride, rows, cols, x_ptr, T, x_stride, y_ptr, y_stride, threads): y = x @ W^T"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(type, w_ptr, w_stride, rows, cols, dst_ptr, threads): W as float32 [rows, cols]"},
+    {"make_layer", py_make_layer, METH_VARARGS,
+     "make_layer(dims, eps, attn_scale, act, sin_folded, window, norms, qkv, o, gate_up, down, cache, tables)"},
+    {"decode_layers", py_decode_layers, METH_VARARGS,
+     "decode_layers(layers, x_ptr, pos, threads): one token through a tuple of layers, x updated in place"},
     {"kernel_isa", py_kernel_isa, METH_NOARGS, "the instruction set the kernels use: avx512 or portable"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('portable' | 'best'): for tests"},
     {NULL, NULL, 0, NULL},

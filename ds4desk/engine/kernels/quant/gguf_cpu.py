@@ -12,6 +12,10 @@ after this module has checked every dtype, shape and stride, and with the GIL re
 Both dequantize with the same float32 operations as the reference (quant/gguf.py), so they differ
 from `gguf_matmul.reference_matmul` only in the order of the sums.
 
+`FusedLayer` runs a whole decoder layer for one token in one C call (the GEMVs above plus norms,
+RoPE, the cache write and attention): on a small model the torch calls between the GEMVs cost as
+much as the GEMVs. models/cpu_decode.py builds one per layer from the families' plans.
+
 Where the extension was not built (no C compiler at install time), `covers` is False for every type
 and gguf_matmul falls back to the reference; a log line at import says so.
 """
@@ -20,6 +24,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -171,3 +178,180 @@ def _scratch_floats(count: int) -> torch.Tensor:
         buffer = torch.empty(count, dtype=torch.float32)
         _scratch.buffer = buffer
     return buffer
+
+
+# --- one decoder layer for one token ------------------------------------------------------------
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+
+
+@dataclass(slots=True)
+class PackedPart:
+    """One packed weight of a projection: uint8 [rows, row_bytes] blocks of a [rows, cols] matrix."""
+
+    weight: torch.Tensor
+    type_id: int
+    cols: int
+
+
+@dataclass(slots=True)
+class FusedProjection:
+    """x @ Wᵀ (+ bias) with W one packed weight or several laid side by side in the output."""
+
+    parts: tuple[PackedPart, ...]
+    bias: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class LayerSpec:
+    """Everything one decoder layer's one-token step reads (float32 CPU tensors). The layer is
+    x += post_attn(o(attention(rope(qk_norm(qkv(norm_in(x))))))), then
+    x += post_ffn(down(act(gate) · up)) with gate | up = gate_up(pre_ffn(x)); a post norm left None
+    adds the projection as it is (the dense family), given, it normalises first (Gemma 3)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    eps: float
+    attention_scale: float
+    activation: str  # a key of ACTIVATIONS
+    sin_folded: bool  # sin holds [-sin, sin] (the dense family's tables); else rotate_half's plain sin
+    window: int | None
+    input_norm: torch.Tensor  # [hidden]
+    pre_ffn_norm: torch.Tensor  # [hidden]
+    qkv: FusedProjection  # -> (H + 2 KV) D
+    o: FusedProjection  # -> hidden
+    gate_up: FusedProjection  # -> 2 ffn
+    down: FusedProjection  # -> hidden
+    kv_cache: torch.Tensor  # [2, KV, rows, D]: position p in row p % rows
+    cos: torch.Tensor  # [positions, D]
+    sin: torch.Tensor  # [positions, D]
+    qk_norm: torch.Tensor | None = None  # [H + KV, D]
+    post_attention_norm: torch.Tensor | None = None  # [hidden]
+    post_ffn_norm: torch.Tensor | None = None  # [hidden]
+
+
+class FusedLayer:
+    """A LayerSpec made into one C call per token (`_gguf_cpu.decode_layer`): norms, packed GEMVs,
+    RoPE, the cache write, attention and residual adds without a torch call. It keeps its weights
+    alive, but holds the cache and rope tables only weakly (a model that frees its cache must get
+    the memory back): `reads` says whether the tensors it points into are still the given ones."""
+
+    __slots__ = ("_cache", "_cos", "_handle", "_sin", "_weights", "hidden")
+
+    def __init__(self, spec: LayerSpec) -> None:
+        assert _ext is not None
+        self._handle = _ext.make_layer(*_layer_args(spec))
+        self.hidden = spec.hidden
+        projections = (spec.qkv, spec.o, spec.gate_up, spec.down)
+        self._weights = (
+            [spec.input_norm, spec.pre_ffn_norm, spec.qk_norm, spec.post_attention_norm, spec.post_ffn_norm]
+            + [part.weight for p in projections for part in p.parts]
+            + [p.bias for p in projections]
+        )
+        self._cache, self._cos, self._sin = (
+            weakref.ref(spec.kv_cache),
+            weakref.ref(spec.cos),
+            weakref.ref(spec.sin),
+        )
+
+    def reads(
+        self, kv_cache: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> bool:
+        """Whether this layer was made for exactly these (live) cache and table tensors."""
+        return self._cache() is kv_cache and self._cos() is cos and self._sin() is sin
+
+    def __call__(self, x: torch.Tensor, pos: int, threads: int) -> None:
+        """x: the residual, float32 [1, hidden] contiguous on the CPU, updated in place. The caller
+        checks `reads` first: the C side writes into the cache it was made with."""
+        decode_layers((self,), x, pos, threads)
+
+
+def decode_layers(layers: Sequence[FusedLayer], x: torch.Tensor, pos: int, threads: int) -> None:
+    """One token at `pos` through `layers` in order, in one C call (one wake-up of the threads for
+    all of them, see "the decode team" in gguf_cpu.c); x, the residual [1, hidden], updated in place.
+    The caller checks each layer's `reads` first."""
+    hidden = layers[0].hidden
+    if x.shape != (1, hidden) or x.dtype is not _F32 or not x.is_cpu or not x.is_contiguous():
+        raise ValueError(f"decode_layers: x {tuple(x.shape)} {x.dtype} is not [1, {hidden}] float32")
+    assert _ext is not None
+    _ext.decode_layers(tuple(layer._handle for layer in layers), x.data_ptr(), pos, threads)
+
+
+def fused_layer(spec: LayerSpec) -> FusedLayer | None:
+    """The spec as one C call per token, or None where the kernels do not run it (no extension, a
+    weight type they do not decode, tensors of another dtype or device)."""
+    if _ext is None or spec.activation not in ACTIVATIONS or spec.head_dim > 512 or spec.head_dim % 2:
+        return None
+    try:
+        return FusedLayer(spec)
+    except ValueError as error:
+        log.debug("fused CPU decode layer not used: %s", error)
+        return None
+
+
+def _vector(t: torch.Tensor | None, shape: tuple[int, ...], name: str) -> int:
+    """The data pointer of a float32 contiguous CPU tensor of `shape` (0 for None)."""
+    if t is None:
+        return 0
+    if tuple(t.shape) != shape or t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: {tuple(t.shape)} {t.dtype} on {t.device}, expected {shape} float32 on the CPU"
+        )
+    return t.data_ptr()
+
+
+def _projection_args(p: FusedProjection, cols: int, rows: int, name: str) -> tuple[object, int]:
+    parts = []
+    for part in p.parts:
+        w = part.weight
+        block = _ROW_BYTES.get(part.type_id)
+        if (
+            block is None
+            or part.cols != cols
+            or w.dtype is not _U8
+            or w.dim() != 2
+            or not w.is_cpu
+            or w.stride(1) != 1
+            or cols % block[0]
+            or w.shape[1] != cols // block[0] * block[1]
+        ):
+            raise ValueError(
+                f"{name}: a part of type {part.type_id} {tuple(w.shape)} does not fit {cols} columns"
+            )
+        parts.append((part.type_id, w.data_ptr(), w.stride(0), w.shape[0], cols))
+    if sum(part.weight.shape[0] for part in p.parts) != rows:
+        raise ValueError(f"{name}: {sum(part.weight.shape[0] for part in p.parts)} rows, expected {rows}")
+    return tuple(parts), _vector(p.bias, (rows,), f"{name} bias")
+
+
+def _layer_args(s: LayerSpec) -> tuple[object, ...]:
+    heads, kv_heads, dim, hidden, ffn = s.heads, s.kv_heads, s.head_dim, s.hidden, s.ffn
+    cache = s.kv_cache
+    if cache.dim() != 4 or cache.shape[0] != 2 or cache.shape[1] != kv_heads or cache.shape[3] != dim:
+        raise ValueError(f"kv_cache {tuple(cache.shape)} is not [2, {kv_heads}, rows, {dim}]")
+    rows, positions = cache.shape[2], s.cos.shape[0]
+    norms = (
+        _vector(s.input_norm, (hidden,), "input_norm"),
+        _vector(s.post_attention_norm, (hidden,), "post_attention_norm"),
+        _vector(s.pre_ffn_norm, (hidden,), "pre_ffn_norm"),
+        _vector(s.post_ffn_norm, (hidden,), "post_ffn_norm"),
+        _vector(s.qk_norm, (heads + kv_heads, dim), "qk_norm"),
+    )
+    return (
+        (hidden, heads, kv_heads, dim, ffn),
+        s.eps,
+        s.attention_scale,
+        ACTIVATIONS[s.activation],
+        int(s.sin_folded),
+        s.window or 0,
+        norms,
+        _projection_args(s.qkv, hidden, (heads + 2 * kv_heads) * dim, "qkv"),
+        _projection_args(s.o, heads * dim, hidden, "o"),
+        _projection_args(s.gate_up, hidden, 2 * ffn, "gate_up"),
+        _projection_args(s.down, ffn, hidden, "down"),
+        (_vector(cache, tuple(cache.shape), "kv_cache"), rows),
+        (_vector(s.cos, (positions, dim), "cos"), _vector(s.sin, (positions, dim), "sin"), positions),
+    )

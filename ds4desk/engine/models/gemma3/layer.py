@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ds4desk.engine.kernels.quant import gguf_cpu
+from ds4desk.engine.models import cpu_decode
 from ds4desk.engine.models.gemma3.config import Gemma3Config
 from ds4desk.engine.models.packed import Projection
 
@@ -55,6 +57,7 @@ class LayerPlan:
     kv_cache: torch.Tensor | None = None
     keys: torch.Tensor | None = None  # [1, KV, rows, D] views of kv_cache, shaped for SDPA
     values: torch.Tensor | None = None
+    cpu_layer: object | None = None  # cpu_decode.cached_layer's slot: the fused one-token CPU layer
 
     @property
     def rows(self) -> int:
@@ -173,7 +176,13 @@ class PrefillSteps(LayerSteps):
             plan.kv_cache.index_copy_(2, rows, new[:, :, self.count - kept :])
             keys, values = both[0].unsqueeze(0), both[1].unsqueeze(0)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-        if not self.flash:
+        if not self.flash and self.start == 0 and (plan.window is None or plan.window >= self.count):
+            # The first chunk within the window: the mask is plain causal, and as a flag SDPA skips
+            # the blocks above the diagonal instead of computing and masking them (same values).
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        elif not self.flash:
             mask = self._mask(plan.window, q.device)
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
@@ -212,11 +221,74 @@ class PrefillSteps(LayerSteps):
 
 class EagerDecodeSteps(LayerSteps):
     """One token at host position `pos`: attention reads exactly the rows it may, so no mask (a
-    full ring holds exactly the window; their order does not matter to attention)."""
+    full ring holds exactly the window; their order does not matter to attention). On the CPU, a
+    float32 layer whose projections are all GGUF-packed runs as one C call (models/cpu_decode.py)."""
 
     def __init__(self, cfg: Gemma3Config, shard: Shard, pos: int) -> None:
         super().__init__(cfg, shard)
         self.pos = pos
+        self.cfg, self.plans = cfg, shard.plans
+        self.fused = cpu_decode.enabled and shard.device.type == "cpu"
+        self.residual: torch.Tensor | None = None  # the fused path's own copy of x, updated in place
+        self.ran_shard = False  # the shard's first layer ran all of them
+        self.threads = torch.get_num_threads()
+
+    def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        """On the fused path, the shard's first layer runs every layer of the shard in one C call
+        (the threads wake once a token, not once a layer) and the later layers' calls return x."""
+        if not self.fused:
+            return super().layer(x, plan)
+        if self.ran_shard:
+            return x
+        if plan is self.plans[0]:
+            layers = [self._fused(p) for p in self.plans]
+            if all(layer is not None for layer in layers):
+                x = self.residual = x.contiguous().clone()  # never update the caller's tensor
+                gguf_cpu.decode_layers(layers, x, self.pos, self.threads)  # type: ignore[arg-type]
+                self.ran_shard = True
+                return x
+        fused = self._fused(plan)
+        if fused is None:
+            return super().layer(x, plan)
+        if x is not self.residual:
+            x = self.residual = x.contiguous().clone()
+        fused(x, self.pos, self.threads)
+        return x
+
+    def _fused(self, plan: LayerPlan) -> gguf_cpu.FusedLayer | None:
+        tables = self.local if plan.window is not None else self.global_
+        return cpu_decode.cached_layer(plan, tables.cos, tables.sin, lambda: self._spec(plan, tables))
+
+    def _spec(self, plan: LayerPlan, tables: RopeTables) -> gguf_cpu.LayerSpec | None:
+        projections = cpu_decode.packed_projections(plan.qkv, plan.o, plan.gate_up, plan.down)
+        if projections is None or plan.kv_cache is None:
+            return None
+        qkv, o, gate_up, down = projections
+        cfg = self.cfg
+        return gguf_cpu.LayerSpec(
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            ffn=cfg.intermediate_size,
+            eps=self.eps,
+            attention_scale=self.scale,
+            activation="gelu_tanh" if self.approximate == "tanh" else "gelu",
+            sin_folded=False,  # rotate_half's plain sin: the kernel negates the first half itself
+            window=plan.window,
+            input_norm=plan.input_norm,
+            pre_ffn_norm=plan.pre_feedforward_norm,
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
+            kv_cache=plan.kv_cache,
+            cos=tables.cos,
+            sin=tables.sin,
+            qk_norm=plan.qk_norm,
+            post_attention_norm=plan.post_attention_norm,
+            post_ffn_norm=plan.post_feedforward_norm,
+        )
 
     def rope(self, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         return tables.cos[self.pos], tables.sin[self.pos]  # [D], broadcast over the heads

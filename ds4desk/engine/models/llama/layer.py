@@ -17,7 +17,9 @@ and shard with what that call reads (positions, rope rows, buffers, masks).
   layout on a GPU and the kv-head-major layout (fastest there) on the CPU.
 - `EagerDecodeSteps` (one token, `forward`): the projections write into preallocated buffers whose
   views were made once, because every torch call saved counts at one token; the position is a host
-  int, so attention reads exactly the valid rows and needs no mask.
+  int, so attention reads exactly the valid rows and needs no mask. On the CPU, in float32, with
+  every projection GGUF-packed, all six steps of every layer run in one C call instead
+  (models/cpu_decode.py, gguf_cpu.FusedLayer): there the torch calls cost as much as the GEMVs.
 - `GraphDecodeSteps` (one token, `decode_graphable`): the position is a device tensor and the span a
   fixed shape, so a CUDA graph can replay it; attention masks by position: a Triton kernel pair,
   one SDPA call or two batched matmuls (`DenseModel.decode_attention`).
@@ -43,7 +45,8 @@ from torch.nn.attention.bias import causal_lower_right
 from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.kernels.dense import gemv as kernels
 from ds4desk.engine.kernels.dense.silu_mul import silu_mul
-from ds4desk.engine.kernels.quant import gguf_triton
+from ds4desk.engine.kernels.quant import gguf_cpu, gguf_triton
+from ds4desk.engine.models import cpu_decode
 from ds4desk.engine.models.packed import Projection
 
 if TYPE_CHECKING:
@@ -65,6 +68,7 @@ class LayerPlan:
     kv_cache: torch.Tensor | None = None  # [2, KV, context, D]: keys then values
     keys: torch.Tensor | None = None  # [1, KV, context, D] views of kv_cache, shaped for SDPA
     values: torch.Tensor | None = None
+    cpu_layer: object | None = None  # cpu_decode.cached_layer's slot: the fused one-token CPU layer
 
 
 @dataclass(slots=True)
@@ -224,17 +228,75 @@ class PrefillSteps(_TorchSteps):
 
 class EagerDecodeSteps(_TorchSteps):
     """One token at host position `pos`, in as few torch calls as possible: outputs go into the
-    preallocated buffers, whose views were made once, and no mask is needed."""
+    preallocated buffers, whose views were made once, and no mask is needed. On the CPU, a layer
+    whose projections are all GGUF-packed runs as one C call instead (models/cpu_decode.py)."""
 
     def __init__(self, cfg: DenseConfig, exact: bool, shard: Shard, pos: int) -> None:
         super().__init__(cfg, exact)
         buffers, cos, sin, self.swap = shard.decode, shard.cos, shard.sin, shard.half_swap
         assert buffers is not None and cos is not None and sin is not None and self.swap is not None
+        self.cfg, self.tables, self.plans = cfg, (cos, sin), shard.plans
+        self.fused = cpu_decode.enabled and exact and shard.device.type == "cpu"
+        self.residual: torch.Tensor | None = None  # the fused path's own copy of x, updated in place
+        self.ran_shard = False  # the shard's first layer ran all of them
+        self.threads = torch.get_num_threads()
         self.pos, self.end = pos, pos + 1
         self.q_width = cfg.num_heads * cfg.head_dim
         self.cos, self.sin = cos[pos], sin[pos]  # [D], broadcast over the heads
         self.qkv_out, self.qk, self.kv, self.q = buffers.qkv, buffers.qk, buffers.kv, buffers.q
         self.gate_up_out, self.gate, self.up = buffers.gate_up, buffers.gate, buffers.up
+
+    def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        """On the fused path, the shard's first layer runs every layer of the shard in one C call
+        (the threads wake once a token, not once a layer) and the later layers' calls return x."""
+        if not self.fused:
+            return super().layer(x, plan)
+        if self.ran_shard:
+            return x
+        cos, sin = self.tables
+        if plan is self.plans[0]:
+            layers = [cpu_decode.cached_layer(p, cos, sin, lambda p=p: self._spec(p)) for p in self.plans]
+            if all(layer is not None for layer in layers):
+                x = self.residual = x.contiguous().clone()  # never update the caller's tensor
+                gguf_cpu.decode_layers(layers, x, self.pos, self.threads)  # type: ignore[arg-type]
+                self.ran_shard = True
+                return x
+        fused = cpu_decode.cached_layer(plan, cos, sin, lambda: self._spec(plan))
+        if fused is None:
+            return super().layer(x, plan)
+        if x is not self.residual:
+            x = self.residual = x.contiguous().clone()
+        fused(x, self.pos, self.threads)
+        return x
+
+    def _spec(self, plan: LayerPlan) -> gguf_cpu.LayerSpec | None:
+        projections = cpu_decode.packed_projections(plan.qkv, plan.o, plan.gate_up, plan.down)
+        if projections is None or plan.kv_cache is None:
+            return None
+        qkv, o, gate_up, down = projections
+        cfg, (cos, sin) = self.cfg, self.tables
+        return gguf_cpu.LayerSpec(
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            ffn=cfg.intermediate_size,
+            eps=self.eps,
+            attention_scale=cfg.head_dim**-0.5,  # SDPA's default, as attend uses
+            activation="silu",
+            sin_folded=True,
+            window=plan.window,
+            input_norm=plan.ln1,
+            pre_ffn_norm=plan.ln2,
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
+            kv_cache=plan.kv_cache,
+            cos=cos,
+            sin=sin,
+            qk_norm=plan.qk_norm,
+        )
 
     def qkv(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
         return plan.qkv(rms_norm(x, plan.ln1, self.eps, self.exact), out=self.qkv_out)

@@ -1,0 +1,258 @@
+"""The fused one-token CPU layer (gguf_cpu.FusedLayer, models/cpu_decode.py) against the torch steps it
+replaces, on the real SmolLM2 Q4_1 and Gemma-3-270M Q4_K_M files: the same logits to float32
+rounding, decoding past several attention tiles and, for Gemma, across the wrap of its local
+layers' ring. The torch steps themselves are held to transformers by tests/engine/loading and
+tests/engine/models; here each comparison also checks which path really ran."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4desk.engine.kernels.quant import gguf_cpu
+from ds4desk.engine.loader import load_model
+from ds4desk.engine.loading.detect import read_source
+from ds4desk.engine.models import cpu_decode
+from tests.engine.gguf_fakes import write_tiny_gguf
+from tests.real_models import gemma3_gguf, smollm2_gguf
+
+pytestmark = pytest.mark.skipif(not gguf_cpu.available(), reason="the C extension is not built")
+
+CPU = torch.device("cpu")
+# Logits of these models reach ~35; float32 sums in another order move them by ~1e-5.
+TOLERANCE = 2e-4
+
+
+@pytest.fixture(params=["avx512", "portable"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    ext = gguf_cpu._ext
+    if request.param == "avx512" and ext.set_isa("best") != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    if request.param == "portable":
+        ext.set_isa("portable")
+    try:
+        yield request.param
+    finally:
+        ext.set_isa("best")
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_model(read_source(smollm2_gguf()), CPU, torch.float32).model
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_model(read_source(gemma3_gguf()), CPU, torch.float32).model
+
+
+def _prompt(count: int, vocab: int = 40000) -> torch.Tensor:
+    return torch.tensor([(i * 7919 + 17) % (vocab - 10) + 5 for i in range(count)])
+
+
+def _decode(model, prompt: int, steps: int, fused: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """[steps, V]: a fresh prefill of `prompt` tokens, then greedy one-token steps on one path."""
+    monkeypatch.setattr(cpu_decode, "enabled", fused)
+    rows = []
+    with torch.inference_mode():
+        logits = model.forward(_prompt(prompt, model.vocab_size), 0, "last")
+        for position in range(prompt, prompt + steps):
+            token = int(logits.argmax())
+            logits = model.forward(torch.tensor([token]), position, "last")
+            rows.append(logits.clone())
+    return torch.stack(rows)
+
+
+def _paths_used(model) -> set[str]:
+    return {type(plan.cpu_layer).__name__ for plan in model._plans}
+
+
+def _compare(model, prompt: int, steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    model.allocate_cache(prompt + steps + 8)
+    for plan in model._plans:
+        plan.cpu_layer = None
+    torch_steps = _decode(model, prompt, steps, False, monkeypatch)
+    assert all(plan.cpu_layer is None for plan in model._plans), "the torch steps made a fused layer"
+    fused = _decode(model, prompt, steps, True, monkeypatch)
+    assert _paths_used(model) == {"FusedLayer"}, "the fused layer did not run"
+    delta = (fused - torch_steps).abs().max().item()
+    assert torch_steps.abs().max().item() > 5.0
+    assert delta <= TOLERANCE, f"max |Δ logit| {delta:.3g}"
+    assert torch.equal(fused.argmax(-1), torch_steps.argmax(-1))
+
+
+@pytest.mark.slow
+def test_smollm2_fused_decode_matches_the_torch_steps(smollm, isa: str, monkeypatch) -> None:
+    # 150 cached positions: three attention tiles of 64, the last one partial.
+    _compare(smollm, 150, 6, monkeypatch)
+
+
+@pytest.mark.slow
+def test_gemma3_fused_decode_matches_across_the_ring_wrap(gemma, monkeypatch) -> None:
+    """Gemma 3: (1 + w) norms before and after each block, q/k norms, GELU, its own rope tables per
+    layer kind, and projections of several types side by side (q/k/v of Q4_K_M). The window is 512
+    positions: decoding 506..517 wraps the local layers' ring, where position p overwrites row
+    p - 512 and attention reads two runs of rows."""
+    window = gemma.config.sliding_windows[0]
+    assert window == 512 and gemma.ring_rows(window + 20) == window
+    assert any(plan.qkv.parts for plan in gemma._plans), "no projection of parts left to test"
+    _compare(gemma, window - 6, 12, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_any_thread_count_gives_the_same_logits(smollm, threads: int, monkeypatch) -> None:
+    smollm.allocate_cache(64)
+    monkeypatch.setattr(cpu_decode, "enabled", True)
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            logits = smollm.forward(_prompt(40), 0, "last")
+            token = torch.tensor([int(logits.argmax())])
+            torch.set_num_threads(1)
+            one = smollm.forward(token, 40, "last")
+            torch.set_num_threads(threads)
+            many = smollm.forward(token, 40, "last")
+    finally:
+        torch.set_num_threads(before)
+    assert (one - many).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_new_cache_gets_a_new_fused_layer_and_the_old_one_is_freed(smollm, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_decode, "enabled", True)
+    smollm.allocate_cache(32)
+    with torch.inference_mode():
+        smollm.forward(_prompt(8), 0, "none")
+        smollm.forward(torch.tensor([5]), 8, "last")
+    first = smollm._plans[0].cpu_layer
+    old_cache = weakref.ref(smollm._plans[0].kv_cache)
+    assert isinstance(first, gguf_cpu.FusedLayer)
+    smollm.allocate_cache(48)
+    gc.collect()
+    assert old_cache() is None, "the fused layer kept the freed cache alive"
+    with torch.inference_mode():
+        smollm.forward(_prompt(8), 0, "none")
+        smollm.forward(torch.tensor([5]), 8, "last")
+    second = smollm._plans[0].cpu_layer
+    assert isinstance(second, gguf_cpu.FusedLayer) and second is not first
+    assert second.reads(smollm._plans[0].kv_cache, smollm._shards[0].cos, smollm._shards[0].sin)
+
+
+def _spec(model, **changes) -> gguf_cpu.LayerSpec:
+    from ds4desk.engine.models.llama.layer import EagerDecodeSteps
+
+    steps = EagerDecodeSteps(model.config, True, model._shards[0], 0)
+    spec = steps._spec(model._plans[0])
+    assert spec is not None
+    for name, value in changes.items():
+        setattr(spec, name, value)
+    return spec
+
+
+@pytest.mark.slow
+def test_what_the_kernel_cannot_run_is_refused(smollm) -> None:
+    smollm.allocate_cache(16)
+    hidden = smollm.config.hidden_size
+    assert gguf_cpu.fused_layer(_spec(smollm)) is not None
+    # Another dtype, a wrong shape, a block type the kernels do not know: no fused layer.
+    assert gguf_cpu.fused_layer(_spec(smollm, input_norm=torch.ones(hidden, dtype=torch.bfloat16))) is None
+    assert gguf_cpu.fused_layer(_spec(smollm, pre_ffn_norm=torch.ones(hidden + 1))) is None
+    bad = _spec(smollm)
+    bad.down = gguf_cpu.FusedProjection((gguf_cpu.PackedPart(bad.down.parts[0].weight, 0, bad.ffn),))
+    assert gguf_cpu.fused_layer(bad) is None
+    layer = gguf_cpu.fused_layer(_spec(smollm))
+    assert layer is not None
+    with pytest.raises(ValueError, match="float32"):
+        layer(torch.zeros(1, hidden, dtype=torch.float64), 0, 1)
+    with pytest.raises(ValueError, match="position"):  # the cache holds 16 positions
+        layer(torch.zeros(1, hidden), 16, 1)
+    with pytest.raises(ValueError, match="position"):
+        layer(torch.zeros(1, hidden), -1, 1)
+
+
+def test_a_model_of_float_weights_keeps_the_torch_steps(tmp_path: Path, monkeypatch) -> None:
+    """A float32 GGUF's projections are float weights, not the kernel's: each layer is tried once,
+    remembered as unfit, and the torch steps run (the same logits as with the path turned off)."""
+    model = load_model(read_source(write_tiny_gguf(tmp_path / "tiny.gguf")), CPU, torch.float32).model
+    model.allocate_cache(16)
+    fused = _decode(model, 6, 3, True, monkeypatch)
+    assert _paths_used(model) == {"_Unfit"}
+    assert torch.equal(fused, _decode(model, 6, 3, False, monkeypatch))
+
+
+def test_callers_on_several_threads_each_get_their_own_result() -> None:
+    """The decode pool serves one caller at a time; the others run their GEMVs on OpenMP meanwhile.
+    Four threads multiplying different weights at once must each get the reference result."""
+    import threading
+
+    from ds4desk.engine.kernels.quant.gguf_matmul import reference_matmul
+
+    type_id, cols, rows = 8, 512, 3000  # Q8_0: 34 bytes a block
+    generator = torch.Generator().manual_seed(3)
+    jobs = []
+    for _ in range(4):
+        blocks = torch.randint(0, 256, (rows, cols // 32, 34), dtype=torch.uint8, generator=generator)
+        blocks[:, :, 1] = 0x2C  # fp16 scales of about 0.06: finite, no overflow
+        weight = blocks.reshape(rows, -1).contiguous()
+        x = torch.randn(1, cols, generator=generator)
+        jobs.append((x, weight, reference_matmul(x, weight, type_id, cols, torch.empty(1, rows))))
+    errors: list[float] = []
+
+    def run(x: torch.Tensor, weight: torch.Tensor, want: torch.Tensor) -> None:
+        out = torch.empty(1, rows)
+        for _ in range(50):
+            gguf_cpu.matmul(x, weight, type_id, cols, out)
+            errors.append((out - want).abs().max().item() / want.abs().max().item())
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(errors) == 200 and max(errors) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_layer_left_to_the_torch_steps_among_fused_ones(smollm, monkeypatch) -> None:
+    """Where one layer of a shard is not the kernel's, the others run one fused call each and that
+    one on the torch steps: still the torch steps' logits."""
+    smollm.allocate_cache(64)
+    torch_steps = _decode(smollm, 40, 3, False, monkeypatch)
+    smollm.allocate_cache(64)
+    odd = smollm._plans[3]
+    for plan in smollm._plans:
+        plan.cpu_layer = None
+    odd.cpu_layer = cpu_decode._Unfit(odd.kv_cache)  # as cached_layer leaves a layer it cannot run
+    mixed = _decode(smollm, 40, 3, True, monkeypatch)
+    assert _paths_used(smollm) == {"FusedLayer", "_Unfit"}
+    assert (mixed - torch_steps).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_two_models_decoding_at_once_each_get_their_logits(smollm, monkeypatch) -> None:
+    """One token's layers hold the decode team; a second caller meanwhile runs its layers on its
+    own thread. Two models decoding on two threads must each match their run alone."""
+    import threading
+
+    other = load_model(read_source(smollm2_gguf()), CPU, torch.float32).model
+    for model in (smollm, other):
+        model.allocate_cache(64)
+    alone = [_decode(model, 30 + 7 * i, 8, True, monkeypatch) for i, model in enumerate((smollm, other))]
+    together: list[torch.Tensor | None] = [None, None]
+
+    def run(index: int, model) -> None:
+        together[index] = _decode(model, 30 + 7 * index, 8, True, monkeypatch)
+
+    threads = [threading.Thread(target=run, args=(i, m)) for i, m in enumerate((smollm, other))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for want, got in zip(alone, together, strict=True):
+        assert got is not None and (got - want).abs().max().item() <= TOLERANCE
