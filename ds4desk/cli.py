@@ -18,7 +18,7 @@ from ds4desk.paths import DataDirs, resolve_data_dirs
 if TYPE_CHECKING:
     from ds4desk.engine.api import LoadRequest
 
-VERBS = ("gui", "generate", "check", "session", "make-tiny")
+VERBS = ("gui", "generate", "check", "session", "serve", "make-tiny")
 DEVICE_HELP = "auto, cpu, cuda or cuda:N (default: auto, the first GPU when there is one, else the CPU)"
 
 
@@ -124,6 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("--context", type=int, default=4096, help="context size in tokens")
     _weights_argument(session)
 
+    serve = verbs.add_parser("serve", help="serve the model to other programs over the OpenAI API")
+    _common(serve)
+    serve.add_argument("model", nargs="?", help="model folder or .gguf (default: the embedded SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free one)")
+    serve.add_argument(
+        "--api-key", default=os.environ.get("DS4DESK_API_KEY"),
+        help="the key clients must send (default: $DS4DESK_API_KEY); needed for any host but loopback",
+    )  # fmt: skip
+    serve.add_argument("--device", default="auto", help=DEVICE_HELP)
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    serve.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
+    serve.add_argument("--context", type=int, default=4096, help="context size in tokens")
+    _weights_argument(serve)
+
     check = verbs.add_parser("check", help="say what a model path is, or why it cannot be loaded")
     _common(check)
     check.add_argument("path")
@@ -173,6 +188,10 @@ def _headless(args: argparse.Namespace, dirs: DataDirs) -> int:
         return _generate(args, dirs)
     if args.verb == "check":
         return _check(args, dirs)
+    if args.verb == "serve":
+        from ds4desk.server import ServeOptions, serve
+
+        return serve(load_request_of(args), ServeOptions(args.host, args.port, args.api_key))
     if args.verb == "session":
         from ds4desk.session import run_session
 

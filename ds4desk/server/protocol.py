@@ -1,0 +1,217 @@
+"""The OpenAI chat-completions request as ds4desk reads it, and OpenAI-shaped errors.
+
+Every check happens here, before anything reaches the engine: a malformed request is answered with
+the error object OpenAI's clients know how to show, never with a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ds4desk.engine.api import ErrorCode
+
+MAX_TOKENS = 2**20  # far beyond any context, far below anything that overflows
+MAX_SEED = 2**63 - 1  # the engine's generator takes a non-negative 64-bit seed
+MAX_STOPS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class ApiError(Exception):
+    """An answer that is an error: HTTP status plus OpenAI's {"error": {...}} body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def error_of_engine(code: ErrorCode, detail: str) -> ApiError:
+    """An engine error as the HTTP answer a client can act on (retry, shorten, give up)."""
+    if code == ErrorCode.CONTEXT_OVERFLOW:
+        return ApiError(400, detail, code="context_length_exceeded")
+    if code == ErrorCode.BAD_REQUEST:
+        return ApiError(400, detail)
+    if code in (ErrorCode.MODEL_NOT_LOADED, ErrorCode.MODEL_PARKED, ErrorCode.LOAD_FAILED):
+        return ApiError(503, detail, kind="server_error", code=str(code))
+    return ApiError(500, detail, kind="server_error", code=str(code))
+
+
+@dataclass(slots=True)
+class ChatParams:
+    messages: list[dict[str, str]]
+    max_tokens: int | None  # None: as many as the context leaves (see app._generate)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """Strict JSON (no NaN or Infinity, no numbers that overflow to them, valid UTF-8, no lone
+    surrogates), and an object at the top."""
+
+    def refuse_constant(name: str) -> Any:
+        raise bad(f"{name} is not a JSON number")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if math.isinf(value):
+            raise bad(f"the number {text[:40]} is out of range")
+        return value
+
+    try:
+        text = body.decode("utf-8")
+        value = json.loads(text, parse_constant=refuse_constant, parse_float=finite)
+    except UnicodeDecodeError:
+        raise bad("the request body is not UTF-8") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and int() of a number with too many digits
+        raise bad(f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise bad("the request body must be a JSON object")
+    if _has_surrogate(value):
+        raise bad("a string holds a lone surrogate")
+    return value
+
+
+def parse_chat(body: dict[str, Any], context: int) -> ChatParams:
+    """The fields ds4desk honours, checked; a field it cannot honour faithfully is refused rather
+    than silently ignored (n > 1, logprobs, tools). Other fields (user, metadata, ...) are ignored."""
+    if body.get("n", 1) != 1:
+        raise bad("only n = 1 is supported", "n")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise bad("logprobs are not supported yet", "logprobs")
+    if body.get("tools") or body.get("functions"):
+        raise bad("tools are not supported", "tools")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        max_tokens = _integer(max_tokens, "max_tokens", 1, min(MAX_TOKENS, context))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad("stream_options.include_usage must be true or false", "stream_options")
+    seed = body.get("seed")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos must be true or false", "ignore_eos")
+    return ChatParams(
+        messages=_messages(body.get("messages")),
+        max_tokens=max_tokens,
+        temperature=_number(body.get("temperature", 1.0), "temperature", 0.0, 2.0),
+        top_p=_number(body.get("top_p", 1.0), "top_p", 0.0, 1.0),
+        seed=None if seed is None else _integer(seed, "seed", 0, MAX_SEED),
+        stop=_stops(body.get("stop")),
+        stream=stream,
+        include_usage=include_usage,
+        ignore_eos=ignore_eos,
+    )
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    messages = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise bad(f"{where} must be an object", where)
+        role = message.get("role")
+        if role not in _ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
+        messages.append({"role": _ROLES[role], "content": _content(message.get("content"), where)})
+    return messages
+
+
+def _content(value: Any, where: str) -> str:
+    """A string, or OpenAI's list of parts of which ds4desk reads the text ones."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad(f"{where}.content may hold only text parts", f"{where}.content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def _stops(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(stop, str) and 0 < len(stop) <= MAX_STOP_CHARS for stop in stops)
+    ):
+        raise bad(
+            f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings "
+            f"of at most {MAX_STOP_CHARS} characters",
+            "stop",
+        )
+    return stops
+
+
+def _integer(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise bad(f"{name} must be an integer in {low}..{high}, got {_shown(value)}", name)
+    return value
+
+
+def _number(value: Any, name: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise bad(f"{name} must be a number in {low:g}..{high:g}, got {_shown(value)}", name)
+    return float(value)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _has_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
