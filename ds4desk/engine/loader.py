@@ -295,7 +295,7 @@ def _check_against(
             continue
         entry = source.tensors.get(name)
         if entry is None:
-            raise load_failure(f"checkpoint has no tensor '{name}'")
+            raise load_failure(source.missing_tensor(name))
         if requantized and name in requantized:  # chosen from these very entries: float, 2-D
             by_file[Path(entry.file)].append(name)
             continue

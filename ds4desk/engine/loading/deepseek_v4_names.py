@@ -1,10 +1,22 @@
-"""DeepSeek-V4's official checkpoint layout, mapped onto the names our model uses (transformers'
+"""DeepSeek-V4's checkpoint name layouts, mapped onto the names our model uses (transformers'
 DeepseekV4ForCausalLM state-dict names).
 
-The official files use the reference code's short names (`embed.weight`, `layers.N.attn.wq_a.weight`,
-`layers.N.ffn.experts.E.w1.weight`, ...), store big matrices as FP8 with a `.scale` tensor beside
-them and routed experts as packed FP4, one tensor per expert. Here every model tensor becomes one
-TensorEntry that says where its bytes are and how to decode them; nothing is read.
+Three layouts are in circulation, told apart by their names (recognise_layout):
+
+- DeepSeek's official release: the reference code's short names (`embed.weight`,
+  `layers.N.attn.wq_a.weight`, `layers.N.ffn.experts.E.w1.weight`, `mtp.K.e_proj.weight`, ...),
+  big matrices as FP8 with a `.scale` tensor beside them, routed experts as packed FP4, one tensor
+  per expert.
+- What transformers' `save_pretrained` writes by default (it converts back to the names it loads
+  from): the official layer names under `model.` (`model.layers.N.attn.attn_sink`), plus
+  `model.embed_tokens.weight`, `model.norm.weight`, `model.hc_head.hc_fn` and `head.weight`.
+- transformers' module names (`save_pretrained(save_original_format=False)`): our own names, with
+  FP8 scales spelled `X.weight_scale_inv`.
+
+Every model tensor becomes one TensorEntry that says where its bytes are and how to decode them
+(`key`: the stored name); nothing is read. MTP blocks (`mtp.K.*`) are mapped like layers, plus
+their own projections, norms and head, and kept under `mtp.K.` (the model builds them when the
+checkpoint holds them, see mtp_layer_kinds).
 """
 
 from __future__ import annotations
@@ -12,14 +24,24 @@ from __future__ import annotations
 import logging
 import re
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.formats import FP4_DTYPES
 from ds4desk.engine.loading.quant_checks import check_quantized
-from ds4desk.engine.loading.source import TensorEntry
+from ds4desk.engine.loading.source import NameLayout, TensorEntry
+
+# The layer kinds (models/deepseek_v4/config.py spells them alike).
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+HASH_MOE, MOE = "hash_moe", "moe"
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"
+
+# The layouts, named as a user would recognise them (error messages say which one was recognised).
+OFFICIAL = "DeepSeek official"
+SAVE_PRETRAINED = "transformers save_pretrained"
+MODULE_NAMES = "transformers module-name"
 
 # Names outside the layers.
 TOP_LEVEL: dict[str, str] = {
@@ -64,9 +86,39 @@ LAYER: dict[str, str] = {
     "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
 
-_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+# An MTP block is a layer (LAYER, within `mtp.K.`) plus what turns the main model's streams and
+# the next token's embedding into its input, and its own final norm and stream head.
+MTP_EXTRA: dict[str, str] = {
+    "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight",
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "norm.weight": "norm.weight",
+    "hc_head_fn": "hc_head.hc_fn",
+    "hc_head_base": "hc_head.hc_base",
+    "hc_head_scale": "hc_head.hc_scale",
+}
+
+# `layers.N.rest` or `mtp.K.rest` (official) and `model.layers.N.rest` or `mtp.K.rest` (ours).
+_BLOCK_RE = re.compile(r"(layers|mtp)\.(\d+)\.(.+)")
+_OURS_RE = re.compile(r"(model\.layers|mtp)\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 SCALE_SUFFIX = ".scale"
+
+# save_pretrained's names outside the layers -> the official ones (the layers only lose `model.`).
+_SAVED_TOP_LEVEL: dict[str, str] = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+    "lm_head.weight": "head.weight",  # a mix some re-uploads carry
+}
+# Within a layer: save_pretrained undoes transformers' load-time renames one by one, and its
+# `.norm.` -> `.kv_norm.` rule (meant for the compressors' norms) turns the attention's own
+# `attn.kv_norm` into `attn.norm` on the way back.
+_SAVED_LAYER_ALIASES: dict[str, str] = {"attn.norm.weight": "attn.kv_norm.weight"}
+_SAVED_LAYER_RE = re.compile(r"model\.layers\.\d+\.(attn\.|ffn\.|attn_norm\.|ffn_norm\.|hc_attn_|hc_ffn_)")
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +128,32 @@ def _fail(detail: str) -> EngineFailure:
 
 
 def is_official_layout(tensors: dict[str, Any]) -> bool:
-    """True for the reference code's names; the HF layout has `model.`/`lm_head.` prefixes."""
+    """True for the reference code's names; the HF layouts have `model.`/`lm_head.` prefixes."""
     return "embed.weight" in tensors or any(name.startswith("layers.") for name in tensors)
 
 
+def recognise_layout(tensors: dict[str, Any]) -> str:
+    """Which of the three name layouts `tensors` (stored names) is in."""
+    if is_official_layout(tensors):
+        return OFFICIAL
+    if "head.weight" in tensors or any(_SAVED_LAYER_RE.match(name) for name in tensors):
+        return SAVE_PRETRAINED
+    return MODULE_NAMES
+
+
 def hf_name(official: str) -> str | None:
-    """Our name for an official non-expert tensor; None for names we do not map (mtp.*, experts)."""
+    """Our name for an official non-expert tensor; None for names we do not map (experts)."""
     if official in TOP_LEVEL:
         return TOP_LEVEL[official]
-    match = _LAYER_RE.fullmatch(official)
-    if match is None or match.group(2) not in LAYER:
+    match = _BLOCK_RE.fullmatch(official)
+    if match is None:
         return None
-    return f"model.layers.{match.group(1)}.{LAYER[match.group(2)]}"
+    kind, index, rest = match.groups()
+    if kind == "mtp" and rest in MTP_EXTRA:
+        return f"mtp.{index}.{MTP_EXTRA[rest]}"
+    if rest not in LAYER:
+        return None
+    return f"{'model.layers' if kind == 'layers' else 'mtp'}.{index}.{LAYER[rest]}"
 
 
 def official_name(hf: str) -> str | None:
@@ -95,65 +161,136 @@ def official_name(hf: str) -> str | None:
     for official, ours in TOP_LEVEL.items():
         if ours == hf:
             return official
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+    match = _OURS_RE.fullmatch(hf)
     if match is None:
         return None
-    for official, ours in LAYER.items():
-        if ours == match.group(2):
-            return f"layers.{match.group(1)}.{official}"
+    kind, index, rest = match.groups()
+    block = "layers" if kind == "model.layers" else "mtp"
+    tables = (LAYER, MTP_EXTRA) if block == "mtp" else (LAYER,)
+    for table in tables:
+        for official, ours in table.items():
+            if ours == rest:
+                return f"{block}.{index}.{official}"
     return None
 
 
+def stored_name(layout: str, ours: str) -> str:
+    """How `layout` spells the model's tensor `ours` (for the message about a missing one). Stacked
+    experts are stored one matrix per expert: the name of expert 0's first one stands for them."""
+    if layout == MODULE_NAMES:
+        return ours
+    stacked = re.fullmatch(r"(model\.layers|mtp)\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", ours)
+    if stacked is not None:
+        kind, index, which = stacked.groups()
+        block = "layers" if kind == "model.layers" else "mtp"
+        first = "w1" if which == "gate_up_proj" else "w2"
+        official: str | None = f"{block}.{index}.ffn.experts.0.{first}.weight"
+    else:
+        official = official_name(ours)
+    return ours if official is None else _spelled(layout, official)
+
+
+def name_layout(layout: str) -> NameLayout:
+    """`layout` for a ModelSource: its name and how it spells each of the model's tensors."""
+    return NameLayout(layout, partial(stored_name, layout))
+
+
+def _as_official(raw: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """save_pretrained's names turned into the official ones; each entry keeps its stored name."""
+    out: dict[str, TensorEntry] = {}
+    for key, entry in raw.items():
+        if key in _SAVED_TOP_LEVEL:
+            official = _SAVED_TOP_LEVEL[key]
+        elif block := _BLOCK_RE.fullmatch(key.removeprefix("model.")):
+            kind, index, rest = block.groups()
+            official = f"{kind}.{index}.{_SAVED_LAYER_ALIASES.get(rest, rest)}"
+        else:
+            official = key  # head.weight, mtp.K.*, or a name the official mapping will refuse
+        if official in out:
+            raise _fail(
+                f"{SAVE_PRETRAINED} checkpoint: '{key}' and '{out[official].key}' are the same tensor"
+            )
+        out[official] = _renamed(entry, entry.key or key)
+    return out
+
+
+def _renamed(entry: TensorEntry, key: str) -> TensorEntry:
+    return TensorEntry(entry.file, entry.dtype, entry.shape, entry.begin, entry.end, key=key)
+
+
+def layout_tensors(raw: dict[str, TensorEntry]) -> tuple[str, dict[str, TensorEntry]]:
+    """The recognised layout and the model's tensors (by our names) from the headers `raw`."""
+    layout = recognise_layout(raw)
+    if layout == OFFICIAL:
+        return layout, official_tensors(raw)
+    if layout == SAVE_PRETRAINED:
+        return layout, official_tensors(_as_official(raw), SAVE_PRETRAINED)
+    return layout, pair_hf_scales(raw)  # FP8 kept in the HF layout
+
+
 def _with_scale(name: str, key: str, raw: dict[str, TensorEntry], used: set[str]) -> TensorEntry:
-    """The entry for stored tensor `key` (the model's `name`), paired with `key.scale` if present."""
+    """The entry for tensor `key` (official spelling; the model's `name`), paired with `key.scale`
+    if present. Entries keep the name they are stored under (`key` unless renamed before)."""
     stored = raw[key]
     used.add(key)
+    file_key = stored.key or key
     scale_key = key.removesuffix(".weight") + SCALE_SUFFIX
     scale = raw.get(scale_key)
     if scale is None:
         if stored.dtype == "F8_E4M3":
-            raise _fail(f"{stored.file.name}: FP8 tensor {key} has no {scale_key} beside it")
-        return TensorEntry(stored.file, stored.dtype, stored.shape, stored.begin, stored.end, key=key)
+            raise _fail(f"{stored.file.name}: FP8 tensor {file_key} has no {scale_key} beside it")
+        return _renamed(stored, file_key)
     used.add(scale_key)
-    scale = TensorEntry(scale.file, scale.dtype, scale.shape, scale.begin, scale.end, key=scale_key)
+    scale = _renamed(scale, scale.key or scale_key)
     if stored.dtype in FP4_DTYPES and len(stored.shape) == 2:
         encoding, shape = "fp4_block32", (stored.shape[0], stored.shape[1] * 2)
     else:
         encoding, shape = "fp8_block128", stored.shape
     entry = TensorEntry(
-        stored.file, stored.dtype, shape, stored.begin, stored.end, key=key, encoding=encoding, scale=scale
+        stored.file,
+        stored.dtype,
+        shape,
+        stored.begin,
+        stored.end,
+        key=file_key,
+        encoding=encoding,
+        scale=scale,
     )
     check_quantized(name, entry)
     return entry
 
 
 def _experts(
-    layer: str, experts: dict[int, dict[str, str]], raw: dict[str, TensorEntry], used: set[str]
+    block: str,
+    experts: dict[int, dict[str, str]],
+    raw: dict[str, TensorEntry],
+    used: set[str],
+    layout: str,
 ) -> dict[str, TensorEntry]:
-    """HF keeps a layer's routed experts as two stacked tensors: gate_up_proj [E, 2I, D] (each
-    expert's w1 rows, then its w3 rows) and down_proj [E, D, I]."""
+    """HF keeps a block's routed experts as two stacked tensors: gate_up_proj [E, 2I, D] (each
+    expert's w1 rows, then its w3 rows) and down_proj [E, D, I]. `block`: `layers.N` or `mtp.K`."""
     count = max(experts) + 1
     missing = sorted(set(range(count)) - set(experts))
     if missing:
-        raise _fail(f"official checkpoint: layer {layer} has no tensors for expert {missing[0]}")
-    prefix = f"model.layers.{layer}.mlp.experts."
+        raise _fail(f"{layout} checkpoint: {block} has no tensors for expert {missing[0]}")
+    kind, index = block.split(".")
+    prefix = f"{'model.layers' if kind == 'layers' else 'mtp'}.{index}.mlp.experts."
     result: dict[str, TensorEntry] = {}
     for target, kinds in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
         name = prefix + target
         parts: list[TensorEntry] = []
         for e in range(count):
-            for kind in kinds:
-                key = experts[e].get(kind)
+            for which in kinds:
+                key = experts[e].get(which)
                 if key is None:
-                    raise _fail(
-                        f"official checkpoint: layers.{layer}.ffn.experts.{e}.{kind}.weight is missing"
-                    )
+                    lacking = _spelled(layout, f"{block}.ffn.experts.{e}.{which}.weight")
+                    raise _fail(f"{layout} checkpoint: {lacking} is missing")
                 parts.append(_with_scale(name, key, raw, used))
         first = parts[0]
         if any(p.shape != first.shape for p in parts):
             odd = next(p for p in parts if p.shape != first.shape)
             raise _fail(
-                f"official checkpoint: {odd.key} has shape {list(odd.shape)}, "
+                f"{layout} checkpoint: {odd.key} has shape {list(odd.shape)}, "
                 f"but {first.key} has {list(first.shape)}"
             )
         rows, cols = first.shape
@@ -165,34 +302,82 @@ def _experts(
     return result
 
 
-def official_tensors(raw: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
-    """The model's tensors (by our names) from an official checkpoint's headers. MTP tensors are
-    ignored (we do not run the MTP head from this layout); any other unknown name is an error, so
-    a checkpoint of a different model is not half-loaded silently."""
+def _spelled(layout: str, official: str) -> str:
+    """How `layout` spells the tensor the official release calls `official`."""
+    if layout != SAVE_PRETRAINED:
+        return official
+    saved = {v: k for k, v in _SAVED_TOP_LEVEL.items() if k != "lm_head.weight"}
+    if official in saved:
+        return saved[official]
+    match = _BLOCK_RE.fullmatch(official)
+    if match is None:
+        return official  # head.weight
+    block, index, rest = match.groups()
+    rest = {v: k for k, v in _SAVED_LAYER_ALIASES.items()}.get(rest, rest)
+    return f"{'model.layers' if block == 'layers' else block}.{index}.{rest}"
+
+
+def official_tensors(raw: dict[str, TensorEntry], layout: str = OFFICIAL) -> dict[str, TensorEntry]:
+    """The model's tensors (by our names) from the headers of a checkpoint in the official names
+    (`layout` says which layout they came from, for messages). Any unknown name is an error, so a
+    checkpoint of a different model is not half-loaded silently."""
     tensors: dict[str, TensorEntry] = {}
     used: set[str] = set()
     experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     for key in raw:
-        if key.endswith(SCALE_SUFFIX) or key.startswith("mtp."):
+        if key.endswith(SCALE_SUFFIX):
             continue
-        match = _LAYER_RE.fullmatch(key)
-        expert = _EXPERT_RE.fullmatch(match.group(2)) if match else None
+        match = _BLOCK_RE.fullmatch(key)
+        expert = _EXPERT_RE.fullmatch(match.group(3)) if match else None
         if match is not None and expert is not None:
-            experts[match.group(1)][int(expert.group(1))][expert.group(2)] = key
+            experts[f"{match.group(1)}.{match.group(2)}"][int(expert.group(1))][expert.group(2)] = key
             continue
         name = hf_name(key)
         if name is None:
-            raise _fail(f"official checkpoint: unknown tensor '{key}' in {raw[key].file.name}")
+            stored = raw[key].key or key
+            raise _fail(f"{layout} checkpoint: unknown tensor '{stored}' in {raw[key].file.name}")
         tensors[name] = _with_scale(name, key, raw, used)
-    for layer, per_expert in experts.items():
-        tensors.update(_experts(layer, per_expert, raw, used))
-    mtp = sum(key.startswith("mtp.") for key in raw)
+    for block, per_expert in experts.items():
+        tensors.update(_experts(block, per_expert, raw, used, layout))
+    mtp = sum(name.startswith("mtp.") for name in tensors)
     if mtp:
-        log.info("skipping %d MTP tensors: ds4desk does not run the MTP head yet", mtp)
-    stray = sorted(k for k in raw if k.endswith(SCALE_SUFFIX) and k not in used and not k.startswith("mtp."))
+        log.info("keeping %d MTP tensors for speculative decoding", mtp)
+    stray = sorted(k for k in raw if k.endswith(SCALE_SUFFIX) and k not in used)
     if stray:
-        raise _fail(f"official checkpoint: scale tensor '{stray[0]}' has no weight beside it")
+        stored = raw[stray[0]].key or stray[0]
+        raise _fail(f"{layout} checkpoint: scale tensor '{stored}' has no weight beside it")
     return tensors
+
+
+def mtp_layer_kinds(tensors: dict[str, TensorEntry]) -> list[tuple[str, str]]:
+    """(attention kind, FFN kind) of each MTP block the checkpoint holds (our names), read from
+    which tensors it has: an indexer makes it CSA, a compressor alone HCA, neither sliding; a
+    token-id table makes its MoE hash-routed. Empty when it holds none."""
+    indices = sorted({int(m.group(1)) for name in tensors if (m := re.match(r"mtp\.(\d+)\.", name))})
+    if indices != list(range(len(indices))):
+        raise _fail(f"the checkpoint's MTP blocks are numbered {indices}; expected 0..{len(indices) - 1}")
+    kinds = []
+    for index in indices:
+        compressor = f"mtp.{index}.self_attn.compressor."
+        if compressor + "indexer.kv_proj.weight" in tensors:
+            attention = CSA
+        elif compressor + "kv_proj.weight" in tensors:
+            attention = HCA
+        else:
+            attention = SLIDING
+        kinds.append((attention, HASH_MOE if f"mtp.{index}.mlp.gate.tid2eid" in tensors else MOE))
+    return kinds
+
+
+def with_mtp(config: dict[str, Any], tensors: dict[str, TensorEntry]) -> dict[str, Any]:
+    """`config` saying which MTP blocks the checkpoint holds (`mtp_layer_types`,
+    `mtp_mlp_layer_types`), so the model builds exactly those and the loader fills them."""
+    kinds = mtp_layer_kinds(tensors)
+    return {
+        **config,
+        "mtp_layer_types": [attention for attention, _ in kinds],
+        "mtp_mlp_layer_types": [ffn for _, ffn in kinds],
+    }
 
 
 _LAYER_TYPE_OF_RATIO = {

@@ -142,13 +142,13 @@ def inspect_folder(folder: Path) -> ModelSource:
     config = read_config(folder)
     architecture = config["architectures"][0]
     tensors = read_weight_headers(folder)
+    layout = None
     if architecture == deepseek_v4_names.ARCHITECTURE:
-        config = deepseek_v4_names.normalize_config(config)
-        if deepseek_v4_names.is_official_layout(tensors):
-            # DeepSeek's own layout (short names, FP8/FP4 with scales): entries under our names.
-            tensors = deepseek_v4_names.official_tensors(tensors)
-        else:
-            tensors = deepseek_v4_names.pair_hf_scales(tensors)  # FP8 kept in the HF layout
+        # Official, save_pretrained's or transformers' module names: entries under our names, and
+        # the MTP blocks the checkpoint holds in the config (the model builds those).
+        found, tensors = deepseek_v4_names.layout_tensors(tensors)
+        config = deepseek_v4_names.with_mtp(deepseek_v4_names.normalize_config(config), tensors)
+        layout = deepseek_v4_names.name_layout(found)
     tokenizer = folder / "tokenizer.json"
     return ModelSource(
         folder=folder,
@@ -158,6 +158,7 @@ def inspect_folder(folder: Path) -> ModelSource:
         tensors=tensors,
         tokenizer_file=tokenizer if tokenizer.is_file() else None,
         chat_template=find_chat_template(folder),
+        layout=layout,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +51,15 @@ class TokenizerSpec:
     notes: tuple[str, ...] = ()  # what the user may want to know (an unknown pre-tokenizer)
 
 
+@dataclass(slots=True, frozen=True)
+class NameLayout:
+    """How a checkpoint spells its tensor names, for families whose files come in several spellings
+    (DeepSeek-V4): what the user would call the layout, and how it names each of the model's tensors."""
+
+    name: str
+    stored_name: Callable[[str], str]  # the model's name of a tensor -> this layout's
+
+
 @dataclass(slots=True)
 class ModelSource:
     """A loadable model: a Hugging Face style folder, or a GGUF file read in place."""
@@ -62,6 +72,16 @@ class ModelSource:
     tokenizer_file: Path | None = None
     chat_template: str | None = None
     tokenizer: TokenizerSpec | None = None  # a GGUF's; a folder's is tokenizer_file
+    layout: NameLayout | None = None  # the name layout recognised, where the family has several
+
+    def missing_tensor(self, name: str) -> str:
+        """The message for a tensor the model needs and the checkpoint lacks: in the recognised
+        layout's own spelling, which is what the user can look for in the files."""
+        if self.layout is None:
+            return f"checkpoint has no tensor '{name}'"
+        stored = self.layout.stored_name(name)
+        ours = "" if stored == name else f" (the model's {name})"
+        return f"{self.layout.name} checkpoint has no tensor '{stored}'{ours}"
 
     @property
     def is_gguf(self) -> bool:

@@ -16,6 +16,8 @@ from ds4desk.engine.models.base import config_float, config_int, load_failure
 # The deepest published models have under 200 layers; a config claiming more is refused before
 # anything is built per layer.
 MAX_LAYERS = 1024
+# DeepSeek-V4 ships one MTP block; a handful is already far more than any release.
+MAX_MTP_LAYERS = 16
 
 # Attention kinds (transformers' `layer_types`) and FFN kinds (`mlp_layer_types`).
 SLIDING = "sliding_attention"
@@ -122,6 +124,10 @@ class DeepseekV4Config:
     main_rope: V4Rope  # sliding layers
     compress_rope: V4Rope  # CSA/HCA layers: queries, raw keys, entries and the indexer
     tie_word_embeddings: bool = False
+    # The MTP blocks the checkpoint holds (loading/deepseek_v4_names.with_mtp), one entry each: kept
+    # on the model for speculative decoding, not run by the forward.
+    mtp_layer_types: tuple[str, ...] = ()
+    mtp_mlp_layer_types: tuple[str, ...] = ()
 
     def rate(self, layer_type: str) -> int:
         return self.csa_rate if layer_type == CSA else self.hca_rate
@@ -163,8 +169,9 @@ class DeepseekV4Config:
         mlp_types = _mlp_layer_types(config, layers)
         rates = _compress_rates(config)
         main, compress = _ropes(config, head_dim)
+        mtp_types, mtp_mlp_types = _mtp_layer_types(config)
         index_dim = config_int(config, "index_head_dim", 128)
-        if CSA in layer_types and index_dim < compress.dim:
+        if CSA in (*layer_types, *mtp_types) and index_dim < compress.dim:
             raise load_failure(
                 f"index_head_dim ({index_dim}) is smaller than the rotary dims ({compress.dim})"
             )
@@ -197,6 +204,8 @@ class DeepseekV4Config:
             main_rope=main,
             compress_rope=compress,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            mtp_layer_types=mtp_types,
+            mtp_mlp_layer_types=mtp_mlp_types,
         )
 
 
@@ -226,6 +235,25 @@ def _mlp_layer_types(config: dict[str, Any], layers: int) -> tuple[str, ...]:
     if not isinstance(types, list) or len(types) < layers or any(t not in _MLP_TYPES for t in types):
         raise load_failure(f"config.json 'mlp_layer_types' must list {layers} values from {list(_MLP_TYPES)}")
     return tuple(types[:layers])
+
+
+def _mtp_layer_types(config: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The MTP blocks' attention and FFN kinds: two lists of one length, absent when there are none."""
+    types = config.get("mtp_layer_types") or []
+    mlp_types = config.get("mtp_mlp_layer_types") or []
+    if (
+        not isinstance(types, list)
+        or not isinstance(mlp_types, list)
+        or len(types) != len(mlp_types)
+        or len(types) > MAX_MTP_LAYERS
+        or any(t not in _LAYER_TYPES for t in types)
+        or any(t not in _MLP_TYPES for t in mlp_types)
+    ):
+        raise load_failure(
+            f"config.json 'mtp_layer_types' / 'mtp_mlp_layer_types' must be two lists of one length (at "
+            f"most {MAX_MTP_LAYERS}) from {list(_LAYER_TYPES)} and {list(_MLP_TYPES)}"
+        )
+    return tuple(types), tuple(mlp_types)
 
 
 def _compress_rates(config: dict[str, Any]) -> dict[str, int]:

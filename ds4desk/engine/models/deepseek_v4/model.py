@@ -15,8 +15,9 @@ What differs from the dense family:
   moe.py.
 
 Parameter names equal transformers' DeepseekV4ForCausalLM state-dict names (modules.py), so a
-folder in that layout loads by name (MTP tensors are simply not asked for). Batch is always 1:
-activations are [T, hidden], streams [T, hc_mult, hidden].
+folder in that layout loads by name; the other layouts are mapped onto them
+(loading/deepseek_v4_names.py). The checkpoint's MTP blocks, if any, are kept under `mtp.K.`.
+Batch is always 1: activations are [T, hidden], streams [T, hc_mult, hidden].
 
 The cache (cache.py) is plain tensors allocated once for the context. Calls must be contiguous
 (start 0, or where the last call ended), so nothing stale is ever read: every row a query can see
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
@@ -47,7 +49,14 @@ from ds4desk.engine.models.deepseek_v4.cache import RopeTables, V4Cache, layer_c
 from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.decode import GraphableDecode
 from ds4desk.engine.models.deepseek_v4.hyper import HyperConnectionSites
-from ds4desk.engine.models.deepseek_v4.modules import Backbone, Compressor, Layer, Weight, check_hash_table
+from ds4desk.engine.models.deepseek_v4.modules import (
+    Backbone,
+    Compressor,
+    Layer,
+    MtpBlock,
+    Weight,
+    check_hash_table,
+)
 from ds4desk.engine.models.deepseek_v4.moe import MixtureOfExperts
 from ds4desk.engine.split import materialize_parameters
 
@@ -67,6 +76,11 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
         self.model = Backbone(config, dtype, quantized)
         if not config.tie_word_embeddings:  # else None (base): the embedding is the head
             self.lm_head = Weight((config.vocab_size, config.hidden_size), dtype)
+        # The checkpoint's MTP blocks (`mtp.K.*`, none unless it holds some): loaded and kept, in the
+        # weight bytes and on the last shard of a split, for speculative decoding; not run.
+        self.mtp = nn.ModuleList(
+            MtpBlock(config, k, dtype, quantized) for k in range(len(config.mtp_layer_types))
+        )
         self._inv_freq: dict[str, torch.Tensor] = {}
         self._tables: RopeTables = {}
         self._cache: V4Cache | None = None
@@ -97,10 +111,12 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
     def finish_loading(self) -> None:
         """After the weights are in: check the hash tables and derive the rope frequencies."""
         cfg = self.config
-        for index, layer in enumerate(self.model.layers):
+        blocks = [(f"model.layers.{i}", layer) for i, layer in enumerate(self.model.layers)]
+        blocks += [(f"mtp.{k}", block) for k, block in enumerate(self.mtp)]
+        for prefix, layer in blocks:
             table = getattr(layer.mlp.gate, "tid2eid", None)
             if table is not None:
-                check_hash_table(f"model.layers.{index}.mlp.gate.tid2eid", table, cfg.num_experts)
+                check_hash_table(f"{prefix}.mlp.gate.tid2eid", table, cfg.num_experts)
         device = self.device
         self._inv_freq = {
             "main": cfg.main_rope.inverse_frequencies(device),

@@ -166,16 +166,43 @@ class Moe(nn.Module):
 
 
 class Layer(nn.Module):
-    """One decoder layer: attention and MoE, each with its norm and hyper-connection site."""
+    """One decoder layer: attention and MoE, each with its norm and hyper-connection site.
+    `kinds`: (attention kind, FFN kind), by default the config's for layer `index`."""
 
-    def __init__(self, cfg: DeepseekV4Config, index: int, dtype: torch.dtype, quantized: bool) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        index: int,
+        dtype: torch.dtype,
+        quantized: bool,
+        kinds: tuple[str, str] | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, cfg.layer_types[index], dtype, quantized)
-        self.mlp = Moe(cfg, cfg.mlp_layer_types[index] == HASH_MOE, dtype, quantized)
+        layer_type, mlp_type = kinds or (cfg.layer_types[index], cfg.mlp_layer_types[index])
+        self.self_attn = Attention(cfg, layer_type, dtype, quantized)
+        self.mlp = Moe(cfg, mlp_type == HASH_MOE, dtype, quantized)
         self.input_layernorm = Weight((cfg.hidden_size,), torch.float32)
         self.post_attention_layernorm = Weight((cfg.hidden_size,), torch.float32)
         self.attn_hc = HyperConnection(cfg.hc_mult, cfg.hidden_size)
         self.ffn_hc = HyperConnection(cfg.hc_mult, cfg.hidden_size)
+
+
+class MtpBlock(Layer):
+    """A multi-token-prediction block as the official release stores it: a full layer, plus the
+    projections that mix the next token's (normed) embedding into the main model's (normed) streams,
+    and its own final norm and stream head (the embedding and the head are the main model's).
+    Loaded and kept for speculative decoding; the forward does not run it yet."""
+
+    def __init__(self, cfg: DeepseekV4Config, index: int, dtype: torch.dtype, quantized: bool) -> None:
+        kinds = (cfg.mtp_layer_types[index], cfg.mtp_mlp_layer_types[index])
+        super().__init__(cfg, index, dtype, quantized, kinds)
+        hidden = cfg.hidden_size
+        self.e_proj = _linear_weight((hidden, hidden), dtype, quantized)
+        self.h_proj = _linear_weight((hidden, hidden), dtype, quantized)
+        self.enorm = Weight((hidden,), torch.float32)
+        self.hnorm = Weight((hidden,), torch.float32)
+        self.norm = Weight((hidden,), torch.float32)
+        self.hc_head = HyperHead(cfg.hc_mult, hidden)
 
 
 class Backbone(nn.Module):

@@ -198,9 +198,11 @@ def test_thinking_mode_through_the_engine(folders: dict[str, Path], tmp_path: Pa
     assert budgeted.budget_forced_close or close in budgeted.tokens[:2]
 
 
-def test_mtp_tensors_are_skipped_with_a_log_line(
+def test_mtp_tensors_are_kept_with_a_log_line(
     folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """MTP tensors are loaded and kept (issue 18; tests/engine/loading/test_deepseek_v4_layouts.py
+    loads whole blocks): a block holding only its norm is incomplete, and says what it lacks."""
     folder = Path(shutil.copytree(folders["official"], tmp_path / "with-mtp"))
     shard = "model-00002-of-00002.safetensors"
     weights = load_file(str(folder / shard))
@@ -211,6 +213,8 @@ def test_mtp_tensors_are_skipped_with_a_log_line(
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with caplog.at_level("INFO"):
         source = inspect_folder(folder)
-    assert "mtp.0.norm.weight" not in source.tensors
-    assert "skipping 1 MTP tensors" in caplog.text
-    check_tensors(source)
+    assert "mtp.0.norm.weight" in source.tensors
+    assert "keeping 1 MTP tensors" in caplog.text
+    with pytest.raises(EngineFailure) as info:
+        check_tensors(source)
+    assert "DeepSeek official checkpoint has no tensor 'mtp.0." in info.value.error.detail
