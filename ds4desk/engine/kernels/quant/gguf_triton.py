@@ -9,6 +9,9 @@ both can be captured in a CUDA graph):
   columns, so a result is one sum rounded once), and there are enough programs for every SM.
   The decode step's fused forms mirror dense/gemv.py: `gemv_add_` adds into the residual in place
   (optionally reading SiLU(gate) · up from a gate/up row), `norm_gemv` reads RMSNorm(x) · norm.
+  One row of x times a tall Q8_0, Q4_K or Q6_K matrix (`one_row_fits`) takes the one-row GEMV of
+  gguf_gemv1_triton.py instead, with the normed or activated input row prepared once by its own
+  kernel (`normed_row` gives it to a q/k/v group whose parts differ in type).
 - longer x (prefill): the weight is dequantized into a scratch of x's dtype, a slice of rows at a
   time, and multiplied by one torch.mm (cuBLAS). The dequantize kernel keeps gguf.py's float32
   operations in order and runs without FMA contraction: its values equal the reference's bit for
