@@ -17,9 +17,10 @@ NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GP
 
 
 def huge_model(folder: Path) -> Path:
-    """A llama whose embedding alone is 256 GiB of float32: a sparse file, so it costs no disk."""
+    """A llama whose embedding alone is 256 GiB of float32: a sparse file, so it costs no disk. Its
+    sizes stay within the config bounds (detect.MAX_CONFIG_SIZES): only memory refuses it."""
     folder.mkdir()
-    vocab, hidden = 2**24, 2**12
+    vocab, hidden = 2**23, 2**13
     config = {
         "architectures": ["LlamaForCausalLM"],
         "vocab_size": vocab,

@@ -37,8 +37,11 @@ def _run_until_killed(db: Path, seed: int, after_lines: int) -> list[list[str]]:
             break
     time.sleep(random.Random(seed).random() * 0.02)
     process.send_signal(signal.SIGKILL)
-    # Lines already written before the kill count as shown too.
-    rest = threading.Thread(target=lambda: reported.extend(line.split() for line in process.stdout or []))
+    # Lines already written before the kill count as shown too; a line the kill cut short (no
+    # newline) was never reported whole.
+    rest = threading.Thread(
+        target=lambda: reported.extend(line.split() for line in process.stdout or [] if line.endswith("\n"))
+    )
     rest.start()
     process.wait(timeout=30)
     rest.join(30)
