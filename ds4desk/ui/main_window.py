@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +43,15 @@ from ds4desk.engine.api import (
     TextDelta,
     ThinkingFormat,
 )
-from ds4desk.history import LEAF, History, Message, StreamingWriter
+from ds4desk.history import LEAF, History
 from ds4desk.settings import BUILT_IN_MODEL, Settings
 from ds4desk.ui import chat_view
 from ds4desk.ui.backend import ChatBackend
+from ds4desk.ui.banners import NO_MODEL_HELP, NO_MODEL_TITLE, NoModelBar, NoticeBar
 from ds4desk.ui.chat_options import ChatOptions
 from ds4desk.ui.chat_view import ChatView, NoteKind, counts_as_thinking
 from ds4desk.ui.composer import Composer
+from ds4desk.ui.conversation import Generation, conversation, message_note
 from ds4desk.ui.device_choice import DeviceFallback, DeviceLister, fallback_for
 from ds4desk.ui.markdown_render import split_thinking
 from ds4desk.ui.markdown_render import with_think_tag as _with_think_tag
@@ -60,7 +61,6 @@ from ds4desk.ui.perf_panel import PerfPanel
 from ds4desk.ui.settings_dialog import SettingsDialog
 from ds4desk.ui.sidebar import UNTITLED, Sidebar
 from ds4desk.ui.slot_panel import SlotPanel
-from ds4desk.ui.stats_format import stats_footer
 from ds4desk.ui.theme import ThemeWatcher
 
 log = logging.getLogger(__name__)
@@ -68,43 +68,6 @@ log = logging.getLogger(__name__)
 WINDOW_TITLE = "ds4desk"
 SEND_HELP = "Send (Enter or Ctrl+Enter)"
 EMPTY_CHAT = "Ask anything. Answers stream in here."
-NO_MODEL_TITLE = "No model is loaded."
-NO_MODEL_HELP = (
-    "Open one with File > Open model… (Ctrl+O): a .gguf file or a Hugging Face model folder. You can "
-    "also drop one on this window, pick one in File > Open recent, or load the built-in SmolLM2."
-)
-
-
-@dataclass(slots=True)
-class _Generation:
-    """The answer being written: its chat may not be the one on screen (the user can switch)."""
-
-    chat_id: int
-    request_id: int
-    writer: StreamingWriter
-    thinking_tokens: int = 0  # streamed inside <think>…</think>
-    think_tag_pending: bool = False  # thinking mode: the prompt opened <think>, the text will not
-
-
-def message_note(message: Message) -> tuple[str | None, NoteKind]:
-    """What to say under an assistant message: how a finished one went (speed, reuse), or why an
-    unfinished one stopped."""
-    if message.role != "assistant":
-        return None, NoteKind.INFO
-    stats = message.stats or {}
-    reason = stats.get("finish_reason")
-    if message.finished:
-        lines = [stats_footer(stats)]
-        if reason == FinishReason.LENGTH:
-            lines.insert(0, "Stopped at the length limit (max new tokens).")
-        return "\n".join(line for line in lines if line) or None, NoteKind.INFO
-    if reason == FinishReason.CANCELLED:
-        return "Stopped.", NoteKind.INFO
-    if reason == FinishReason.ERROR:
-        error = stats.get("error") or {}
-        detail = error.get("detail") or error.get("code") or "unknown error"
-        return f"Generation failed: {detail}", NoteKind.ERROR
-    return "Interrupted: ds4desk closed before this answer finished.", NoteKind.WARNING
 
 
 class MainWindow(QMainWindow):
@@ -136,7 +99,7 @@ class MainWindow(QMainWindow):
         self._loads_running = 0
         self._answering = False  # Send is off while an answer is written
         self.current_chat_id: int | None = None
-        self._generation: _Generation | None = None
+        self._generation: Generation | None = None
         self._send_task: asyncio.Task[GenerateResult | None] | None = None
         self._closed = False
 
@@ -216,8 +179,15 @@ class MainWindow(QMainWindow):
         column = QVBoxLayout(main)
         column.setContentsMargins(0, 0, 0, 12)
         column.setSpacing(10)
-        column.addWidget(self._build_notice_bar())
-        column.addWidget(self._build_no_model_bar())
+        self.notice_bar = NoticeBar()
+        self.notice_label, self.notice_dismiss = self.notice_bar.label, self.notice_bar.dismiss_button
+        self.no_model_bar = NoModelBar(
+            open_model=lambda: self.open_model_action.trigger(),
+            load_built_in=lambda: self.model_loader.open_path(BUILT_IN_MODEL),
+        )
+        self.built_in_button = self.no_model_bar.built_in_button
+        column.addWidget(self.notice_bar)
+        column.addWidget(self.no_model_bar)
         column.addWidget(self.chat_view, 1)
         column.addWidget(park_box)
         column.addWidget(self.chat_options)
@@ -370,56 +340,13 @@ class MainWindow(QMainWindow):
 
     # ---- status ---------------------------------------------------------------------------
 
-    def _build_notice_bar(self) -> QWidget:
-        """Problems found at start (a damaged history or settings file set aside): unlike the status
-        line, which the next step overwrites, a notice stays until the user dismisses it."""
-        self.notice_bar = QWidget(objectName="NoticeBar")
-        self.notice_label = QLabel(objectName="NoticeLabel")
-        self.notice_label.setWordWrap(True)
-        self.notice_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.notice_dismiss = QPushButton("Dismiss", objectName="NoticeDismiss")
-        self.notice_dismiss.setAccessibleName("Dismiss the notice")
-        self.notice_dismiss.clicked.connect(self.dismiss_notices)
-        row = QHBoxLayout(self.notice_bar)
-        row.setContentsMargins(12, 8, 12, 8)
-        row.addWidget(self.notice_label, 1)
-        row.addWidget(self.notice_dismiss)
-        self.notice_bar.hide()
-        self.notices: list[str] = []
-        return self.notice_bar
-
-    def _build_no_model_bar(self) -> QWidget:
-        """Shown while no model is loaded and none is loading: how to get one, with the buttons."""
-        self.no_model_bar = QWidget(objectName="NoModelBar")
-        label = QLabel(f"<b>{NO_MODEL_TITLE}</b> {NO_MODEL_HELP}", objectName="NoModelLabel")
-        label.setWordWrap(True)
-        self.open_model_button = QPushButton("Open model…", objectName="NoModelOpen")
-        self.open_model_button.clicked.connect(lambda: self.open_model_action.trigger())
-        self.built_in_button = QPushButton("Load the built-in model", objectName="NoModelBuiltIn")
-        self.built_in_button.clicked.connect(lambda: self.model_loader.open_path(BUILT_IN_MODEL))
-        self.open_model_button.setAccessibleName("Open a model")
-        self.open_model_button.setToolTip("A .gguf file or a Hugging Face model folder (Ctrl+O)")
-        self.built_in_button.setAccessibleName("Load the built-in model")
-        self.built_in_button.setToolTip("SmolLM2-135M-Instruct, which ships with ds4desk")
-        row = QHBoxLayout(self.no_model_bar)
-        row.setContentsMargins(12, 8, 12, 8)
-        row.addWidget(label, 1)
-        row.addWidget(self.open_model_button)
-        row.addWidget(self.built_in_button)
-        self.no_model_bar.hide()
-        return self.no_model_bar
-
     def show_notice(self, text: str) -> None:
         """Shown above the chat until dismissed; several notices stack."""
-        self.notices.append(text)
-        self.notice_label.setText("\n\n".join(self.notices))
-        self.notice_bar.show()
+        self.notice_bar.add(text)
         self.set_status(text, error=True)
 
     def dismiss_notices(self) -> None:
-        self.notices.clear()
-        self.notice_label.clear()
-        self.notice_bar.hide()
+        self.notice_bar.dismiss()
 
     def set_status(self, text: str, *, error: bool = False) -> None:
         self.status_label.setText(text)
@@ -788,8 +715,9 @@ class MainWindow(QMainWindow):
         info = self.backend.model_info
         chat_format = info.thinking if info is not None else ThinkingFormat()
         thinking = self.settings.thinking and chat_format.switch
+        until = answer_parent if text is None else None  # regenerate: the question, not the old answer
         request = GenerateRequest(
-            messages=self._conversation(chat_id, until=answer_parent if text is None else None),
+            messages=conversation(self.history, chat_id, self.settings.system_prompt, until=until),
             sampling=self.settings.sampling(),
             max_new_tokens=self.settings.max_new_tokens,
             thinking=thinking,
@@ -799,7 +727,7 @@ class MainWindow(QMainWindow):
             save_snapshot=SaveSnapshot(tag=str(chat_id)),  # the slot panel shows whose it is
         )
         row = self.history.add_message(chat_id, "assistant", "", parent_id=answer_parent, finished=False)
-        generation = _Generation(chat_id, request.request_id, self.history.streaming_writer(row.id))
+        generation = Generation(chat_id, request.request_id, self.history.streaming_writer(row.id))
         generation.think_tag_pending = chat_format.opened(thinking)
         self._generation = generation
         if self.current_chat_id == chat_id:
@@ -839,7 +767,7 @@ class MainWindow(QMainWindow):
         self._finish(generation, result)
         return result
 
-    def _finish(self, generation: _Generation, result: GenerateResult) -> None:
+    def _finish(self, generation: Generation, result: GenerateResult) -> None:
         cancelled = result.finish_reason == FinishReason.CANCELLED or (
             result.error is not None and result.error.code == ErrorCode.CANCELLED
         )
@@ -894,25 +822,6 @@ class MainWindow(QMainWindow):
                 f"prefill {s.prefill_tok_s:.0f} tok/s\n"
                 f"first token after {s.time_to_first_token_s:.2f} s, decode {s.decode_tok_s:.1f} tok/s"
             )
-
-    def _conversation(self, chat_id: int, until: int | str | None = None) -> list[dict[str, str]]:
-        """The active branch as chat messages, the system prompt first; `until`: stop after that
-        message (regenerate answers the question again, without the old answer)."""
-        messages: list[dict[str, str]] = []
-        if self.settings.system_prompt.strip():
-            messages.append({"role": "system", "content": self.settings.system_prompt})
-        branch = self.history.messages(chat_id)
-        if isinstance(until, int):
-            ids = [m.id for m in branch]
-            branch = branch[: ids.index(until) + 1] if until in ids else branch
-        for message in branch:
-            content = message.content
-            if message.role == "assistant":
-                # Earlier reasoning is not sent back: models are trained without it in the context.
-                content = split_thinking(content)[1]
-            if content.strip():
-                messages.append({"role": message.role, "content": content})
-        return messages
 
     def _set_busy(self, busy: bool) -> None:
         # Set before the answer's task exists, and cleared while it still runs: `busy` cannot say.
