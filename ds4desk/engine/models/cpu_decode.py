@@ -6,9 +6,9 @@ each call's dispatch costs microseconds and the tensors are a few hundred floats
 `gguf_cpu.FusedLayer` runs the whole layer in C instead. This module turns a layer's projections
 into the kernel's terms and keeps the made layer with the layer's plan until its cache changes.
 
-Families' EagerDecodeSteps call `cached_layer` with a function that builds their LayerSpec; where
-the kernels do not run a layer (a float weight, another dtype or device, no extension) it returns
-None and the torch steps run as before. DS4DESK_CPU_FUSED_DECODE=0 turns the path off (for
+Families' EagerDecodeSteps hand each layer to a `FusedShard`, with a function that builds the
+layer's LayerSpec; where the kernels do not run a layer (a float weight, another dtype or device, no
+extension) the torch steps run it as before. DS4DESK_CPU_FUSED_DECODE=0 turns the path off (for
 comparisons); `enabled` is what the steps read.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -59,6 +59,38 @@ def cached_layer(
     fused = gguf_cpu.fused_layer(spec) if spec is not None else None
     plan.cpu_layer = fused if fused is not None else _Unfit(plan.kv_cache)
     return fused
+
+
+class FusedShard:
+    """A decode step's layers of one shard on the fused path. The shard's first layer runs every
+    layer in one C call (the threads wake once a token, not once a layer) and the later layers'
+    calls return x; where some layer is unfit, each fit layer runs alone and the others on torch."""
+
+    def __init__(
+        self, plans: Sequence[_HasSlot], fused_for: Callable[[Any], gguf_cpu.FusedLayer | None], pos: int
+    ) -> None:
+        self.plans, self.fused_for, self.pos = plans, fused_for, pos
+        self.threads = torch.get_num_threads()
+        self.residual: torch.Tensor | None = None  # the fused path's own copy of x, updated in place
+        self.ran_shard = False
+
+    def layer(self, x: torch.Tensor, plan: _HasSlot, torch_layer: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.ran_shard:
+            return x
+        if plan is self.plans[0]:
+            layers = [self.fused_for(p) for p in self.plans]
+            if all(layer is not None for layer in layers):
+                x = self.residual = x.contiguous().clone()  # never update the caller's tensor
+                gguf_cpu.decode_layers(layers, x, self.pos, self.threads)  # type: ignore[arg-type]
+                self.ran_shard = True
+                return x
+        fused = self.fused_for(plan)
+        if fused is None:
+            return torch_layer()
+        if x is not self.residual:
+            x = self.residual = x.contiguous().clone()
+        fused(x, self.pos, self.threads)
+        return x
 
 
 def packed_projection(projection: Projection) -> gguf_cpu.FusedProjection | None:

@@ -228,32 +228,13 @@ class EagerDecodeSteps(LayerSteps):
         super().__init__(cfg, shard)
         self.pos = pos
         self.cfg, self.plans = cfg, shard.plans
-        self.fused = cpu_decode.enabled and shard.device.type == "cpu"
-        self.residual: torch.Tensor | None = None  # the fused path's own copy of x, updated in place
-        self.ran_shard = False  # the shard's first layer ran all of them
-        self.threads = torch.get_num_threads()
+        fused = cpu_decode.enabled and shard.device.type == "cpu"
+        self.fused = cpu_decode.FusedShard(shard.plans, self._fused, pos) if fused else None
 
     def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        """On the fused path, the shard's first layer runs every layer of the shard in one C call
-        (the threads wake once a token, not once a layer) and the later layers' calls return x."""
-        if not self.fused:
+        if self.fused is None:
             return super().layer(x, plan)
-        if self.ran_shard:
-            return x
-        if plan is self.plans[0]:
-            layers = [self._fused(p) for p in self.plans]
-            if all(layer is not None for layer in layers):
-                x = self.residual = x.contiguous().clone()  # never update the caller's tensor
-                gguf_cpu.decode_layers(layers, x, self.pos, self.threads)  # type: ignore[arg-type]
-                self.ran_shard = True
-                return x
-        fused = self._fused(plan)
-        if fused is None:
-            return super().layer(x, plan)
-        if x is not self.residual:
-            x = self.residual = x.contiguous().clone()
-        fused(x, self.pos, self.threads)
-        return x
+        return self.fused.layer(x, plan, lambda: super(EagerDecodeSteps, self).layer(x, plan))
 
     def _fused(self, plan: LayerPlan) -> gguf_cpu.FusedLayer | None:
         tables = self.local if plan.window is not None else self.global_

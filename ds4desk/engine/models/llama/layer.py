@@ -236,10 +236,8 @@ class EagerDecodeSteps(_TorchSteps):
         buffers, cos, sin, self.swap = shard.decode, shard.cos, shard.sin, shard.half_swap
         assert buffers is not None and cos is not None and sin is not None and self.swap is not None
         self.cfg, self.tables, self.plans = cfg, (cos, sin), shard.plans
-        self.fused = cpu_decode.enabled and exact and shard.device.type == "cpu"
-        self.residual: torch.Tensor | None = None  # the fused path's own copy of x, updated in place
-        self.ran_shard = False  # the shard's first layer ran all of them
-        self.threads = torch.get_num_threads()
+        fused = cpu_decode.enabled and exact and shard.device.type == "cpu"
+        self.fused = cpu_decode.FusedShard(shard.plans, self._fused, pos) if fused else None
         self.pos, self.end = pos, pos + 1
         self.q_width = cfg.num_heads * cfg.head_dim
         self.cos, self.sin = cos[pos], sin[pos]  # [D], broadcast over the heads
@@ -247,27 +245,13 @@ class EagerDecodeSteps(_TorchSteps):
         self.gate_up_out, self.gate, self.up = buffers.gate_up, buffers.gate, buffers.up
 
     def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        """On the fused path, the shard's first layer runs every layer of the shard in one C call
-        (the threads wake once a token, not once a layer) and the later layers' calls return x."""
-        if not self.fused:
+        if self.fused is None:
             return super().layer(x, plan)
-        if self.ran_shard:
-            return x
+        return self.fused.layer(x, plan, lambda: super(EagerDecodeSteps, self).layer(x, plan))
+
+    def _fused(self, plan: LayerPlan) -> gguf_cpu.FusedLayer | None:
         cos, sin = self.tables
-        if plan is self.plans[0]:
-            layers = [cpu_decode.cached_layer(p, cos, sin, lambda p=p: self._spec(p)) for p in self.plans]
-            if all(layer is not None for layer in layers):
-                x = self.residual = x.contiguous().clone()  # never update the caller's tensor
-                gguf_cpu.decode_layers(layers, x, self.pos, self.threads)  # type: ignore[arg-type]
-                self.ran_shard = True
-                return x
-        fused = cpu_decode.cached_layer(plan, cos, sin, lambda: self._spec(plan))
-        if fused is None:
-            return super().layer(x, plan)
-        if x is not self.residual:
-            x = self.residual = x.contiguous().clone()
-        fused(x, self.pos, self.threads)
-        return x
+        return cpu_decode.cached_layer(plan, cos, sin, lambda: self._spec(plan))
 
     def _spec(self, plan: LayerPlan) -> gguf_cpu.LayerSpec | None:
         projections = cpu_decode.packed_projections(plan.qkv, plan.o, plan.gate_up, plan.down)
