@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -85,20 +84,6 @@ def assert_close_to_reference(
     assert got.shape == want.shape and torch.isfinite(want).all()
     excess = ((got - want).abs() / bound).max().item()
     assert excess <= 1.0, f"{kind.name}: error {excess:.3g} x the bound"
-
-
-@pytest.fixture(params=["avx512", "portable"])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each test runs on the AVX-512 kernels (where the CPU has them) and on the portable ones."""
-    ext = gguf_cpu._ext
-    if request.param == "avx512" and ext.set_isa("best") != "avx512":
-        pytest.skip("this CPU has no AVX-512")
-    if request.param == "portable":
-        ext.set_isa("portable")
-    try:
-        yield request.param
-    finally:
-        ext.set_isa("best")
 
 
 @needs_extension

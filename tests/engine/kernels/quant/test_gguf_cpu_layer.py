@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,19 +25,6 @@ pytestmark = pytest.mark.skipif(not gguf_cpu.available(), reason="the C extensio
 CPU = torch.device("cpu")
 # Logits of these models reach ~35; float32 sums in another order move them by ~1e-5.
 TOLERANCE = 2e-4
-
-
-@pytest.fixture(params=["avx512", "portable"])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    ext = gguf_cpu._ext
-    if request.param == "avx512" and ext.set_isa("best") != "avx512":
-        pytest.skip("this CPU has no AVX-512")
-    if request.param == "portable":
-        ext.set_isa("portable")
-    try:
-        yield request.param
-    finally:
-        ext.set_isa("best")
 
 
 @pytest.fixture(scope="module")
