@@ -1,4 +1,4 @@
-"""The Starlette application: OpenAI's routes over one EngineClient.
+"""The Starlette application: OpenAI's routes, /metrics and the slot endpoints over one EngineClient.
 
 Requests queue in arrival order behind the one engine thread (the engine's own command queue). A
 request whose client goes away is cancelled at the engine's next step, waiting or running.
@@ -9,40 +9,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ds4desk.engine.api import (
-    ErrorCode,
-    FinishReason,
-    GenerateRequest,
-    GenerateResult,
-    ModelInfo,
-    SamplingParams,
-    TextDelta,
-)
+import ds4desk.server.shapes as shapes
+from ds4desk.engine.api import PARK_SELECTORS, FinishReason, GenerateRequest, ModelInfo
 from ds4desk.engine.client import EngineClient
-from ds4desk.server.protocol import ApiError, ChatParams, error_of_engine, parse_chat, parse_json
-from ds4desk.server.stops import StopScanner, first_stop
+from ds4desk.server.generation import Generation, chat_request, completion_request
+from ds4desk.server.metrics import CONTENT_TYPE, Metrics
+from ds4desk.server.protocol import (
+    ApiError,
+    ChatParams,
+    CompletionParams,
+    GenerationParams,
+    bad,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
+from ds4desk.server.slots import engine_slot_error, park_body, run_slot_action, slot_body, slot_id
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Without max_tokens an answer may run this long, or to the end of the context when the prompt
-# leaves less (then the request is sent again with what is left: see _Generation._run).
-DEFAULT_MAX_TOKENS = 2048
 
 
 @dataclass(slots=True)
@@ -51,27 +52,19 @@ class ServerLimits:
     max_requests: int = 64  # generations waiting or running; more are refused with 429
 
 
-@dataclass(slots=True)
-class _Served:
-    """What the engine did for this server's clients since it started (GET /health)."""
-
-    answers: int = 0
-    cancelled: int = 0  # their client left before the end
-    failed: int = 0
-    generated_tokens: int = 0  # every token the model produced, cancelled answers' included
-
-
 class _ClientGone(Exception):
     """The client closed the connection before its answer began."""
 
 
 class _Server:
-    def __init__(self, client: EngineClient, api_key: str | None, limits: ServerLimits) -> None:
+    def __init__(
+        self, client: EngineClient, api_key: str | None, limits: ServerLimits, slot_dir: Path | None
+    ) -> None:
         self.client = client
         self.api_key = api_key.encode() if api_key else None
         self.limits = limits
-        self.requests = 0  # generations accepted whose engine work has not ended
-        self.served = _Served()
+        self.slot_dir = slot_dir
+        self.metrics = Metrics()
 
     @property
     def info(self) -> ModelInfo:
@@ -90,7 +83,7 @@ class _Server:
                 401, "a valid API key is needed (Authorization: Bearer KEY)", code="invalid_api_key"
             )
 
-    async def body(self, request: Request) -> dict[str, Any]:
+    async def body(self, request: Request, optional: bool = False) -> dict[str, Any]:
         limit = self.limits.max_body_bytes
         length = request.headers.get("content-length")
         # The length of the digits first: int() refuses strings of thousands of digits with an error.
@@ -107,7 +100,10 @@ class _Server:
                 chunks.append(chunk)
         except ClientDisconnect:  # gone before its body arrived: an answer nobody will read
             raise ApiError(400, "the client went away") from None
-        return parse_json(b"".join(chunks))
+        raw = b"".join(chunks)
+        if optional and not raw.strip():
+            return {}
+        return parse_json(raw)
 
     # ---- routes ---------------------------------------------------------------------------------
 
@@ -117,15 +113,16 @@ class _Server:
             "status": "ok" if info else "no_model",
             "model": info.name if info else None,
             "parked": self.client.parked,
-            "requests": self.requests,
-            "served": {
-                "answers": self.served.answers,
-                "cancelled": self.served.cancelled,
-                "failed": self.served.failed,
-                "generated_tokens": self.served.generated_tokens,
-            },
+            "requests": self.metrics.in_flight,
+            "served": self.metrics.health(),
         }
         return JSONResponse(body, status_code=200 if info else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        self.authorize(request)
+        engine = self.client.engine
+        text = self.metrics.render(self.client.model_info, self.client.parked, engine.memory_stats)
+        return Response(text, media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)
@@ -137,76 +134,188 @@ class _Server:
         self.authorize(request)
         info = self.info
         params = parse_chat(await self.body(request), info.context)
-        if self.requests >= self.limits.max_requests:
+        engine_request = chat_request(params, info.context, info.thinking)
+        generation = self._start(engine_request, params, info, (info.thinking, params.thinking), "chatcmpl-")
+
+        def whole(done: Any) -> dict[str, Any]:
+            return shapes.chat_completion(generation, info.name, done, params.logprobs is not None)
+
+        return await self._answer(
+            request, generation, params, whole, self._chat_events(generation, info.name, params)
+        )
+
+    async def completions(self, request: Request) -> Response:
+        self.authorize(request)
+        info = self.info
+        params = parse_completion(await self.body(request), info.context)
+        engine_request = completion_request(params, info.context)
+        generation = self._start(engine_request, params, info, None, "cmpl-")
+
+        def whole(done: Any) -> dict[str, Any]:
+            return shapes.text_completion(generation, info.name, done, params.logprobs is not None)
+
+        events = self._text_events(generation, info.name, params)
+        return await self._answer(request, generation, params, whole, events)
+
+    async def slots(self, request: Request) -> Response:
+        self.authorize(request)
+        result = await self.client.slots("list")
+        if result.error is not None:
+            raise engine_slot_error(result.error, self.slot_dir)
+        return JSONResponse(slot_body(result, self.slot_dir))
+
+    async def slot_action(self, request: Request) -> Response:
+        self.authorize(request)
+        slot = slot_id(request.path_params["slot"])
+        action = request.query_params.get("action", "")
+        body = await self.body(request, optional=True)
+        return JSONResponse(await run_slot_action(self.client, slot, action, body, self.slot_dir))
+
+    async def park(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse(park_body(await self.client.park(_park_target(request))))
+
+    async def unpark(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse(park_body(await self.client.unpark(_park_target(request))))
+
+    # ---- generations ----------------------------------------------------------------------------
+
+    def _start(
+        self,
+        engine_request: GenerateRequest,
+        params: GenerationParams,
+        info: ModelInfo,
+        thinking: Any,
+        prefix: str,
+    ) -> Generation:
+        if self.metrics.in_flight >= self.limits.max_requests:
             raise ApiError(429, "too many requests are waiting; try again later", code="server_busy")
-        self.requests += 1
-        generation = _Generation(self.client, params, info.context, on_finished=self._finished)
+        self.metrics.in_flight += 1
+        return Generation(
+            self.client,
+            engine_request,
+            params,
+            info.context,
+            thinking,
+            on_finished=self._finished,
+            on_first_token=self._first_token,
+            prefix=prefix,
+        )
+
+    async def _answer(
+        self,
+        request: Request,
+        generation: Generation,
+        params: GenerationParams,
+        whole: Callable[[Any], dict[str, Any]],
+        events: Callable[[Any], AsyncIterator[str]],
+    ) -> Response:
         handed_over = False
         try:
             if not params.stream:
-                result = await _unless_gone(request, generation.finished())
-                return JSONResponse(_completion(generation, info.name, result))
+                done = await _unless_gone(request, generation.finished())
+                return JSONResponse(whole(done))
             # The first piece (or the end) before the headers: an error found by the engine (a prompt
             # longer than the context, say) is still an HTTP error, not a broken stream.
             first = await _unless_gone(request, generation.next_piece())
             if first is None:
                 generation.check()
             handed_over = True
-            return _EventStream(self._events(generation, info.name, params, first), generation)
+            return _EventStream(events(first), generation)
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was cancelled
         finally:
             if not handed_over:
                 generation.close()
 
-    def _finished(self, generation: _Generation) -> None:
+    def _first_token(self, generation: Generation) -> None:
+        ttft = time.monotonic() - generation.accepted_at
+        self.metrics.ttft.observe(ttft)
+        self.metrics.last_ttft_s = ttft
+
+    def _finished(self, generation: Generation) -> None:
         """The engine is done with `generation` (answered, cancelled or failed), on the loop."""
-        self.requests -= 1
+        metrics = self.metrics
+        metrics.in_flight -= 1
         result = generation.result
         if result is None or (result.error is not None and result.finish_reason != FinishReason.CANCELLED):
-            self.served.failed += 1
+            metrics.failed += 1
         elif generation.left:
-            self.served.cancelled += 1
+            metrics.cancelled += 1
         else:
-            self.served.answers += 1
+            metrics.answers += 1
         if result is not None:
-            self.served.generated_tokens += result.stats.generated_tokens
+            metrics.generated_tokens += result.stats.generated_tokens
+            metrics.prompt_tokens += result.stats.prompt_tokens
+            if result.stats.decode_tok_s > 0:
+                metrics.last_decode_tok_s = result.stats.decode_tok_s
 
-    async def _events(
-        self, generation: _Generation, model: str, params: ChatParams, first: str | None
-    ) -> AsyncIterator[str]:
-        """The SSE stream. Closing it (the client went away: Starlette cancels it) cancels the answer."""
-        base = {"id": generation.id, "object": "chat.completion.chunk", "created": generation.created}
-        base["model"] = model
+    def _chat_events(
+        self, generation: Generation, model: str, params: ChatParams
+    ) -> Callable[[Any], AsyncIterator[str]]:
+        """The SSE stream: the reasoning as `delta.reasoning_content` (DeepSeek's field), then the
+        reply as `delta.content`. Closing it (the client went away: Starlette cancels it) cancels
+        the answer."""
 
-        def chunk(delta: dict[str, str], finish: str | None = None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return _sse({**base, "choices": [choice]})
-
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            piece = first
-            while piece is not None:
-                yield chunk({"content": piece})
-                piece = await generation.next_piece()
+        async def events(first: Any) -> AsyncIterator[str]:
             try:
-                result = generation.check()
-            except ApiError as error:  # the headers are gone: the error travels as an event
-                yield _sse(error.body)
-                return
-            yield chunk({}, generation.finish_reason(result))
-            if params.include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(result)})
-            yield "data: [DONE]\n\n"
-        finally:
-            generation.close()
+                yield shapes.chat_chunk(generation, model, {"role": "assistant", "content": ""})
+                piece = first
+                while piece is not None:
+                    delta: dict[str, Any] = {}
+                    if piece.reasoning:
+                        delta["reasoning_content"] = piece.reasoning
+                    if piece.content or not piece.reasoning:
+                        delta["content"] = piece.content
+                    yield shapes.chat_chunk(generation, model, delta, logprobs=piece.logprobs)
+                    piece = await generation.next_piece()
+                try:
+                    result = generation.check()
+                except ApiError as error:  # the headers are gone: the error travels as an event
+                    yield shapes.sse(error.body)
+                    return
+                yield shapes.chat_chunk(generation, model, {}, generation.finish_reason(result))
+                if params.include_usage:
+                    yield shapes.chat_usage_chunk(generation, model, result)
+                yield "data: [DONE]\n\n"
+            finally:
+                generation.close()
+
+        return events
+
+    def _text_events(
+        self, generation: Generation, model: str, params: CompletionParams
+    ) -> Callable[[Any], AsyncIterator[str]]:
+        async def events(first: Any) -> AsyncIterator[str]:
+            try:
+                piece, offset = first, 0
+                while piece is not None:
+                    yield shapes.text_chunk(
+                        generation, model, piece.content, logprobs=piece.logprobs, offset=offset
+                    )
+                    offset += len(piece.content)
+                    piece = await generation.next_piece()
+                try:
+                    result = generation.check()
+                except ApiError as error:
+                    yield shapes.sse(error.body)
+                    return
+                yield shapes.text_chunk(generation, model, "", generation.finish_reason(result))
+                if params.include_usage:
+                    yield shapes.text_usage_chunk(generation, model, result)
+                yield "data: [DONE]\n\n"
+            finally:
+                generation.close()
+
+        return events
 
 
 class _EventStream(StreamingResponse):
     """An SSE response that closes its generation however the response ends: a client that leaves
     before the first event never starts the event generator, so its `finally` alone is not enough."""
 
-    def __init__(self, events: AsyncIterator[str], generation: _Generation) -> None:
+    def __init__(self, events: AsyncIterator[str], generation: Generation) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._generation = generation
@@ -218,103 +327,38 @@ class _EventStream(StreamingResponse):
             self._generation.close()
 
 
-class _Generation:
-    """One answer on the engine, its text passed through the stop strings as it streams."""
+class _CountRequests:
+    """Counts every HTTP answer by endpoint and status for /metrics, errors and refusals included."""
 
-    def __init__(
-        self,
-        client: EngineClient,
-        params: ChatParams,
-        context: int,
-        on_finished: Callable[[_Generation], None],
-    ) -> None:
-        self.id = "chatcmpl-" + secrets.token_hex(12)
-        self.created = int(time.time())
-        self._client = client
-        self._params = params
-        self._context = context
-        self._scanner = StopScanner(params.stop)
-        self._pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        self._request = GenerateRequest(
-            messages=params.messages,
-            sampling=SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed),
-            max_new_tokens=params.max_tokens or min(DEFAULT_MAX_TOKENS, context - 1),
-            stop_tokens=[] if params.ignore_eos else None,
-        )
-        self.result: GenerateResult | None = None
-        self.left = False  # the client went away before the end
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        self._task.add_done_callback(lambda _task: on_finished(self))
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
 
-    async def _run(self) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: list[int] = []
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(int(message["status"]))
+                self.metrics.counted(scope["path"], status[0])
+            await send(message)
+
         try:
-            result = await self._client.generate(self._request, self._on_delta)
-            overflow = result.error is not None and result.error.code == ErrorCode.CONTEXT_OVERFLOW
-            room = self._context - len(result.prompt_tokens)
-            if (
-                overflow
-                and self._params.max_tokens is None
-                and result.prompt_tokens
-                and room > 0
-                and not self.left
-            ):
-                # No max_tokens: as much as the context leaves, from the prompt tokens already made.
-                self._request = GenerateRequest(
-                    prompt_tokens=result.prompt_tokens,
-                    sampling=self._request.sampling,
-                    max_new_tokens=room,
-                    stop_tokens=self._request.stop_tokens,
-                )
-                result = await self._client.generate(self._request, self._on_delta)
-            self.result = result
-            if tail := self._scanner.flush():
-                self._pieces.put_nowait(tail)
-        finally:
-            self._pieces.put_nowait(None)
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not status:  # a bug of ours: the outer handler answers 500
+                self.metrics.counted(scope["path"], 500)
+            raise
 
-    def _on_delta(self, delta: TextDelta) -> None:
-        if shown := self._scanner.feed(delta.text):
-            self._pieces.put_nowait(shown)
-        if self._scanner.stopped:
-            self._client.cancel(self._request.request_id)  # a stop string: the rest is not wanted
 
-    async def next_piece(self) -> str | None:
-        """The next text to show; None at the end."""
-        return await self._pieces.get()
-
-    async def finished(self) -> GenerateResult:
-        await asyncio.wait({self._task})  # cancelling this wait leaves the task running
-        return self.check()
-
-    def check(self) -> GenerateResult:
-        """The finished result, or the ApiError that its engine error means."""
-        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
-            error = self._task.exception()
-            log.error("generation failed: %s: %s", type(error).__name__, error)
-            raise ApiError(500, "the engine failed", kind="server_error")
-        result = self.result
-        assert result is not None
-        stopped_by_us = self._scanner.stopped and result.finish_reason == FinishReason.CANCELLED
-        if result.error is not None and not stopped_by_us:
-            raise error_of_engine(result.error.code, result.error.detail)
-        return result
-
-    def text(self, result: GenerateResult) -> str:
-        cut = first_stop(result.text, self._params.stop)
-        return result.text if cut is None else result.text[:cut]
-
-    def finish_reason(self, result: GenerateResult) -> str:
-        if self._scanner.stopped or first_stop(result.text, self._params.stop) is not None:
-            return "stop"
-        return "length" if result.finish_reason == FinishReason.LENGTH else "stop"
-
-    def close(self) -> None:
-        """However the response ended: an answer still running was left by its client and is cancelled
-        at the engine's next step. The task itself runs on to the engine's result, so what it did is
-        counted and the request stays in `requests` until the engine is really free of it."""
-        if not self._task.done():
-            self.left = True
-            self._client.cancel(self._request.request_id)
+def _park_target(request: Request) -> str:
+    target = request.query_params.get("target", "")
+    if target not in PARK_SELECTORS:
+        raise bad(f"target must be one of {', '.join(repr(s) for s in PARK_SELECTORS)}", "target")
+    return target
 
 
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
@@ -338,34 +382,6 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
     return working.result()
 
 
-def _completion(generation: _Generation, model: str, result: GenerateResult) -> dict[str, Any]:
-    message = {"role": "assistant", "content": generation.text(result)}
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": None,
-        "finish_reason": generation.finish_reason(result),
-    }
-    return {
-        "id": generation.id,
-        "object": "chat.completion",
-        "created": generation.created,
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(result),
-    }
-
-
-def _usage(result: GenerateResult) -> dict[str, int]:
-    # Every token the model produced counts, its end-of-turn token and any past a stop string too.
-    prompt, completion = result.stats.prompt_tokens, result.stats.generated_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
 def _error_response(error: ApiError) -> Response:
     return JSONResponse(error.body, status_code=error.status)
 
@@ -387,14 +403,25 @@ async def _on_bug(_request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    client: EngineClient, api_key: str | None = None, limits: ServerLimits | None = None
+    client: EngineClient,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    slot_dir: Path | None = None,
 ) -> Starlette:
-    server = _Server(client, api_key, limits or ServerLimits())
+    """`slot_dir`: the only folder slot files are saved to and restored from (None: slot files off)."""
+    server = _Server(client, api_key, limits or ServerLimits(), slot_dir)
     return Starlette(
         routes=[
             Route("/health", server.health, methods=["GET"]),
+            Route("/metrics", server.metrics_text, methods=["GET"]),
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/slots", server.slots, methods=["GET"]),
+            Route("/slots/{slot}", server.slot_action, methods=["POST"]),
+            Route("/park", server.park, methods=["POST"]),
+            Route("/unpark", server.unpark, methods=["POST"]),
         ],
+        middleware=[Middleware(_CountRequests, metrics=server.metrics)],
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error, Exception: _on_bug},
     )

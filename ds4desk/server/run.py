@@ -7,12 +7,16 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ds4desk.engine.api import LoadRequest
 from ds4desk.server.app import ServerLimits
 
 if TYPE_CHECKING:
+    import uvicorn
+
+    from ds4desk.engine.client import EngineClient
     from ds4desk.engine.engine import Engine
 
 DEFAULT_PORT = 8000
@@ -25,6 +29,9 @@ class ServeOptions:
     port: int = DEFAULT_PORT  # 0: any free port (the ready line says which)
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # The one folder slot files are saved to and restored from (`--slot-dir`; the CLI's default is the
+    # data directory's snapshots folder, shared with `ds4desk session`). None: slot files are off.
+    slot_dir: Path | None = None
 
 
 def is_loopback(host: str) -> bool:
@@ -61,20 +68,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(
-    engine: Engine, options: ServeOptions, sock: socket.socket, on_ready: Callable[[str], None]
-) -> int:
-    """Serve `engine`'s loaded model on `sock` until a signal: uvicorn closes its connections (which
-    cancels their answers), then raises the signal again (KeyboardInterrupt for Ctrl+C)."""
+def uvicorn_server(client: EngineClient, options: ServeOptions) -> uvicorn.Server:
+    """The app on uvicorn, configured but not started (`run(sockets=[sock])` serves until a signal,
+    or until `should_exit` is set)."""
     import uvicorn
 
-    from ds4desk.engine.client import EngineClient
     from ds4desk.server.app import build_app
 
-    client = EngineClient(engine)
-    app = build_app(client, options.api_key, options.limits)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
+    slot_dir = options.slot_dir.expanduser().resolve() if options.slot_dir is not None else None
+    app = build_app(client, options.api_key, options.limits, slot_dir)
     config = uvicorn.Config(
         app,
         loop="asyncio",
@@ -86,9 +88,27 @@ def run_server(
         server_header=False,
         timeout_graceful_shutdown=3,  # streams still open after Ctrl+C are cut (and so cancelled)
     )
+    return uvicorn.Server(config)
+
+
+def ready_line(client: EngineClient, sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
     model = client.model_info.name if client.model_info else "no model"
-    on_ready(f"serving {model} at http://{shown}:{port}/v1 (Ctrl+C stops)")
-    uvicorn.Server(config).run(sockets=[sock])
+    return f"serving {model} at http://{shown}:{port}/v1 (Ctrl+C stops)"
+
+
+def run_server(
+    engine: Engine, options: ServeOptions, sock: socket.socket, on_ready: Callable[[str], None]
+) -> int:
+    """Serve `engine`'s loaded model on `sock` until a signal: uvicorn closes its connections (which
+    cancels their answers), then raises the signal again (KeyboardInterrupt for Ctrl+C)."""
+    from ds4desk.engine.client import EngineClient
+
+    client = EngineClient(engine)
+    server = uvicorn_server(client, options)
+    on_ready(ready_line(client, sock))
+    server.run(sockets=[sock])
     return 0
 
 
