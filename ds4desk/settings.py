@@ -43,6 +43,10 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 }
 MAX_IDLE_PARK_MINUTES = 10_000.0
 MAX_DEVICES = 64
+# The window's saved geometry and dock layout (QMainWindow.saveGeometry / saveState, a splitter's
+# saveState) as base64 text: a few hundred bytes; anything far larger is no window state.
+MAX_WINDOW_STATE_CHARS = 64 * 1024
+_BASE64 = re.compile(r"^[A-Za-z0-9+/]*={0,2}$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
@@ -74,6 +78,11 @@ class Settings:
     idle_park_minutes: float = 0.0  # 0: never park by itself
     thinking: bool = False  # ask for the model's reasoning first (templates that have a thinking mode)
     thinking_budget_tokens: int = 0  # 0: no budget; else the thinking is closed after this many tokens
+    models_folder: str | None = None  # where the model picker looks for .gguf files and model folders
+    # The window as it was closed (base64 of Qt's own blobs; "" or a damaged value: the defaults).
+    window_geometry: str = ""
+    window_state: str = ""  # the docks: which are open, where, how wide
+    splitter_state: str = ""  # the chat list's width
 
     # ---- engine requests ------------------------------------------------------------------
 
@@ -283,7 +292,14 @@ def _validated(name: str, value: Any) -> Any:
         case "top_p":
             ok = _is_number(value) and 0.0 < value <= 1.0
             value = float(value) if ok else value
-        case "last_model":
+        case "window_geometry" | "window_state" | "splitter_state":
+            ok = (
+                isinstance(value, str)
+                and len(value) <= MAX_WINDOW_STATE_CHARS
+                and len(value) % 4 == 0
+                and bool(_BASE64.match(value))
+            )
+        case "last_model" | "models_folder":
             ok = value is None or (isinstance(value, str) and value != "" and "\0" not in value)
         case "recent_models":
             ok = isinstance(value, list) and all(

@@ -1,15 +1,22 @@
 """Device memory readings for the park row and the memory chart; called on the engine thread only.
 
-CUDA (and HIP, which torch also calls "cuda") reports its caching allocator and the driver's free and
-total bytes. The CPU has no allocator of its own to ask, so the process's resident set stands for
-"allocated" and "reserved", and /proc/meminfo gives free (MemAvailable) and total; without /proc
-(macOS, Windows) those read 0 rather than pulling in psutil.
+One figure means "memory": what the engine holds for the loaded model. The engine passes it in as
+`held` (`bytes_held`), it lands in MemoryStats.allocated, and a park frees exactly its drop, so the
+readout and Park's "freed ..." are the same quantity. On CUDA (and HIP, which torch also calls "cuda")
+it is the caching allocator's allocated bytes on the model's devices, the truth about weights, cache,
+graph pools and workspaces; on the CPU there is no allocator to ask, so it is the engine's own count
+of weights + cache, 0 with no model.
+
+`reserved` is what the process holds beyond that: the allocator's reserved pool on CUDA, the process's
+resident set on the CPU (Python, Qt, torch included). /proc/meminfo gives the CPU's free
+(MemAvailable) and total; without /proc (macOS, Windows) those read 0 rather than pulling in psutil.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -17,14 +24,25 @@ from typing import Any
 from ds4desk.engine.api import MemoryStats
 
 
-def read_memory(device: Any | None, idle_park_in_s: float | None = None) -> MemoryStats:
-    """`device`: a torch.device, or None before any model was loaded (the CPU is read then)."""
+def bytes_held(devices: Sequence[Any], counted: int) -> int:
+    """What a model on `devices` (torch.device, a layer split has several) holds: the allocator's
+    count where every device has one (CUDA), else `counted`, the engine's weights + cache (0: none)."""
+    if devices and all(d.type == "cuda" for d in devices):
+        import torch
+
+        return sum(int(torch.cuda.memory_allocated(d)) for d in devices)
+    return counted
+
+
+def read_memory(device: Any | None, idle_park_in_s: float | None = None, *, held: int = 0) -> MemoryStats:
+    """`device`: a torch.device, or None before any model was loaded (the CPU is read then);
+    `held`: bytes_held for the loaded model (0 with none), reported as `allocated`."""
     if device is not None and device.type == "cuda":
-        return _cuda(device, idle_park_in_s)
-    return _cpu(idle_park_in_s)
+        return _cuda(device, held, idle_park_in_s)
+    return _cpu(held, idle_park_in_s)
 
 
-def _cuda(device: Any, idle_park_in_s: float | None) -> MemoryStats:
+def _cuda(device: Any, held: int, idle_park_in_s: float | None) -> MemoryStats:
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -32,7 +50,7 @@ def _cuda(device: Any, idle_park_in_s: float | None) -> MemoryStats:
     return MemoryStats(
         device=f"cuda:{index}",
         name=torch.cuda.get_device_name(index),
-        allocated=int(torch.cuda.memory_allocated(index)),
+        allocated=held,
         reserved=int(torch.cuda.memory_reserved(index)),
         free=int(free),
         total=int(total),
@@ -40,14 +58,13 @@ def _cuda(device: Any, idle_park_in_s: float | None) -> MemoryStats:
     )
 
 
-def _cpu(idle_park_in_s: float | None) -> MemoryStats:
-    rss = process_rss()
+def _cpu(held: int, idle_park_in_s: float | None) -> MemoryStats:
     meminfo = _meminfo()
     return MemoryStats(
         device="cpu",
         name=_cpu_name(),
-        allocated=rss,
-        reserved=rss,
+        allocated=held,
+        reserved=process_rss(),
         free=meminfo.get("MemAvailable", 0),
         total=meminfo.get("MemTotal", 0),
         idle_park_in_s=idle_park_in_s,

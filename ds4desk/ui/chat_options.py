@@ -97,7 +97,10 @@ class ChatOptions(QWidget):
         preset = preset_of(self.settings)
         custom_index = self.preset.count() - 1
         s = self.settings
-        self.preset.setItemText(custom_index, f"{CUSTOM} ({s.temperature:g} / top-p {s.top_p:g})")
+        # "Custom (0.7 / top-p 0.95)" beside "Balanced" would show one setting twice: Custom shows
+        # values only when they are no preset's, else it is the way to the settings dialog.
+        custom = f"{CUSTOM} ({s.temperature:g} / top-p {s.top_p:g})" if preset is None else f"{CUSTOM}…"
+        self.preset.setItemText(custom_index, custom)
         self.preset.setCurrentIndex(PRESETS.index(preset) if preset else custom_index)
         self.thinking.blockSignals(True)
         self.thinking.setChecked(s.thinking and self.thinking_offered)

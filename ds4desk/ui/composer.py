@@ -4,10 +4,10 @@ with the text. In edit mode it holds a sent message's text; sending it makes a n
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent
+from PySide6.QtGui import QKeyEvent, QResizeEvent
 from PySide6.QtWidgets import QPlainTextEdit, QWidget
 
-PLACEHOLDER = "Message ds4desk…  (Enter to send, Shift+Enter for a new line)"
+PLACEHOLDER = "Message ds4desk…  (Enter sends, Shift+Enter: new line)"
 EDIT_PLACEHOLDER = "Edit the message…  (Enter sends it as a new branch, Esc cancels)"
 
 
@@ -78,8 +78,26 @@ class Composer(QPlainTextEdit):
     def _fit_height(self, *_: object) -> None:
         # QPlainTextEdit's document height is in lines, wrapped lines included.
         lines = int(self.document().size().height())
+        if not self.toPlainText():
+            lines = max(lines, self._placeholder_lines())  # the hint is read whole, never cut
         lines = max(self._min_lines, min(self._max_lines, lines))
-        margins = self.contentsMargins()
         doc_margin = self.document().documentMargin()
-        height = lines * self.fontMetrics().lineSpacing() + 2 * doc_margin + margins.top() + margins.bottom()
-        self.setFixedHeight(int(height) + 4)
+        # Frame, border and the style sheet's padding: what the box is taller than its viewport.
+        chrome = max(self.height() - self.viewport().height(), self.frameWidth() * 2)
+        height = lines * self.fontMetrics().lineSpacing() + 2 * doc_margin + chrome
+        if int(height) + 2 != self.height():
+            self.setFixedHeight(int(height) + 2)
+
+    def _placeholder_lines(self) -> int:
+        width = int(self.viewport().width() - 2 * self.document().documentMargin())
+        if width <= 0:
+            return 1
+        rect = self.fontMetrics().boundingRect(
+            0, 0, width, 10_000, Qt.TextFlag.TextWordWrap, self.placeholderText()
+        )
+        return max(1, round(rect.height() / self.fontMetrics().lineSpacing()))
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        if not self.toPlainText():
+            self._fit_height()  # a narrower box may wrap the hint onto another line

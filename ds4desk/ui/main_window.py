@@ -8,23 +8,28 @@ answers are asyncio tasks awaiting the ChatBackend, and their text arrives in ba
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import shiboken6
-from PySide6.QtCore import Qt
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtCore import QByteArray, QEvent, QObject, Qt, QTimer
+from PySide6.QtGui import QAction, QCloseEvent, QKeyEvent, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
+    QFrame,
     QHBoxLayout,
     QLabel,
     QMainWindow,
     QPushButton,
+    QScrollArea,
     QSplitter,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -36,6 +41,7 @@ from ds4desk.engine.api import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    LoadRequest,
     LoadResult,
     MemoryStats,
     ModelInfo,
@@ -47,20 +53,30 @@ from ds4desk.history import LEAF, History
 from ds4desk.settings import BUILT_IN_MODEL, Settings
 from ds4desk.ui import chat_view
 from ds4desk.ui.backend import ChatBackend
-from ds4desk.ui.banners import NO_MODEL_HELP, NO_MODEL_TITLE, NoModelBar, NoticeBar
+from ds4desk.ui.banners import (
+    DEVICE_FALLBACK,
+    LOAD_FAILED,
+    NO_MODEL_HELP,
+    NO_MODEL_TITLE,
+    ElidedLabel,
+    NoModelBar,
+    NoticeBar,
+)
 from ds4desk.ui.chat_options import ChatOptions
 from ds4desk.ui.chat_view import ChatView, NoteKind, counts_as_thinking
 from ds4desk.ui.composer import Composer
 from ds4desk.ui.conversation import Generation, conversation, message_note
-from ds4desk.ui.device_choice import DeviceFallback, DeviceLister, fallback_for
+from ds4desk.ui.device_choice import DeviceFallback, DeviceLister, canonical, fallback_for
 from ds4desk.ui.markdown_render import split_thinking
 from ds4desk.ui.markdown_render import with_think_tag as _with_think_tag
 from ds4desk.ui.model_loader import LoaderHooks, ModelLoader
+from ds4desk.ui.model_picker import ModelPicker, PickerHooks
 from ds4desk.ui.park_controls import ParkControls, ParkHooks
 from ds4desk.ui.perf_panel import PerfPanel
 from ds4desk.ui.settings_dialog import SettingsDialog
 from ds4desk.ui.sidebar import UNTITLED, Sidebar
 from ds4desk.ui.slot_panel import SlotPanel
+from ds4desk.ui.stats_format import status_speed
 from ds4desk.ui.theme import ThemeWatcher
 
 log = logging.getLogger(__name__)
@@ -68,6 +84,16 @@ log = logging.getLogger(__name__)
 WINDOW_TITLE = "ds4desk"
 SEND_HELP = "Send (Enter or Ctrl+Enter)"
 EMPTY_CHAT = "Ask anything. Answers stream in here."
+# One short line: QTextBrowser draws its placeholder unwrapped; the bar above says the rest.
+NO_MODEL_CHAT = "No model is loaded: load one with the buttons above."
+DEFAULT_SIZE = (1100, 750)
+# The conversation keeps at least this width when docks open beside it: the park row, the chat
+# options and the composer's buttons need it.
+MIN_CHAT_WIDTH = 520
+DOCK_WIDTH = 340  # a dock's width when it first opens; the user may drag it wider
+SIDEBAR_MIN_WIDTH = 180  # the chat list stays readable when docks open
+BUILT_IN_LOADING = "Loading the built-in model (SmolLM2)…"
+FIRST_START_NOTE = " The first load also starts the engine, which takes a few seconds."
 
 
 class MainWindow(QMainWindow):
@@ -102,9 +128,13 @@ class MainWindow(QMainWindow):
         self._generation: Generation | None = None
         self._send_task: asyncio.Task[GenerateResult | None] | None = None
         self._closed = False
+        self.current_model_path: str | None = None  # what the loaded model was opened as
+        self.model_picker: ModelPicker | None = None
+        self._loads_done = 0  # the first load also starts the engine: its status says so
+        self._undo_steps_at_delete: int | None = None  # the composer's undo stack when a chat was deleted
 
         self.setWindowTitle(WINDOW_TITLE)
-        self.resize(1100, 750)
+        self.resize(*DEFAULT_SIZE)
         self.setMinimumSize(640, 420)
         self._build_widgets()
         self._build_slot_and_perf_docks()
@@ -120,7 +150,7 @@ class MainWindow(QMainWindow):
                 say=self.set_status,
                 warn=functools.partial(self.set_status, error=True),
                 status_text=self.status_label.text,
-                show_error=self.chat_view.add_error,
+                show_error=lambda text: self.show_notice(text, key=LOAD_FAILED),
                 save_settings=self._save_settings,
                 closed=lambda: self._closed,
             ),
@@ -128,6 +158,7 @@ class MainWindow(QMainWindow):
             device_override=device_override,
         )
         self.model_loader.loading_changed.connect(self._update_send)
+        self.restore_window_state()
         self._follow_theme()
         self._refresh_sidebar()
         self._show_model(backend.model_info)
@@ -140,7 +171,10 @@ class MainWindow(QMainWindow):
         self.new_chat_button = sidebar.new_chat_button
         self.chat_list = sidebar.chat_list
         sidebar.new_chat_requested.connect(self.new_chat)
-        sidebar.chat_selected.connect(self.open_chat)
+        # Picked in the list, the list keeps the focus (arrows walk the chats, Del and F2 work);
+        # typing there goes on in the composer (eventFilter).
+        sidebar.chat_selected.connect(lambda chat_id: self.open_chat(chat_id, focus_composer=False))
+        self.chat_list.installEventFilter(self)
         sidebar.delete_requested.connect(self.delete_chat)
         sidebar.chat_restored.connect(self._on_chat_restored)
 
@@ -176,6 +210,10 @@ class MainWindow(QMainWindow):
         park_box = self._build_park_row()
 
         main = QWidget(objectName="ChatPane")
+        # Not on the pane itself: an explicit minimum would override what its rows (the park row,
+        # the chat options) need; the conversation's own minimum adds to theirs instead.
+        self.chat_view.setMinimumWidth(MIN_CHAT_WIDTH)
+        self.chat_pane = main
         column = QVBoxLayout(main)
         column.setContentsMargins(0, 0, 0, 12)
         column.setSpacing(10)
@@ -184,6 +222,7 @@ class MainWindow(QMainWindow):
         self.no_model_bar = NoModelBar(
             open_model=lambda: self.open_model_action.trigger(),
             load_built_in=lambda: self.model_loader.open_path(BUILT_IN_MODEL),
+            choose_model=lambda: self.open_model_picker(),
         )
         self.built_in_button = self.no_model_bar.built_in_button
         column.addWidget(self.notice_bar)
@@ -202,6 +241,8 @@ class MainWindow(QMainWindow):
         splitter.setStretchFactor(1, 1)
         splitter.setSizes([250, 850])
         splitter.setChildrenCollapsible(False)
+        sidebar.setMinimumWidth(SIDEBAR_MIN_WIDTH)
+        self.splitter = splitter
         self.setCentralWidget(splitter)
 
     def _build_park_row(self) -> ParkControls:
@@ -227,20 +268,44 @@ class MainWindow(QMainWindow):
         snapshot_dir = None if db == ":memory:" else Path(db).parent / "snapshots"
         self.slot_panel = SlotPanel(self.backend, chat_title=self._chat_title_of, snapshot_dir=snapshot_dir)
         self.slot_dock = QDockWidget("Snapshot slots", self, objectName="SlotDock")
-        self.slot_dock.setWidget(self.slot_panel)
+        self.slot_dock.setWidget(_scrolled(self.slot_panel))
         # getattr: a stand-in backend (the engine could not start) may have no memory reading.
         self.perf_panel = PerfPanel(getattr(self.backend, "memory", None))
+        self.perf_panel.memory_polled.connect(self._show_polled_memory)
         self.perf_dock = QDockWidget("Live speed", self, objectName="PerfDock")
-        self.perf_dock.setWidget(self.perf_panel)
+        self.perf_dock.setWidget(_scrolled(self.perf_panel))
         for dock in (self.slot_dock, self.perf_dock):
             self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
             dock.hide()
+        # Tabbed: both open take one column's width, not two, and the chat keeps its room.
+        self.tabifyDockWidget(self.slot_dock, self.perf_dock)
+        # The docks that opened once (or came from a saved layout): their width is the user's now.
+        self._docks_sized: set[QDockWidget] = set()
+        for dock in (self.slot_dock, self.perf_dock):
+            dock.visibilityChanged.connect(lambda shown, d=dock: self._on_dock_shown(d, shown))
         self.slot_dock.visibilityChanged.connect(self._on_slot_dock_shown)
         self._memory_task: asyncio.Task[None] | None = None
 
     def _on_slot_dock_shown(self, shown: bool) -> None:
         if shown:
             self.slot_panel.refresh()
+
+    def _on_dock_shown(self, dock: QDockWidget, shown: bool) -> None:
+        """The first time a dock opens it takes DOCK_WIDTH, not its panel's wish: the chat stays
+        readable at the default window size. After that the user's width is kept."""
+        if shown and dock not in self._docks_sized and not dock.isFloating():
+            self._docks_sized.add(dock)
+            # After the layout placed it: a resize now would be undone by the show's own layout.
+            QTimer.singleShot(0, lambda: self._narrow_dock(dock))
+
+    def _narrow_dock(self, dock: QDockWidget) -> None:
+        if not self._closed and shiboken6.isValid(dock) and dock.isVisible() and dock.width() > DOCK_WIDTH:
+            self.resizeDocks([dock], [DOCK_WIDTH], Qt.Orientation.Horizontal)
+
+    def _show_polled_memory(self, stats: MemoryStats) -> None:
+        """The Live speed dock's reading: the park row shows the same figure (the dock already has it)."""
+        if not self._closed:
+            self.park_readout.show_memory(stats)
 
     def _chat_title_of(self, tag: str | None) -> str:
         chat = self.history.get_chat(int(tag)) if tag and tag.isdigit() else None
@@ -263,6 +328,7 @@ class MainWindow(QMainWindow):
     def _panel_tasks(self) -> list[asyncio.Future[Any]]:
         """The docks' background reads, so wait_idle (and a clean shutdown) waits for them too."""
         tasks = [self._memory_task, self.slot_panel._task, self.perf_panel._memory_task, self._device_task]
+        tasks.append(getattr(self.model_picker, "task", None))  # a Python attribute: there after deletion
         return [t for t in tasks if t is not None]
 
     def _show_memory(self, stats: MemoryStats | None) -> None:
@@ -277,6 +343,12 @@ class MainWindow(QMainWindow):
         self.open_model_action = QAction("&Open model…", self)
         self.open_model_action.setShortcut(QKeySequence("Ctrl+O"))
         self.open_model_action.setStatusTip("Load a model folder (safetensors) or a .gguf file")
+        self.choose_model_action = QAction("&Choose model…", self)
+        self.choose_model_action.setShortcut(QKeySequence("Ctrl+L"))
+        self.choose_model_action.setStatusTip(
+            "The built-in model, recent models and those in your models folder, with their sizes"
+        )
+        self.choose_model_action.triggered.connect(self.open_model_picker)
         self.new_chat_action = QAction("&New chat", self)
         self.new_chat_action.setShortcut(QKeySequence("Ctrl+N"))
         self.new_chat_action.triggered.connect(self.new_chat)
@@ -296,19 +368,33 @@ class MainWindow(QMainWindow):
         self.search_action.setShortcuts([QKeySequence("Ctrl+F"), QKeySequence("Ctrl+K")])
         self.search_action.triggered.connect(self.sidebar.focus_search)
         self.undo_delete_action = QAction("&Undo delete chat", self)
-        self.undo_delete_action.setShortcut(QKeySequence("Ctrl+Z"))  # a focused text box keeps its own
+        # A focused text box keeps its own Ctrl+Z, except the composer right after a delete
+        # (eventFilter): the delete is then the last thing done.
+        self.undo_delete_action.setShortcut(QKeySequence("Ctrl+Z"))
         self.undo_delete_action.triggered.connect(self.sidebar.undo_delete)
+        # F2 and Del act on the chat list's current chat; typing in a text box keeps its own keys.
         self.rename_action = QAction("&Rename chat", self)
-        self.rename_action.triggered.connect(lambda: self.sidebar.start_rename(self.current_chat_id))
+        self.rename_action.setShortcut(QKeySequence(Qt.Key.Key_F2))
+        self.rename_action.triggered.connect(self.rename_current_chat)
+        self.delete_action = QAction("&Delete chat", self)
+        self.delete_action.setShortcut(QKeySequence(QKeySequence.StandardKey.Delete))
+        self.delete_action.setStatusTip("Delete the chat selected in the list (Ctrl+Z brings it back)")
+        self.delete_action.triggered.connect(self.delete_current_chat)
+        # Del means "delete this chat" only in the chat list; everywhere else (a text box, the
+        # conversation, a dock's table) it is that widget's own key.
+        self.delete_action.setShortcutContext(Qt.ShortcutContext.WidgetWithChildrenShortcut)
+        self.sidebar.addAction(self.delete_action)
+        self.composer.installEventFilter(self)
 
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction(self.open_model_action)
+        file_menu.addAction(self.choose_model_action)
         file_menu.addAction(self.new_chat_action)
         file_menu.addAction(self.settings_action)
         file_menu.addSeparator()
         file_menu.addAction(self.quit_action)
         edit_menu = self.menuBar().addMenu("&Edit")
-        for action in (self.search_action, self.rename_action, self.undo_delete_action):
+        for action in (self.search_action, self.rename_action, self.delete_action, self.undo_delete_action):
             edit_menu.addAction(action)
         view_menu = self.menuBar().addMenu("&View")
         self.slot_dock_action = self.slot_dock.toggleViewAction()
@@ -329,28 +415,34 @@ class MainWindow(QMainWindow):
             self.chat_view.set_dark(self.theme_watcher.dark)
 
     def _build_status_bar(self) -> None:
-        self.status_label = QLabel("Ready", objectName="StatusLabel")
+        self.status_label = ElidedLabel("Ready", objectName="StatusLabel")
         self.model_label = QLabel(objectName="ModelLabel")
         self.speed_label = QLabel(objectName="SpeedLabel")
+        self.model_button = QToolButton(objectName="ModelPickerButton")
+        self.model_button.setDefaultAction(self.choose_model_action)
+        self.model_button.setText("Models…")
+        self.model_button.setAccessibleName("Choose a model")
+        self.model_button.setToolTip("Switch models: built-in, recent, or from your models folder (Ctrl+L)")
+        self.model_button.setAutoRaise(True)
         bar = self.statusBar()
         bar.setSizeGripEnabled(False)
         bar.addWidget(self.status_label, 1)
         bar.addPermanentWidget(self.speed_label)
         bar.addPermanentWidget(self.model_label)
+        bar.addPermanentWidget(self.model_button)
 
     # ---- status ---------------------------------------------------------------------------
 
-    def show_notice(self, text: str) -> None:
-        """Shown above the chat until dismissed; several notices stack."""
-        self.notice_bar.add(text)
+    def show_notice(self, text: str, key: str | None = None) -> None:
+        """Shown above the chat until dismissed; several notices stack (one per `key`)."""
+        self.notice_bar.add(text, key)
         self.set_status(text, error=True)
 
     def dismiss_notices(self) -> None:
         self.notice_bar.dismiss()
 
     def set_status(self, text: str, *, error: bool = False) -> None:
-        self.status_label.setText(text)
-        self.status_label.setToolTip(text)
+        self.status_label.setText(text)  # elided to the room it has; the whole text is its tooltip
         if self.status_label.property("error") != error:
             self.status_label.setProperty("error", error)
             # A dynamic property only restyles after a re-polish.
@@ -364,6 +456,7 @@ class MainWindow(QMainWindow):
 
     def _show_model(self, info: ModelInfo | None) -> None:
         self.park_controls.update_buttons()
+        self.perf_panel.set_model(info.name if info is not None else None)  # marks a model switch
         self._update_send()
         self.chat_options.offer_thinking(info is None or info.thinking.switch)
         if info is None:
@@ -393,7 +486,8 @@ class MainWindow(QMainWindow):
         Open recent); `recent`: only first in Open recent (a model given on the command line)."""
         wanted = self.settings.load_request(path)
         label = Path(wanted.path).name if wanted.path else "the built-in model (SmolLM2)"
-        self.set_status(f"Loading model {label}…")
+        status = f"Loading {label}…" if wanted.path else BUILT_IN_LOADING
+        self.set_status(status + (FIRST_START_NOTE if self._loads_done == 0 else ""))
         self.model_label.setText("Loading…")
         self.open_model_action.setEnabled(False)
         self._loads_running += 1
@@ -410,11 +504,10 @@ class MainWindow(QMainWindow):
             return LoadResult(error=EngineError(ErrorCode.CANCELLED, "the window closed"))
         request = self.settings.load_request(path, self.model_loader.device_override)
         started = time.monotonic()
-        try:
-            result = await self.model_loader.load(request)
-        except Exception as exc:  # the backend promises not to raise; a bug must not kill the window
-            log.exception("load raised")
-            result = LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}"))
+        result = await self._backend_load(request)
+        if self._gpu_failed(request, result) and not self._closed:
+            result = await self._load_on_cpu_instead(request, result)
+        self._loads_done += 1
         if self._closed:
             return result
         self.open_model_action.setEnabled(True)
@@ -427,7 +520,9 @@ class MainWindow(QMainWindow):
             seconds = result.seconds or time.monotonic() - started
             unloaded = " (the previous model was unloaded first: memory holds one)" * result.dropped_previous
             self.set_status(f"Model {result.info.name} loaded in {seconds:.1f} s{unloaded}")
+            self.notice_bar.remove(LOAD_FAILED)  # an earlier failure is over
             chosen = path if path is not None else request.path
+            self.current_model_path = chosen or BUILT_IN_MODEL
             if remember and chosen:
                 self.model_loader.remember(chosen)
                 self._save_settings()
@@ -439,9 +534,52 @@ class MainWindow(QMainWindow):
             self.set_status(f"Loading {label} cancelled" + (f"; {kept.name} is still loaded" if kept else ""))
         else:
             detail = result.error.detail if result.error else "the engine gave no reason"
+            kept = self.backend.model_info
+            still = f" {kept.name} is still loaded." if kept else ""
+            # A notice above the chat, not a line in it: a failed load belongs to no conversation.
+            self.show_notice(f"Could not load {label}: {detail.rstrip('.')}.{still}", key=LOAD_FAILED)
             self.set_status(f"Could not load the model: {detail}", error=True)
-            self.chat_view.add_error(f"Could not load the model ({label}): {detail}")
         return result
+
+    async def _backend_load(self, request: LoadRequest) -> LoadResult:
+        try:
+            return await self.model_loader.load(request)
+        except Exception as exc:  # the backend promises not to raise; a bug must not kill the window
+            log.exception("load raised")
+            return LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}"))
+
+    def _gpu_failed(self, request: LoadRequest, result: LoadResult) -> bool:
+        """The load failed on a device that may be a GPU: worth one more try on the CPU. A file
+        that is no model fails the same everywhere, but the engine cannot tell us which part failed,
+        and a second failure costs a header read. A model too big for the GPU is not moved to the
+        CPU behind the user's back: it would be slow, and may not fit there either."""
+        if result.ok or result.error is None:
+            return False
+        if result.error.code in (ErrorCode.CANCELLED, ErrorCode.OUT_OF_MEMORY):
+            return False
+        devices = request.devices or (request.device,)
+        if all(canonical(d) == "cpu" for d in devices):
+            return False
+        choices = self.device_choices
+        # auto is the CPU on a machine without a GPU: it already failed there.
+        cpu_only = choices is not None and not any(c.name.startswith("cuda") for c in choices)
+        return not (devices == ("auto",) and cpu_only)
+
+    async def _load_on_cpu_instead(self, request: LoadRequest, failed: LoadResult) -> LoadResult:
+        """GPU -> CPU: the saved device failed, so this load runs on the CPU and the window says why.
+        The setting is left alone (the GPU may work next time); the notice says where to change it."""
+        where = ", ".join(request.devices) if request.devices else request.device
+        detail = failed.error.detail if failed.error else "no reason given"
+        self.set_status(f"Loading on {where} failed; trying the CPU…", error=True)
+        result = await self._backend_load(replace(request, device="cpu", devices=None, layer_split=None))
+        if result.ok:
+            self.show_notice(
+                f"The model could not be loaded on {where} ({detail}), so it was loaded on the CPU "
+                "instead. Choose another device in Settings > Device.",
+                key=DEVICE_FALLBACK,
+            )
+            return result
+        return failed  # the CPU failed too: the first reason is the one to show
 
     async def known_devices(self) -> list[DeviceChoice] | None:
         """The devices this torch sees, asked of the engine side once; None when it cannot say."""
@@ -466,7 +604,7 @@ class MainWindow(QMainWindow):
         fallback = fallback_for(wanted, choices) if choices is not None else None
         self.model_loader.device_override = fallback.instead if fallback else self._device_override
         if fallback is not None and fallback != self.device_fallback:
-            self.show_notice(fallback.why)
+            self.show_notice(fallback.why, key=DEVICE_FALLBACK)
         self.device_fallback = fallback
 
     def open_settings(self) -> SettingsDialog:
@@ -505,7 +643,7 @@ class MainWindow(QMainWindow):
         self.sidebar.current_id = self.current_chat_id
         self.sidebar.refresh()
 
-    def open_chat(self, chat_id: int) -> None:
+    def open_chat(self, chat_id: int, *, focus_composer: bool = True) -> None:
         """Show the chat's active branch; a chat still being answered keeps streaming into view."""
         if self.history.get_chat(chat_id) is None:
             return
@@ -536,7 +674,8 @@ class MainWindow(QMainWindow):
                 thinking_tokens=(message.stats or {}).get("thinking_tokens"),
             )
         self.sidebar.select(chat_id)
-        self.composer.setFocus()
+        if focus_composer:
+            self.composer.setFocus()
 
     def new_chat(self) -> None:
         """The chat row is created with the first message, so empty chats never pile up."""
@@ -561,8 +700,48 @@ class MainWindow(QMainWindow):
         self.sidebar.hide_chat(chat_id)
         if chat_id == self.current_chat_id:
             self.new_chat()
+        # Ctrl+Z in the composer undoes this delete until something is typed there.
+        self._undo_steps_at_delete = self.composer.document().availableUndoSteps()
         self.set_status(f"Deleted “{title}”. Undo with Ctrl+Z or the Undo button.")
         return True
+
+    def delete_current_chat(self) -> bool:
+        """Edit > Delete chat (Del): the chat selected in the list, else the one shown."""
+        item = self.chat_list.currentItem()
+        chat_id = int(item.data(Qt.ItemDataRole.UserRole)) if item is not None else self.current_chat_id
+        return chat_id is not None and self.delete_chat(chat_id)
+
+    def rename_current_chat(self) -> bool:
+        """Edit > Rename chat (F2)."""
+        item = self.chat_list.currentItem()
+        chat_id = int(item.data(Qt.ItemDataRole.UserRole)) if item is not None else self.current_chat_id
+        return self.sidebar.start_rename(chat_id)
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        kind = event.type()
+        if kind == QEvent.Type.ShortcutOverride and isinstance(event, QKeyEvent):
+            if (
+                watched is self.composer
+                and event.matches(QKeySequence.StandardKey.Undo)
+                and self._undo_deletes_chat()
+            ):
+                event.ignore()  # not the composer's: the window's Undo delete chat takes it
+                return True
+        elif kind == QEvent.Type.KeyPress and watched is self.chat_list and isinstance(event, QKeyEvent):
+            typed = event.text()
+            plain = not event.modifiers() & ~Qt.KeyboardModifier.ShiftModifier
+            if typed and typed.isprintable() and not typed.isspace() and plain:
+                self.composer.setFocus(Qt.FocusReason.OtherFocusReason)
+                self.composer.insertPlainText(typed)
+                return True
+        return super().eventFilter(watched, event)
+
+    def _undo_deletes_chat(self) -> bool:
+        """A chat delete is waiting for its undo, and nothing was typed since."""
+        return (
+            self.sidebar.pending_delete is not None
+            and self._undo_steps_at_delete == self.composer.document().availableUndoSteps()
+        )
 
     def _on_chat_restored(self, chat_id: int) -> None:
         self.open_chat(chat_id)
@@ -814,14 +993,11 @@ class MainWindow(QMainWindow):
         self.refresh_memory()
         if self.slot_dock.isVisible():
             self.slot_panel.refresh()
-        if result.stats.generated_tokens:
-            s = result.stats
-            self.speed_label.setText(f"{s.generated_tokens} tokens  ·  {s.decode_tok_s:.1f} tok/s")
-            self.speed_label.setToolTip(
-                f"prompt {s.prompt_tokens} tokens ({s.reused_tokens} reused), "
-                f"prefill {s.prefill_tok_s:.0f} tok/s\n"
-                f"first token after {s.time_to_first_token_s:.2f} s, decode {s.decode_tok_s:.1f} tok/s"
-            )
+        # The same source as the answer's footer and the Live speed charts: one figure everywhere.
+        speed_text, speed_tip = status_speed(result.stats)
+        if speed_text:
+            self.speed_label.setText(speed_text)
+            self.speed_label.setToolTip(speed_tip)
 
     def _set_busy(self, busy: bool) -> None:
         # Set before the answer's task exists, and cleared while it still runs: `busy` cannot say.
@@ -843,11 +1019,59 @@ class MainWindow(QMainWindow):
         self.send_button.setEnabled(can_send and not self._answering)
         self.send_button.setToolTip(SEND_HELP if can_send else NO_MODEL_HELP)
         self.no_model_bar.setVisible(not can_send)
-        self.chat_view.setPlaceholderText(EMPTY_CHAT if can_send else f"{NO_MODEL_TITLE}\n\n{NO_MODEL_HELP}")
+        self.chat_view.setPlaceholderText(EMPTY_CHAT if can_send else NO_MODEL_CHAT)
 
     # ---- shutdown -------------------------------------------------------------------------
 
+    # ---- window state across restarts -------------------------------------------------------
+
+    def restore_window_state(self) -> bool:
+        """The size, docks and chat-list width as the window was closed. A value Qt does not take
+        (damaged, from another Qt) is ignored: the defaults stay. Returns whether the docks were."""
+        s = self.settings
+        geometry, state, splitter = (_blob(v) for v in (s.window_geometry, s.window_state, s.splitter_state))
+        if geometry is not None and not self.restoreGeometry(geometry):
+            log.warning("saved window geometry ignored")
+            self.resize(*DEFAULT_SIZE)
+        if splitter is not None and not self.splitter.restoreState(splitter):
+            log.warning("saved splitter state ignored")
+        restored = state is not None and self.restoreState(state)
+        if state is not None and not restored:
+            log.warning("saved dock state ignored")
+        if restored:  # an open dock keeps the width it was closed with; one never opened, DOCK_WIDTH
+            self._docks_sized.update(d for d in (self.slot_dock, self.perf_dock) if not d.isHidden())
+        return restored
+
+    def remember_window_state(self) -> None:
+        """Into the settings (saved with them): the next start opens the window as it is now."""
+        s = self.settings
+        s.window_geometry = _base64(self.saveGeometry())
+        s.window_state = _base64(self.saveState())
+        s.splitter_state = _base64(self.splitter.saveState())
+
+    # ---- the model picker ---------------------------------------------------------------------
+
+    def open_model_picker(self) -> ModelPicker:
+        """File > Choose model… (Ctrl+L): window-modal, not blocking; a row loads like File > Open."""
+        picker = self.model_picker
+        if picker is not None and shiboken6.isValid(picker) and picker.isVisible():
+            picker.raise_()
+            return picker
+        hooks = PickerHooks(
+            open_model=self.model_loader.open_path,
+            load_request=lambda path: self.settings.load_request(path, self.model_loader.device_override),
+            current_path=lambda: self.current_model_path if self.backend.model_info is not None else None,
+            save_settings=self._save_settings,
+        )
+        picker = ModelPicker(self.settings, self.backend, hooks, self)
+        picker.finished.connect(picker.deleteLater)
+        self.model_picker = picker
+        picker.open()
+        return picker
+
     def closeEvent(self, event: QCloseEvent) -> None:
+        self.remember_window_state()
+        self._save_settings()
         self.sidebar.purge_pending()  # the undo window ends with the window
         if self._generation is not None:
             # The answer cannot finish now: save what streamed (unfinished) and stop the engine.
@@ -855,3 +1079,27 @@ class MainWindow(QMainWindow):
             self._generation.writer.flush()
         self._closed = True
         super().closeEvent(event)
+
+
+def _scrolled(panel: QWidget) -> QScrollArea:
+    """A dock's panel in a scroll area: the dock may then be narrower than the panel would like
+    (the slot table wants 450 px) without taking that width from the chat and the chat list."""
+    area = QScrollArea(objectName=f"{panel.objectName() or 'Panel'}Scroll")
+    area.setWidgetResizable(True)
+    area.setFrameShape(QFrame.Shape.NoFrame)
+    area.setWidget(panel)
+    return area
+
+
+def _blob(text: str) -> QByteArray | None:
+    """A saved Qt state from its base64 text; None for none or text that is not base64."""
+    if not text:
+        return None
+    try:
+        return QByteArray(base64.b64decode(text, validate=True))
+    except ValueError:
+        return None
+
+
+def _base64(blob: QByteArray) -> str:
+    return base64.b64encode(bytes(blob.data())).decode("ascii")

@@ -25,6 +25,7 @@ from ds4desk.ui.backend import ChatBackend
 log = logging.getLogger(__name__)
 
 _DRAG_EVENTS = (QEvent.Type.DragEnter, QEvent.Type.DragMove)
+PROGRESS_ROOM = "00000 / 00000 tensors"
 
 
 def dropped_paths(mime: QMimeData | None) -> list[str]:
@@ -47,7 +48,7 @@ class LoaderHooks:
     say: Callable[[str], None]  # the status line
     warn: Callable[[str], None]  # the status line, as an error
     status_text: Callable[[], str]  # what the status line says now
-    show_error: Callable[[str], None]  # a line in the conversation
+    show_error: Callable[[str], None]  # a notice above the conversation, never a line in it
     save_settings: Callable[[], None]
     closed: Callable[[], bool]  # the window has closed: touch no widget
 
@@ -82,7 +83,10 @@ class ModelLoader(QObject):
         self.task: asyncio.Task[LoadResult] | None = None  # the load running or last run
 
         self.progress_bar = QProgressBar(objectName="LoadProgress")
-        self.progress_bar.setMaximumWidth(220)
+        # Wide enough for "12345 / 12345 tensors" in the bar's own font: never wrapped or cut.
+        room = self.progress_bar.fontMetrics().horizontalAdvance(PROGRESS_ROOM) + 32
+        self.progress_bar.setMinimumWidth(room)
+        self.progress_bar.setMaximumWidth(room + 80)
         self.progress_bar.setAccessibleName("Model loading progress")
         self.cancel_button = QPushButton("Cancel", objectName="CancelLoadButton")
         self.cancel_button.setToolTip("Stop loading; the model loaded before stays")
@@ -198,7 +202,7 @@ class ModelLoader(QObject):
         return str(chosen if chosen.suffix.lower() == ".gguf" else chosen.parent)
 
     def _refuse(self, error: EngineError, text: str) -> LoadResult:
-        """Nothing was loaded or let go: say why, in the status bar and in the conversation."""
+        """Nothing was loaded or let go: say why, in the status bar and a notice above the chat."""
         self._hooks.warn(text)
         self._hooks.show_error(text)
         return LoadResult(error=error)

@@ -1,5 +1,6 @@
-"""The right end of the park row: the device memory after the last action ("allocated · reserved ·
-free") and, when the idle auto-park is on, a countdown to it ("auto-park in 4:32").
+"""The right end of the park row: the memory readout ("model 1.20 GB": what the engine holds for the
+model, the figure a park frees; its tooltip names the other figures: free, reserved or process RSS)
+and, when the idle auto-park is on, a countdown to it ("auto-park in 4:32").
 
 The countdown ticks locally at 1 Hz from a deadline; the window restarts it after each answer, load
 or unpark (the engine counts its idle time from the end of its last command) and the engine's own
@@ -15,7 +16,7 @@ from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QWidget
 
 from ds4desk.engine.api import MemoryStats
-from ds4desk.ui.perf_panel import memory_text
+from ds4desk.ui.stats_format import memory_details, memory_text
 
 
 def format_countdown(seconds: float) -> str:
@@ -37,7 +38,7 @@ class ParkReadout(QWidget):
         self.idle_park_s = idle_park_s
         self.on_expired = on_expired
         self.memory_label = QLabel("", objectName="MemoryLabel")
-        self.memory_label.setAccessibleName("Device memory after the last action")
+        self.memory_label.setAccessibleName("Model memory")
         self.countdown_label = QLabel("", objectName="IdleParkLabel")
         self.countdown_label.setAccessibleName("Idle auto-park countdown")
         row = QHBoxLayout(self)
@@ -45,6 +46,7 @@ class ParkReadout(QWidget):
         row.setSpacing(12)
         row.addWidget(self.memory_label)
         row.addWidget(self.countdown_label)
+        self.stats: MemoryStats | None = None  # the reading shown
         self.deadline: float | None = None
         self._expired_sent = False
         self._timer = QTimer(self)
@@ -54,8 +56,9 @@ class ParkReadout(QWidget):
     def show_memory(self, stats: MemoryStats | None) -> None:
         if stats is None:
             return
+        self.stats = stats
         self.memory_label.setText(memory_text(stats))
-        self.memory_label.setToolTip(f"{stats.name} ({stats.device}), total {stats.total:,} bytes")
+        self.memory_label.setToolTip(memory_details(stats))
         if stats.idle_park_in_s is not None and self.idle_park_s:
             self.restart(stats.idle_park_in_s)  # the engine's own clock beats the local estimate
 

@@ -1,9 +1,14 @@
-"""Live speed: decode tok/s through the answer being written, prefill tok/s and time to first token per
-request, and the device memory over time.
+"""Live speed: decode tok/s, prefill tok/s and time to first token per answer (bars, one per request,
+a marker where the model changed), and the model's memory over the last two minutes.
+
+Every per-answer figure is the engine's own measurement read through `AnswerSpeed.of`, the same as
+the answer's footer and the status bar show. While an answer streams, the decode chart shows the UI's
+estimate from the streamed batches as a hollow bar; the engine's figure replaces it when the answer
+ends, so the estimate is never left standing beside the measurement.
 
 Streamed batches only count tokens (cheap, at any rate); one QTimer tick at most every `tick_ms`
-turns the count into a rate point and repaints what changed, so a 2,000 tok/s stream costs at most
-ten small repaints a second. Every series is a bounded deque: a long session never grows it.
+turns the count into an estimate and repaints what changed, so a 2,000 tok/s stream costs at most
+ten small repaints a second.
 """
 
 from __future__ import annotations
@@ -14,119 +19,34 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
-from PySide6.QtCore import QPointF, QRectF, QSize, Qt, QTimer
-from PySide6.QtGui import QColor, QHideEvent, QPainter, QPaintEvent, QPen, QPolygonF, QShowEvent
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtGui import QHideEvent, QShowEvent
 from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from ds4desk.engine.api import GenerateStats, MemoryStats, TextDelta
-from ds4desk.ui.stats_format import format_bytes
+from ds4desk.ui.charts import Chart, RequestChart, TimeChart, byte_scale, fixed_unit
+from ds4desk.ui.stats_format import (
+    AnswerSpeed,
+    format_bytes,
+    format_decode,
+    format_prefill,
+    format_seconds,
+    memory_others,
+)
 
 log = logging.getLogger(__name__)
 
-_GRID_COLOR = QColor("#e5e7eb")
-_TEXT_COLOR = QColor("#374151")
-RATE_WINDOW_S = 1.0  # the live decode rate is the tokens of the last second over their time span
+RATE_WINDOW_S = 1.0  # the live estimate is the tokens of the last second over their time span
 
 MemorySource = Callable[[], Awaitable[MemoryStats]]
 
 
-@dataclass(slots=True)
-class Series:
-    name: str
-    color: QColor
-    values: deque[float]
-
-
-class LineChart(QWidget):
-    """One plot, one or more bounded series, drawn with QPainter. `mark_dirty` asks for a repaint;
-    the owner's timer calls `flush`, so many changes between two ticks share one repaint."""
-
-    def __init__(
-        self, title: str, unit: str, fmt: Callable[[float], str], parent: QWidget | None = None
-    ) -> None:
-        super().__init__(parent)
-        self.title = title
-        self.unit = unit
-        self.fmt = fmt
-        self.series: list[Series] = []
-        self.paints = 0  # paintEvent calls
-        self.updates = 0  # repaints asked for (flush with something new)
-        self._dirty = False
-        self.setMinimumHeight(70)
-
-    def add_series(self, name: str, color: str, capacity: int) -> Series:
-        series = Series(name, QColor(color), deque(maxlen=capacity))
-        self.series.append(series)
-        return series
-
-    def mark_dirty(self) -> None:
-        self._dirty = True
-
-    def flush(self) -> bool:
-        if not self._dirty:
-            return False
-        self._dirty = False
-        self.updates += 1
-        self.update()
-        return True
-
-    def clear(self) -> None:
-        for series in self.series:
-            series.values.clear()
-        self.mark_dirty()
-
-    def sizeHint(self) -> QSize:
-        return QSize(280, 110)
-
-    def paintEvent(self, event: QPaintEvent) -> None:
-        self.paints += 1
-        painter = QPainter(self)
-        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        painter.fillRect(self.rect(), QColor("#ffffff"))
-        rect = QRectF(self.rect()).adjusted(8, 4, -8, -4)
-        metrics = painter.fontMetrics()
-        painter.setPen(_TEXT_COLOR)
-        painter.drawText(rect.topLeft() + QPointF(0, metrics.ascent()), self.label())
-        plot = rect.adjusted(0, metrics.height() + 2, 0, 0)
-        painter.setPen(QPen(_GRID_COLOR, 1))
-        painter.drawRect(plot)
-        peak = max((max(s.values) for s in self.series if s.values), default=0.0) or 1.0
-        if plot.height() > 0:
-            for series in self.series:
-                _draw_series(painter, plot, list(series.values), peak, series.color)
-        painter.end()
-
-    def label(self) -> str:
-        """E.g. "decode: 31.4 tok/s (max 40.2)"; several series name their last values."""
-        filled = [s for s in self.series if s.values]
-        if not filled:
-            return f"{self.title} ({self.unit}): no data yet"
-        peak = max(max(s.values) for s in filled)
-        if len(self.series) == 1:
-            last = self.fmt(filled[0].values[-1])
-        else:
-            last = ", ".join(f"{s.name} {self.fmt(s.values[-1])}" for s in filled)
-        return f"{self.title}: {last} {self.unit}  (max {self.fmt(peak)})"
-
-
-def _draw_series(painter: QPainter, plot: QRectF, values: list[float], peak: float, color: QColor) -> None:
-    if not values:
-        return
-    step = plot.width() / max(len(values) - 1, 1)
-    points = [
-        QPointF(plot.left() + i * step, plot.bottom() - (v / peak) * plot.height())
-        for i, v in enumerate(values)
-    ]
-    painter.setPen(QPen(color, 1.5, Qt.PenStyle.SolidLine, Qt.PenCapStyle.RoundCap))
-    if len(points) == 1:
-        painter.drawEllipse(points[0], 2, 2)  # a single value: a dot, not an invisible line
-    else:
-        painter.drawPolyline(QPolygonF(points))
-
-
 class PerfPanel(QWidget):
+    # Every reading the panel's own polling took: the window shows it in the park row too, so the
+    # dock and the row never show two different figures.
+    memory_polled = Signal(object)
+
     def __init__(
         self,
         memory_source: MemorySource | None = None,
@@ -137,28 +57,29 @@ class PerfPanel(QWidget):
         memory_poll_ms: int = 1000,
     ) -> None:
         """`memory_source`: awaited about once a second while the panel is visible (None: no polling).
-        `capacity`: points kept per series; `tick_ms`: at most one repaint per chart that often."""
+        `capacity`: answers and readings kept per chart; `tick_ms`: at most one repaint per chart
+        that often."""
         super().__init__(parent)
         self.setObjectName("PerfPanel")
         self.setAccessibleName("Live speed charts")
         self._memory_source = memory_source
-        self.decode_chart = LineChart("decode, this answer", "tok/s", "{:,.1f}".format)
-        self.decode = self.decode_chart.add_series("decode", "#059669", capacity)
-        self.prefill_chart = LineChart("prefill per request", "tok/s", "{:,.0f}".format)
-        self.prefill = self.prefill_chart.add_series("prefill", "#7c3aed", capacity)
-        self.ttft_chart = LineChart("first token per request", "s", "{:.2f}".format)
-        self.ttft = self.ttft_chart.add_series("first token", "#2563eb", capacity)
-        self.memory_chart = LineChart("device memory", "GB", "{:.2f}".format)
-        self.memory_allocated = self.memory_chart.add_series("allocated", "#dc2626", capacity)
-        self.memory_reserved = self.memory_chart.add_series("reserved", "#f59e0b", capacity)
+        self.decode_chart = RequestChart("decode", fixed_unit("tok/s"), format_decode, "#059669", capacity)
+        self.prefill_chart = RequestChart("prefill", fixed_unit("tok/s"), format_prefill, "#7c3aed", capacity)
+        self.ttft_chart = RequestChart("first token", fixed_unit("s"), format_seconds, "#2563eb", capacity)
+        self.memory_chart = TimeChart(
+            "model memory", byte_scale, lambda v: format_bytes(int(v)), "#dc2626", capacity
+        )
         self.memory_label = QLabel("", objectName="PerfMemoryLabel")
         self.memory_label.setAccessibleName("Device memory")
         self.memory_label.setWordWrap(True)
         # Its text changes every second: it must never resize the dock (and so relayout the chat).
         self.memory_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.charts = (self.decode_chart, self.prefill_chart, self.ttft_chart, self.memory_chart)
-        for chart in self.charts:
-            chart.setAccessibleName(chart.title)
+        self.charts: tuple[Chart, ...] = (
+            self.decode_chart,
+            self.prefill_chart,
+            self.ttft_chart,
+            self.memory_chart,
+        )
         column = QVBoxLayout(self)
         column.setContentsMargins(4, 4, 4, 4)
         column.setSpacing(4)
@@ -166,6 +87,8 @@ class PerfPanel(QWidget):
             column.addWidget(chart, 1)
         column.addWidget(self.memory_label)
 
+        self.model: str | None = None  # the model the next answer's bars belong to
+        self.answers = 0  # answers measured this session: the bars' numbers
         self.ticks = 0  # timer ticks that found something to draw
         self._tick = QTimer(self)
         self._tick.setSingleShot(True)
@@ -180,18 +103,28 @@ class PerfPanel(QWidget):
         self._recent: deque[tuple[float, int]] = deque()
         self._pending_tokens = 0  # counted since the last tick
 
+    # ---- the model ------------------------------------------------------------------------
+
+    def set_model(self, name: str | None, now: float | None = None) -> None:
+        """The model now loaded (None: none). A different model starts a new run of bars behind a
+        marker with its name, and marks the memory chart at this moment."""
+        if name is None or name == self.model:
+            return
+        if self.model is not None:  # the first model is named by its first bar's marker
+            self.memory_chart.mark_switch(time.monotonic() if now is None else now, name)
+            self._schedule()
+        self.model = name
+
     # ---- the live answer ------------------------------------------------------------------
 
     def begin_answer(self) -> None:
         self._streaming = True
         self._recent.clear()
         self._pending_tokens = 0
-        self.decode.values.clear()
-        self.decode_chart.mark_dirty()
         self._schedule()
 
     def on_delta(self, delta: TextDelta, now: float | None = None) -> None:
-        """Called for every streamed batch: counts only; the tick turns counts into a point."""
+        """Called for every streamed batch: counts only; the tick turns counts into an estimate."""
         if not self._streaming or not delta.tokens:
             return
         self._recent.append((time.monotonic() if now is None else now, len(delta.tokens)))
@@ -211,26 +144,29 @@ class PerfPanel(QWidget):
         return tokens / span if span > 0 else 0.0
 
     def end_answer(self, stats: GenerateStats | None) -> None:
-        """Per-request numbers from the engine's own measurement (exact, not the UI's estimate)."""
+        """The answer's bars, from the engine's own measurement (what the footer and the status bar
+        show); the estimate goes, and counts still waiting for a tick are dropped with it."""
         self._streaming = False
-        if stats is not None and stats.generated_tokens:
-            if stats.decode_tok_s > 0:
-                self.decode.values.append(stats.decode_tok_s)
-                self.decode_chart.mark_dirty()
-            if stats.prefill_tok_s > 0:
-                self.prefill.values.append(stats.prefill_tok_s)
-                self.prefill_chart.mark_dirty()
-            self.ttft.values.append(stats.time_to_first_token_s)
-            self.ttft_chart.mark_dirty()
+        self._pending_tokens = 0
+        self._recent.clear()
+        self.decode_chart.set_live(None)
+        speed = AnswerSpeed.of(stats)
+        if speed.generated_tokens:
+            self.answers += 1
+            if speed.decode_tok_s > 0:
+                self.decode_chart.add(self.answers, speed.decode_tok_s, self.model)
+            if speed.prefill_tok_s > 0:
+                self.prefill_chart.add(self.answers, speed.prefill_tok_s, self.model)
+            self.ttft_chart.add(self.answers, speed.first_token_s, self.model)
         self._schedule()
 
     # ---- memory ---------------------------------------------------------------------------
 
-    def add_memory(self, stats: MemoryStats) -> None:
-        self.memory_allocated.values.append(stats.allocated / 1e9)
-        self.memory_reserved.values.append(stats.reserved / 1e9)
-        self.memory_chart.mark_dirty()
-        self.memory_label.setText(f"{stats.name} ({stats.device}): {memory_text(stats)}")
+    def add_memory(self, stats: MemoryStats, now: float | None = None) -> None:
+        """One reading: the chart plots the model's memory (the park row's figure); the line below
+        names the device and the figures that are not the model's."""
+        self.memory_chart.add(time.monotonic() if now is None else now, float(stats.allocated))
+        self.memory_label.setText("  ·  ".join(memory_others(stats)))
         self._schedule()
 
     def poll_memory(self) -> None:
@@ -248,6 +184,7 @@ class PerfPanel(QWidget):
             self.memory_label.setText(f"Memory: not available ({exc})")
             return
         self.add_memory(stats)
+        self.memory_polled.emit(stats)
 
     async def wait_idle(self) -> None:
         if self._memory_task is not None:
@@ -275,20 +212,11 @@ class PerfPanel(QWidget):
             self._tick.start()
 
     def _on_tick(self) -> None:
-        if self._pending_tokens:
+        if self._pending_tokens and self._streaming:
             self._pending_tokens = 0
             rate = self.live_rate()
             if rate > 0:
-                self.decode.values.append(rate)
-                self.decode_chart.mark_dirty()
+                self.decode_chart.set_live(rate)
         drew = [chart.flush() for chart in self.charts]
         if any(drew):
             self.ticks += 1
-
-
-def memory_text(stats: MemoryStats) -> str:
-    """ "allocated 1.20 GB · reserved 1.50 GB · free 60.1 GB" (free left out when unknown)."""
-    parts = [f"allocated {format_bytes(stats.allocated)}", f"reserved {format_bytes(stats.reserved)}"]
-    if stats.total:
-        parts.append(f"free {format_bytes(stats.free)}")
-    return "  ·  ".join(parts)

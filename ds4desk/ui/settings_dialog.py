@@ -129,6 +129,8 @@ class SettingsDialog(QDialog):
         self._row(model, "Context", self.context, "The longest conversation the model keeps, in tokens")
         self._row(model, "Prefill chunk", self.chunk, "Prompt tokens computed per step")
         self._row(model, "CUDA graphs", self.cuda_graphs, "Replay decode steps from a captured graph")
+        self._model_form = model
+        self._show_gpu_options(devices)
         memory = QFormLayout()
         self._row(memory, "Snapshot slots", self.snapshot_slots, "Saved conversation states to continue from")
         self._row(memory, "Snapshot memory", self.snapshot_memory, "Host memory the snapshots may use")
@@ -170,8 +172,16 @@ class SettingsDialog(QDialog):
         column.addWidget(self.error_label)
         column.addWidget(buttons)
 
+    def _show_gpu_options(self, devices: Sequence[DeviceChoice] | None) -> None:
+        """CUDA graphs mean nothing on a machine without a GPU: hidden once the list says so."""
+        if not hasattr(self, "_model_form"):
+            return  # set_devices during construction: the form comes later
+        no_gpu = devices is not None and not any(d.name.startswith("cuda") for d in devices)
+        self._model_form.setRowVisible(self.cuda_graphs, not no_gpu)
+
     def set_devices(self, devices: Sequence[DeviceChoice] | None) -> None:
         """List `devices` in Settings > Device, keeping the choice shown (the saved one at first)."""
+        self._show_gpu_options(devices)
         shown = self.device.currentData() if self.device.count() else self.settings.device
         self.device.clear()
         for choice in choices_with(self.settings.device, devices):

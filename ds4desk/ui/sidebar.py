@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -67,9 +66,8 @@ class Sidebar(QWidget):
         self.chat_list.setEditTriggers(
             QAbstractItemView.EditTrigger.DoubleClicked | QAbstractItemView.EditTrigger.EditKeyPressed
         )
-        ctx = Qt.ShortcutContext.WidgetShortcut
-        QShortcut(QKeySequence(Qt.Key.Key_Delete), self.chat_list, self._delete_current, ctx)
-        QShortcut(QKeySequence(Qt.Key.Key_F2), self.chat_list, lambda: self.start_rename(), ctx)
+        # Del and F2 are the window's Edit > Delete chat and Rename chat: a second shortcut for the
+        # same key here would make both ambiguous, and neither would fire.
 
         self.undo_label = QLabel(objectName="UndoLabel")
         self.undo_label.setWordWrap(True)
@@ -207,11 +205,6 @@ class Sidebar(QWidget):
         self._undo_timer.stop()
         self.pending_delete = None
         self.undo_bar.hide()
-
-    def _delete_current(self) -> None:
-        item = self.chat_list.currentItem()
-        if item is not None:
-            self.delete_requested.emit(int(item.data(CHAT_ID)))
 
     # ---- context menu -----------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 chat) with Free, Pin/Unpin, Save to disk and Load from disk.
 
 Every action is an asyncio task awaiting the backend; its SlotResult lists the slots afterwards, so
-the table is redrawn from the engine's own answer, never from a guess. One action at a time.
+the table is redrawn from the engine's own answer, never from a guess. One action at a time. Only the
+Age column moves between two listings: it ticks locally once a second while the panel is visible,
+from the age the engine gave and the time since.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QHideEvent, QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QFileDialog,
@@ -33,7 +36,10 @@ from ds4desk.ui.stats_format import format_bytes
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ("Slot", "Chat", "Tokens", "Memory", "Age", "Hits", "Pinned", "On disk")
+# The chat's title last: it takes what the numbers leave, so a narrow dock shows the numbers first.
+COLUMNS = ("Slot", "Tokens", "Memory", "Age", "Hits", "Pinned", "On disk", "Chat")
+_AGE = COLUMNS.index("Age")
+_NUMBERS = {COLUMNS.index(name) for name in ("Slot", "Tokens", "Memory", "Hits")}  # right-aligned
 _SLOT = Qt.ItemDataRole.UserRole
 
 
@@ -63,7 +69,11 @@ class SlotPanel(QWidget):
         self.chat_title = chat_title or (lambda tag: tag or "")
         self.snapshot_dir = snapshot_dir
         self.slots: list[SlotInfo] = []
+        self.listed_at = time.monotonic()  # when the engine gave `slots` (their age_s is as of then)
         self._task: asyncio.Task[SlotResult] | None = None
+        self._age_timer = QTimer(self)
+        self._age_timer.setInterval(1000)
+        self._age_timer.timeout.connect(self.tick_ages)
 
         self.table = QTableWidget(0, len(COLUMNS), objectName="SlotTable")
         self.table.setAccessibleName("Snapshot slots")
@@ -94,16 +104,24 @@ class SlotPanel(QWidget):
         self.status.setAccessibleName("Snapshot slot status")
         self.status.setWordWrap(True)
 
-        buttons = QHBoxLayout()
-        buttons.setSpacing(4)
-        for button in (self.free_button, self.pin_button, self.save_button, self.load_button):
-            buttons.addWidget(button)
-        buttons.addStretch(1)
-        buttons.addWidget(self.refresh_button)
+        # Two rows of buttons: in one row they alone would make the dock ~480 px wide, and a dock
+        # beside the chat gets about 340.
+        slot_buttons = QHBoxLayout()
+        slot_buttons.setSpacing(4)
+        for button in (self.free_button, self.pin_button):
+            slot_buttons.addWidget(button)
+        slot_buttons.addStretch(1)
+        slot_buttons.addWidget(self.refresh_button)
+        disk_buttons = QHBoxLayout()
+        disk_buttons.setSpacing(4)
+        for button in (self.save_button, self.load_button):
+            disk_buttons.addWidget(button)
+        disk_buttons.addStretch(1)
         column = QVBoxLayout(self)
         column.setContentsMargins(4, 4, 4, 4)
         column.addWidget(self.table, 1)
-        column.addLayout(buttons)
+        column.addLayout(slot_buttons)
+        column.addLayout(disk_buttons)
         column.addWidget(self.status)
         self._update_buttons()
 
@@ -226,27 +244,50 @@ class SlotPanel(QWidget):
 
     # ---- the table --------------------------------------------------------------------------
 
+    def showEvent(self, event: QShowEvent) -> None:
+        super().showEvent(event)
+        self._age_timer.start()
+        self.tick_ages()
+
+    def hideEvent(self, event: QHideEvent) -> None:
+        super().hideEvent(event)
+        self._age_timer.stop()  # nobody sees the ages: no work
+
+    @property
+    def ticking(self) -> bool:
+        return self._age_timer.isActive()
+
+    def tick_ages(self, now: float | None = None) -> None:
+        """The Age column as of `now` (default: this moment); the other cells stay as listed."""
+        since = (time.monotonic() if now is None else now) - self.listed_at
+        for row, info in enumerate(self.slots):
+            item = self.table.item(row, _AGE)
+            text = format_age(info.age_s + since)
+            if item is not None and item.text() != text:
+                item.setText(text)
+
     def show_slots(self, slots: list[SlotInfo]) -> None:
         keep = self.selected()
         self.slots = list(slots)
+        self.listed_at = time.monotonic()
         self.table.setRowCount(len(slots))
         for row, info in enumerate(slots):
-            on_disk = Path(info.path).name if info.path and Path(info.path).exists() else ""
-            cells = (
-                str(info.slot),
-                self.chat_title(info.tag),
-                f"{info.tokens:,}",
-                format_bytes(info.bytes),
-                format_age(info.age_s),
-                str(info.hits),
-                "yes" if info.pinned else "",
-                on_disk,
-            )
-            for col, text in enumerate(cells):
-                item = QTableWidgetItem(text)
-                if col in (0, 2, 3, 5):
+            on_disk = Path(info.path).name if info.path and Path(info.path).exists() else "no"
+            cells = {
+                "Slot": str(info.slot),
+                "Tokens": f"{info.tokens:,}",
+                "Memory": format_bytes(info.bytes),
+                "Age": format_age(info.age_s),
+                "Hits": str(info.hits),
+                "Pinned": "yes" if info.pinned else "no",
+                "On disk": on_disk,
+                "Chat": self.chat_title(info.tag),
+            }
+            for col, name in enumerate(COLUMNS):
+                item = QTableWidgetItem(cells[name])
+                if col in _NUMBERS:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                if col == 7 and info.path:
+                if name == "On disk" and info.path:
                     item.setToolTip(info.path)
                 item.setData(_SLOT, info.slot)
                 self.table.setItem(row, col, item)

@@ -122,7 +122,9 @@ def test_a_bad_file_shows_an_error_and_the_chat_goes_on(
     broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 64)
     failed = run(window.load_model(str(broken)))
     assert not failed.ok
-    assert "half.gguf" in window.chat_view.toPlainText()
+    # The error is a notice above the chat, not a message inside it.
+    assert "half.gguf" in window.notice_label.text()
+    assert "half.gguf" not in window.chat_view.toPlainText()
     assert "SmolLM2" in window.model_label.text()  # the loaded model stayed
     send(qtbot, window, "Say hello.")
     run(window.wait_idle())

@@ -68,6 +68,7 @@ class FakeBackend:
     batch_chars: int = 6
     delay_s: float = 0.001
     fail_load: EngineError | None = None
+    fail_devices: tuple[str, ...] = ()  # loads on these devices fail, as a broken GPU does
     fail_generate: EngineError | None = None
     fail_after_batches: int = 0  # batches streamed before fail_generate strikes
     on_load: Callable[[LoadResult], None] | None = None
@@ -132,6 +133,9 @@ class FakeBackend:
             result = cancelled
         elif self.fail_load is not None:
             result = LoadResult(error=self.fail_load, seconds=0.01)
+        elif request.device in self.fail_devices:
+            detail = f"CUDA error: no kernel image is available for execution on {request.device}"
+            result = LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, detail), seconds=0.01)
         else:
             self._info = fake_info(request.path, request.device, self.thinking)
             self._parked = False  # a new model replaces a parked one

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import shiboken6
 from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QLabel
 
 from ds4desk.app import run_app
 from ds4desk.engine.api import DeviceChoice, ThinkingFormat
@@ -206,7 +206,8 @@ def test_with_no_model_send_is_off_and_the_window_says_how_to_load_one(qtbot, op
     backend = FakeBackend(reply="Hi from the built-in model.")
     window = open_window(backend, Settings(last_model="/models/gone"), load=False)
     assert not window.send_button.isEnabled() and window.no_model_bar.isVisible()
-    assert "File > Open model" in window.chat_view.placeholderText()
+    assert "No model is loaded" in window.chat_view.placeholderText()  # and the bar above says how
+    assert "File > Open model" in window.no_model_bar.findChild(QLabel, "NoModelLabel").text()
     assert "Open one" in window.send_button.toolTip()
 
     window.composer.setPlainText("hello?")

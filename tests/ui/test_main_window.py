@@ -237,7 +237,9 @@ def test_failed_load_is_shown_and_the_window_keeps_working(qtbot, make_window, r
     assert not result.ok
     assert "no config.json in /models/broken" in window.status_label.text()
     assert window.status_label.property("error") is True
-    assert "Could not load the model" in window.chat_view.toPlainText()
+    # A notice above the chat, not a line inside the conversation.
+    assert window.notice_bar.isVisible() and "no config.json in /models/broken" in window.notice_label.text()
+    assert window.chat_view.toPlainText().strip() == ""
     assert window.settings.last_model is None  # a failed model is not remembered
     assert window.open_model_action.isEnabled()
 
@@ -257,6 +259,7 @@ def test_failed_load_is_shown_and_the_window_keeps_working(qtbot, make_window, r
     assert run(window.load_model("/models/good", remember=True)).ok
     assert window.settings.last_model == "/models/good"
     assert window.status_label.property("error") is False
+    assert not window.notice_bar.isVisible()  # the load that worked ends the failure's notice
     type_and_enter(qtbot, window, "now?")
     run(window.wait_idle())
     assert "I am a fake model." in window.chat_view.toPlainText()

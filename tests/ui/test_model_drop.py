@@ -119,7 +119,7 @@ def test_a_dropped_non_model_changes_nothing(
 
     assert window.status_label.text() == f"{name} cannot be opened: {detail}"
     assert window.status_label.property("error") is True
-    assert detail in window.chat_view.toPlainText()
+    assert detail in window.notice_label.text() and detail not in window.chat_view.toPlainText()
     assert len(backend.load_requests) == 1  # only the load the window started with
     assert window.model_label.text() == before
     assert window.settings.recent_models == [] and window.settings.last_model is None

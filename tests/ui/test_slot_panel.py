@@ -5,6 +5,7 @@ the two-turn chat."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ def test_pin_save_free_and_load_from_the_buttons(
     assert panel.row_texts()[1][PINNED] == "yes" and panel.pin_button.text() == "Unpin"
     click(qtbot, panel.pin_button)
     run(panel.wait_idle())
-    assert panel.row_texts()[1][PINNED] == "" and panel.pin_button.text() == "Pin"
+    assert panel.row_texts()[1][PINNED] == "no" and panel.pin_button.text() == "Pin"
 
     click(qtbot, panel.save_button)
     run(panel.wait_idle())
@@ -137,14 +138,16 @@ def test_park_row_shows_memory_after_each_action(qtbot, make_window, run) -> Non
     window = make_window(backend)
     settle(run, window)
     label = window.park_readout.memory_label
-    assert label.text() == "allocated 4.40 GB  ·  reserved 4.50 GB  ·  free 75.50 GB"  # after the load
+    assert label.text() == "model 4.40 GB"  # after the load
+    assert "allocator reserved 4.50 GB" in label.toolTip()  # the other figures, each named
+    assert "free 75.50 GB of 80.00 GB" in label.toolTip()
 
     click(qtbot, window.park_button)
     run(window.park_controls.task)  # type: ignore[arg-type]
-    assert label.text() == "allocated 0 B  ·  reserved 0 B  ·  free 80.00 GB"
+    assert label.text() == "model 0 B" and "free 80.00 GB" in label.toolTip()
     click(qtbot, window.unpark_button)
     run(window.park_controls.task)  # type: ignore[arg-type]
-    assert label.text().startswith("allocated 4.40 GB")
+    assert label.text().startswith("model 4.40 GB")
     assert label.accessibleName() and window.park_readout.countdown_label.text() == ""  # auto-park off
 
 
@@ -181,6 +184,33 @@ def test_idle_park_countdown(qtbot, make_window, run) -> None:
     settle(run, window)
     assert backend.memory_calls == calls + 1
     assert window.model_label.text().endswith("(parked)") and not readout.counting
+
+
+def test_pinned_and_on_disk_say_no_and_the_age_ticks_while_shown(qtbot, make_window, run) -> None:
+    window = make_window(FakeBackend())
+    two_turns(qtbot, run, window)
+    panel = open_slots(run, window)
+    assert [row[PINNED] for row in panel.row_texts()] == ["no", "no"]
+    assert [row[ON_DISK] for row in panel.row_texts()] == ["no", "no"]
+    age = COLUMNS.index("Age")
+    listed = [format_age(info.age_s) for info in panel.slots]
+    assert [row[age] for row in panel.row_texts()] == listed
+    assert panel.ticking  # shown: the ages move
+    panel.tick_ages(now=panel.listed_at + 125)  # what the timer does, two minutes on
+    assert [row[age] for row in panel.row_texts()] == [format_age(i.age_s + 125) for i in panel.slots]
+    assert all(text.endswith("min") for text in [row[age] for row in panel.row_texts()])
+    # The real timer: within a few seconds a 0 s age becomes at least 1 s.
+    panel.show_slots([replace(info, age_s=0.0) for info in panel.slots])
+    qtbot.waitUntil(lambda: panel.row_texts()[0][age] != "0 s", timeout=5000)
+    window.slot_dock_action.trigger()
+    assert not panel.ticking  # hidden: no work
+
+
+def test_the_slot_panel_fits_a_narrow_dock(qtbot) -> None:
+    panel = SlotPanel(FakeBackend())
+    qtbot.addWidget(panel)
+    assert panel.minimumSizeHint().width() <= 320  # the table scrolls; the buttons take two rows
+    assert COLUMNS[-1] == "Chat"  # the title takes what the numbers leave
 
 
 def test_small_formatters() -> None:
@@ -225,7 +255,7 @@ def test_real_engine_slots_after_two_turns(qtbot, run, real_window: MainWindow, 
     assert follow_up.stats is not None and follow_up.stats["reused_tokens"] == first.tokens
 
     memory = window.park_readout.memory_label.text()
-    assert memory.startswith("allocated ") and "free " in memory
+    assert memory.startswith("model ") and "free " in window.park_readout.memory_label.toolTip()
 
     panel.snapshot_dir = tmp_path / "snaps"
     panel.select_slot(second.slot)
