@@ -107,8 +107,59 @@ def _schema_v2(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE INDEX messages_by_parent ON messages(parent_id)")
 
 
+def _schema_v3(conn: sqlite3.Connection) -> None:
+    """Ids are never handed out twice (AUTOINCREMENT). Without it SQLite gives a new row max(id) + 1,
+    so the chat made after the newest one was deleted got the deleted chat's id, and whatever still
+    named that id (the engine's snapshot slots are tagged with the window's chat id, a saved slot
+    file keeps its tag, a view holds message ids) silently meant the new chat instead.
+
+    SQLite cannot add AUTOINCREMENT to a table, so both are rebuilt (its documented recipe, run with
+    foreign keys off by `_migrate`: dropping `chats` must not cascade into `messages`). Ids keep their
+    values; the counters start at the highest id kept, so only a chat deleted before this upgrade,
+    as the newest one, can still see its id again, once."""
+    dangling_before = len(conn.execute("PRAGMA foreign_key_check").fetchall())
+    conn.execute(
+        """CREATE TABLE chats_v3 (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            title TEXT NOT NULL DEFAULT '',
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            model TEXT,
+            leaf_id INTEGER,
+            deleted REAL
+        )"""
+    )
+    conn.execute(
+        """CREATE TABLE messages_v3 (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL DEFAULT '',
+            created REAL NOT NULL,
+            finished INTEGER NOT NULL DEFAULT 1,
+            stats TEXT,
+            parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE
+        )"""
+    )
+    chat_columns = "id, title, created, updated, model, leaf_id, deleted"
+    message_columns = "id, chat_id, role, content, created, finished, stats, parent_id"
+    conn.execute(f"INSERT INTO chats_v3 ({chat_columns}) SELECT {chat_columns} FROM chats")
+    conn.execute(f"INSERT INTO messages_v3 ({message_columns}) SELECT {message_columns} FROM messages")
+    conn.execute("DROP TABLE messages")
+    conn.execute("DROP TABLE chats")
+    conn.execute("ALTER TABLE chats_v3 RENAME TO chats")
+    conn.execute("ALTER TABLE messages_v3 RENAME TO messages")
+    conn.execute("CREATE INDEX messages_by_chat ON messages(chat_id, id)")
+    conn.execute("CREATE INDEX chats_by_updated ON chats(updated DESC)")
+    conn.execute("CREATE INDEX messages_by_parent ON messages(parent_id)")
+    # The rows were copied verbatim, so the rebuild cannot have broken a reference that was whole;
+    # if it did, the rollback keeps the file exactly as it was.
+    if len(conn.execute("PRAGMA foreign_key_check").fetchall()) > dangling_before:
+        raise HistoryError("upgrading the history to schema 3 broke references between its rows")
+
+
 # MIGRATIONS[n] takes a database at schema version n to n + 1. Append here; never edit a shipped one.
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_schema_v1, _schema_v2]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_schema_v1, _schema_v2, _schema_v3]
 
 # add_message(parent_id=LEAF): append to the chat's active branch.
 LEAF = "leaf"
@@ -200,10 +251,18 @@ class History:
             raise HistoryError(
                 f"{self.path} has history schema {version}; this ds4desk understands up to {target}"
             )
-        for step in range(version, target):
-            with self._tx() as conn:
-                MIGRATIONS[step](conn)
-                conn.execute(f"PRAGMA user_version = {step + 1}")  # pragmas take no parameters
+        if version == target:
+            return
+        # A table rebuild (v3) drops a table that others reference: with foreign keys on, that drop
+        # would delete every message. The pragma is a no-op inside a transaction, so it is set here.
+        self._conn.execute("PRAGMA foreign_keys = OFF")
+        try:
+            for step in range(version, target):
+                with self._tx() as conn:
+                    MIGRATIONS[step](conn)
+                    conn.execute(f"PRAGMA user_version = {step + 1}")  # pragmas take no parameters
+        finally:
+            self._conn.execute("PRAGMA foreign_keys = ON")
 
     @property
     def user_version(self) -> int:

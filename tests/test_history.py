@@ -104,6 +104,7 @@ def test_rename_chat(db_path: Path) -> None:
 
 
 def test_migration_hook_runs_new_steps(db_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped = schema_version()
     History(db_path).close()
 
     def add_pinned(conn: sqlite3.Connection) -> None:
@@ -111,7 +112,7 @@ def test_migration_hook_runs_new_steps(db_path: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(history_module, "MIGRATIONS", [*history_module.MIGRATIONS, add_pinned])
     with History(db_path) as history:
-        assert history.user_version == len(history_module.MIGRATIONS) == 3
+        assert history.user_version == len(history_module.MIGRATIONS) == shipped + 1
         columns = [row[1] for row in history._conn.execute("PRAGMA table_info(chats)")]
         assert "pinned" in columns
 

@@ -28,6 +28,7 @@ def main(path: str, seed: int) -> None:
             say("RENAMED", chat.id, title)
         elif chats and roll < 0.25:
             chat = rng.choice(chats)
+            say("DELETING", chat.id)  # from here a kill may leave it hidden (undo pending) or gone
             history.hide_chat(chat.id)
             history.purge_hidden(chat.id)
             say("DELETED", chat.id)

@@ -12,17 +12,22 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tests.robustness.sandbox import peak_kib, reset_peak
+
 ANSWER_TIMEOUT_S = 30  # the issue's bound: every case ends within 30 s
 
 
 class RawSession:
-    def __init__(self, home: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, home: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ds4desk", "--data-dir", str(home), "session", "--context", "512", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         self.lines: queue.Queue[bytes] = queue.Queue()
         self.stderr = b""
@@ -39,6 +44,12 @@ class RawSession:
         assert self.process.stderr is not None
         for line in self.process.stderr:
             self.stderr += line
+
+    def reset_peak(self) -> None:
+        reset_peak(self.process.pid)
+
+    def peak_kib(self) -> int:
+        return peak_kib(self.process.pid)
 
     def exit_code(self, timeout: float = ANSWER_TIMEOUT_S) -> int:
         """Waits for the process to end and for the last of its stderr."""

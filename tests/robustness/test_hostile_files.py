@@ -22,6 +22,7 @@ from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.loading.gguf_header import read_gguf_header
 from ds4desk.engine.loading.safetensors_header import MAX_HEADER_BYTES, read_safetensors_header
 from tests.engine.tiny_dense import save_tiny
+from tests.robustness.hostile_files import gguf_file, gguf_key, with_config
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +41,6 @@ def _check(path: Path, home: Path, capsys: pytest.CaptureFixture[str]) -> str:
     return out.err
 
 
-def _with_config(tiny: Path, tmp: Path, **changes: object) -> Path:
-    folder = Path(shutil.copytree(tiny, tmp / "model"))
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **changes}))
-    return folder
-
-
 @pytest.mark.parametrize(
     "changes",
     [
@@ -61,7 +55,7 @@ def _with_config(tiny: Path, tmp: Path, **changes: object) -> Path:
 def test_a_config_with_absurd_sizes_is_refused_before_anything_is_built(
     tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, int]
 ) -> None:
-    folder = _with_config(tiny_llama, tmp_path, **changes)
+    folder = with_config(tiny_llama, tmp_path / "model", **changes)
     tracemalloc.start()
     try:
         err = _check(folder, tmp_path, capsys)
@@ -84,30 +78,21 @@ def test_a_deepseek_config_with_a_billion_layers_is_refused_before_its_layer_lis
     assert "num_hidden_layers" in _check(folder, tmp_path, capsys)
 
 
-def _gguf(path: Path, entries: list[bytes], tensor_count: int = 0, tail: bytes = b"") -> Path:
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, tensor_count, len(entries)) + b"".join(entries) + tail)
-    return path
-
-
-def _key(name: str) -> bytes:
-    return struct.pack("<Q", len(name)) + name.encode()
-
-
 def test_a_gguf_with_a_billion_blocks_is_refused_in_its_header(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     entries = [
-        _key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama",
-        _key("llama.block_count") + struct.pack("<II", 4, 10**9),
+        gguf_key("general.architecture") + struct.pack("<IQ", 8, 5) + b"llama",
+        gguf_key("llama.block_count") + struct.pack("<II", 4, 10**9),
     ]
-    path = _gguf(tmp_path / "deep.gguf", entries, tail=bytes(64))
+    path = gguf_file(tmp_path / "deep.gguf", entries, tail=bytes(64))
     assert "block_count" in _check(path, tmp_path, capsys)
 
 
 def test_a_huge_gguf_metadata_array_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
     count = gguf_header.MAX_ARRAY_ELEMENTS + 1
-    entry = _key("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 0, count)  # an array of u8
-    path = _gguf(tmp_path / "array.gguf", [entry], tail=bytes(count))
+    entry = gguf_key("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 0, count)  # an array of u8
+    path = gguf_file(tmp_path / "array.gguf", [entry], tail=bytes(count))
     tracemalloc.start()
     try:
         with pytest.raises(EngineFailure, match="limited to"):
@@ -124,9 +109,9 @@ def test_gguf_string_metadata_is_bounded_as_it_is_parsed(
     # The real limit is 256 MiB; a smaller one shows the same check without writing that much.
     monkeypatch.setattr(gguf_header, "MAX_METADATA_BYTES", 2**20)
     strings = b"".join(struct.pack("<Q", 100) + b"x" * 100 for _ in range(20_000))  # 2.1 MB
-    entry = _key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 20_000) + strings
+    entry = gguf_key("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 20_000) + strings
     with pytest.raises(EngineFailure, match="metadata is larger than 1 MiB"):
-        read_gguf_header(_gguf(tmp_path / "strings.gguf", [entry], tail=bytes(64)))
+        read_gguf_header(gguf_file(tmp_path / "strings.gguf", [entry], tail=bytes(64)))
 
 
 def test_a_huge_safetensors_header_is_refused_before_it_is_read(tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
-"""`ds4desk session` against hostile requests: every line gets exactly one answer, a clear
-bad_request where it must refuse, the answers stay valid UTF-8 JSON, nothing is written outside the
-data directory, no traceback reaches stderr, and the session still answers afterwards."""
+"""`ds4desk session` against hostile requests: every line gets exactly one answer (within 30 s,
+else the test fails), a clear bad_request where it must refuse, the answers stay valid UTF-8 JSON,
+nothing is written outside the data directory, no traceback reaches stderr, and the session still
+answers afterwards. Every case that runs on the shared session is held to at most twice the
+session's peak memory on a normal request (VmHWM, reset before each case)."""
 
 from __future__ import annotations
 
@@ -18,22 +20,62 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.robustness.hostile_session import ANSWER_TIMEOUT_S, RawSession
+from tests.robustness.sandbox import Sandbox
+
+MEMORY_FACTOR = 2  # the issue's bound: 2x the model's normal memory
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hostile-home")
+def box(tmp_path_factory: pytest.TempPathFactory) -> Sandbox:
+    """Every session of this module runs here: HOME, XDG, TMPDIR and its working directory in
+    the sandbox, so test_nothing_was_written_outside_the_data_directory can look at them."""
+    return Sandbox.make(tmp_path_factory.mktemp("hostile"))
 
 
 @pytest.fixture(scope="module")
-def session(home: Path) -> Iterator[RawSession]:
-    s = RawSession(home, env={"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""})
+def home(box: Sandbox) -> Path:
+    return box.data
+
+
+@pytest.fixture(scope="module")
+def session(box: Sandbox) -> Iterator[RawSession]:
+    strict = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""}
+    s = RawSession(box.data, env={**box.env, **strict}, cwd=box.cwd)
     assert s.answer(timeout=300)["ok"]  # the embedded model loaded
     yield s
     if s.process.poll() is None:
         s.send({"op": "quit"})
     assert s.exit_code(60) == 0
     assert b"Traceback" not in s.stderr, s.stderr.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def normal_peak(session: RawSession) -> int:
+    """The session's peak memory (KiB) over a normal request: a chat message answered, with a
+    snapshot saved, as the window asks."""
+    session.reset_peak()
+    session.send({"op": "generate", "id": "normal", "messages": [{"role": "user", "content": "Hi there"}],
+                  "max_tokens": 8, "save_snapshot": {}})  # fmt: skip
+    assert session.until(id="normal", event="result")["ok"]
+    return session.peak_kib()
+
+
+@pytest.fixture(autouse=True)
+def bounded_memory(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each case on the shared session peaks at most MEMORY_FACTOR times the normal request."""
+    if "session" not in request.fixturenames:
+        yield
+        return
+    session: RawSession = request.getfixturevalue("session")
+    normal: int = request.getfixturevalue("normal_peak")
+    session.reset_peak()
+    yield
+    peak = session.peak_kib()
+    PEAKS[request.node.name] = peak / normal
+    assert peak <= MEMORY_FACTOR * normal, f"peak {peak} KiB against {normal} KiB normally"
+
+
+PEAKS: dict[str, float] = {}  # case -> peak / normal, printed by the last test
 
 
 def _bad(answer: dict[str, object]) -> bool:
@@ -166,8 +208,8 @@ def test_forged_snapshot_tensors_are_refused(session: RawSession, home: Path, tm
     assert session.one_answer({"op": "load_slot", "path": str(saved), "slot": 6})["ok"]
 
 
-def test_quit_cancels_queued_work_instead_of_draining_it(home: Path) -> None:
-    s = RawSession(home)
+def test_quit_cancels_queued_work_instead_of_draining_it(box: Sandbox) -> None:
+    s = RawSession(box.data, env=box.env, cwd=box.cwd)
     assert s.answer(timeout=300)["ok"]
     for n in range(3):
         s.send({"op": "generate", "id": n, "raw": "Once upon a time", "max_tokens": 400, "ignore_eos": True})
@@ -178,8 +220,8 @@ def test_quit_cancels_queued_work_instead_of_draining_it(home: Path) -> None:
     assert sum(len(r["tokens"]) for r in results) < 400  # the first one was cut, the others never ran
 
 
-def test_ctrl_c_during_a_session_cancels_and_exits_130(home: Path) -> None:
-    s = RawSession(home)
+def test_ctrl_c_during_a_session_cancels_and_exits_130(box: Sandbox) -> None:
+    s = RawSession(box.data, env=box.env, cwd=box.cwd)
     assert s.answer(timeout=300)["ok"]
     s.send({"op": "generate", "id": 1, "raw": "Once upon a time", "max_tokens": 400, "ignore_eos": True})
     assert s.until(id=1, event="tokens")
@@ -188,11 +230,11 @@ def test_ctrl_c_during_a_session_cancels_and_exits_130(home: Path) -> None:
     assert b"Traceback" not in s.stderr, s.stderr
 
 
-def test_ctrl_c_during_generate_exits_130_without_a_traceback(home: Path) -> None:
+def test_ctrl_c_during_generate_exits_130_without_a_traceback(box: Sandbox) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "ds4desk", "--data-dir", str(home), "generate", "--raw", "Once upon a time",
-         "--max-tokens", "4000", "--context", "4096"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "ds4desk", "--data-dir", str(box.data), "generate",
+         "--raw", "Once upon a time", "--max-tokens", "4000", "--context", "4096"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=box.env, cwd=box.cwd,
     )  # fmt: skip
     assert process.stdout is not None
     assert process.stdout.read(1)  # the first token is out: it is generating
@@ -202,11 +244,11 @@ def test_ctrl_c_during_generate_exits_130_without_a_traceback(home: Path) -> Non
     assert b"Traceback" not in stderr
 
 
-def test_a_closed_stdout_ends_the_session_quietly(home: Path) -> None:
+def test_a_closed_stdout_ends_the_session_quietly(box: Sandbox) -> None:
     read_end, write_end = os.pipe()
     process = subprocess.Popen(
-        [sys.executable, "-m", "ds4desk", "--data-dir", str(home), "session", "--context", "512"],
-        stdin=subprocess.PIPE, stdout=write_end, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "ds4desk", "--data-dir", str(box.data), "session", "--context", "512"],
+        stdin=subprocess.PIPE, stdout=write_end, stderr=subprocess.PIPE, env=box.env, cwd=box.cwd,
     )  # fmt: skip
     os.close(write_end)
     with os.fdopen(read_end, "rb") as reader:
@@ -222,3 +264,12 @@ def test_a_closed_stdout_ends_the_session_quietly(home: Path) -> None:
     _, stderr = process.communicate(timeout=ANSWER_TIMEOUT_S)
     assert process.returncode in (0, 1)
     assert b"Traceback" not in stderr and b"BrokenPipe" not in stderr, stderr
+
+
+def test_nothing_was_written_outside_the_data_directory(box: Sandbox) -> None:
+    """Last in this module: every session above ran with HOME, XDG, TMPDIR and its working
+    directory in the sandbox; only the data directory may have changed."""
+    if PEAKS:
+        worst = max(PEAKS, key=PEAKS.__getitem__)
+        print(f"\npeak / normal over {len(PEAKS)} session cases: worst {PEAKS[worst]:.3f} ({worst})")
+    assert box.written_outside_data() == []

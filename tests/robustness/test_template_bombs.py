@@ -9,27 +9,9 @@ import pytest
 
 from ds4desk.engine.api import EngineFailure
 from ds4desk.engine.chat_template import ChatTemplate
+from tests.robustness.hostile_files import TEMPLATE_BOMBS
 
-DOUBLING = (
-    "{% set ns = namespace(s='a') %}{% for i in range(31) %}{% set ns.s = ns.s OP ns.s %}{% endfor %}"
-    "{{ ns.s }}"
-)
-BOMBS = {
-    "double with +": DOUBLING.replace("OP", "+"),
-    "double with ~": DOUBLING.replace("OP", "~"),
-    "center filter": "{{ 'a'|center(3*10**9) }}",
-    "center method": "{{ 'a'.center(3*10**9) }}",
-    "ljust method": "{{ 'a'.ljust(2**31) }}",
-    "indent filter": "{{ ('a\\n' * 100000)|indent(100000) }}",
-    "replace filter": "{% set s = 'a' * 100000 %}{{ s|replace('a', s) }}",
-    "replace method": "{% set s = 'a' * 100000 %}{{ s.replace('a', s) }}",
-    "percent width": "{{ '%999999999s' % 'x' }}",
-    "format filter": "{{ '%*s'|format(10**9, 'x') }}",
-    "format method": "{{ '{:>999999999}'.format('x') }}",
-    "format nested width": "{{ '{:>{w}}'.format('x', w=10**9) }}",
-    "join": "{% set s = 'a' * 1000000 %}{{ ([s] * 70)|join }}",
-    "expandtabs": "{{ ('\\t' * 1000).expandtabs(10**7) }}",
-}
+BOMBS = TEMPLATE_BOMBS
 MESSAGES = {"messages": [{"role": "user", "content": "hello"}]}
 
 
