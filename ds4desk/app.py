@@ -232,9 +232,11 @@ def engine_backend_factory(dirs: DataDirs, settings: Settings | None = None) -> 
         # Imported here: the engine's public face is torch-free, but nothing UI-side needs it earlier.
         from ds4desk.engine.client import EngineClient
         from ds4desk.engine.engine import Engine
+        from ds4desk.remote.switch import SwitchingBackend
 
         options = (settings or Settings.load(dirs.settings_file)).engine_options()
-        return EngineClient(Engine(**options))
+        # One backend for the window: the local engine, or a server (File > Connect to a server…).
+        return SwitchingBackend(EngineClient(Engine(**options)), EngineClient)
 
     return make
 

@@ -79,6 +79,9 @@ class Settings:
     thinking: bool = False  # ask for the model's reasoning first (templates that have a thinking mode)
     thinking_budget_tokens: int = 0  # 0: no budget; else the thinking is closed after this many tokens
     models_folder: str | None = None  # where the model picker looks for .gguf files and model folders
+    # The last server of File > Connect to a server… (never its API key).
+    remote_url: str = ""
+    remote_model: str = ""
     # The window as it was closed (base64 of Qt's own blobs; "" or a damaged value: the defaults).
     window_geometry: str = ""
     window_state: str = ""  # the docks: which are open, where, how wide
@@ -299,6 +302,8 @@ def _validated(name: str, value: Any) -> Any:
                 and len(value) % 4 == 0
                 and bool(_BASE64.match(value))
             )
+        case "remote_url" | "remote_model":
+            ok = isinstance(value, str) and len(value) <= 4096 and "\0" not in value
         case "last_model" | "models_folder":
             ok = value is None or (isinstance(value, str) and value != "" and "\0" not in value)
         case "recent_models":

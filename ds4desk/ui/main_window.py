@@ -73,6 +73,7 @@ from ds4desk.ui.model_loader import LoaderHooks, ModelLoader
 from ds4desk.ui.model_picker import ModelPicker, PickerHooks
 from ds4desk.ui.park_controls import ParkControls, ParkHooks
 from ds4desk.ui.perf_panel import PerfPanel
+from ds4desk.ui.remote_actions import RemoteActions, RemoteHooks
 from ds4desk.ui.settings_dialog import SettingsDialog
 from ds4desk.ui.sidebar import UNTITLED, Sidebar
 from ds4desk.ui.slot_panel import SlotPanel
@@ -386,9 +387,23 @@ class MainWindow(QMainWindow):
         self.sidebar.addAction(self.delete_action)
         self.composer.installEventFilter(self)
 
+        self.remote = RemoteActions(
+            RemoteHooks(
+                window=self,
+                backend=self.backend,
+                settings=self.settings,
+                save_settings=self._save_settings,
+                show_model=self._show_model,
+                set_status=self.set_status,
+                answering=lambda: self._answering,
+                local_only=[self.park_controls, self.slot_panel],
+            )
+        )
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction(self.open_model_action)
         file_menu.addAction(self.choose_model_action)
+        file_menu.addAction(self.remote.connect_action)
+        file_menu.addAction(self.remote.disconnect_action)
         file_menu.addAction(self.new_chat_action)
         file_menu.addAction(self.settings_action)
         file_menu.addSeparator()
@@ -456,6 +471,8 @@ class MainWindow(QMainWindow):
 
     def _show_model(self, info: ModelInfo | None) -> None:
         self.park_controls.update_buttons()
+        if hasattr(self, "remote"):  # not yet while the window is being built
+            self.remote.apply_state()
         self.perf_panel.set_model(info.name if info is not None else None)  # marks a model switch
         self._update_send()
         self.chat_options.offer_thinking(info is None or info.thinking.switch)
@@ -1003,6 +1020,7 @@ class MainWindow(QMainWindow):
         # Set before the answer's task exists, and cleared while it still runs: `busy` cannot say.
         self._answering = busy
         self.stop_button.setEnabled(busy)
+        self.remote.set_busy(busy)
         self._update_send()
 
     @property
