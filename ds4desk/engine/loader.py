@@ -155,7 +155,11 @@ def plan_load(
 
 
 def clamp_context(config: dict[str, Any], context: int) -> int:
-    return min(context, int(config.get("max_position_embeddings") or context))
+    # Vision-language checkpoints (Qwen3.5's published ones) keep the text model's limit inside.
+    text = config.get("text_config")
+    inner = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    limit = config.get("max_position_embeddings") or inner
+    return min(context, limit) if type(limit) is int and limit > 0 else context
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

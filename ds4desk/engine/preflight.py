@@ -154,10 +154,12 @@ def _count(n: int) -> str:
 
 
 def context_length(config: dict[str, Any]) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = config.get(key)
-        if type(value) is int and value > 0:
-            return value
+    text = config.get("text_config")  # a vision-language checkpoint's text model
+    for where in (config, text if isinstance(text, dict) else {}):
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = where.get(key)
+            if type(value) is int and value > 0:
+                return value
     return None
 
 

@@ -128,6 +128,7 @@ class _Server:
         self.authorize(request)
         info = self.info
         model = {"id": info.name, "object": "model", "created": 0, "owned_by": "ds4desk"}
+        model["max_model_len"] = info.context  # vLLM's name: clients read the context from it
         return JSONResponse({"object": "list", "data": [model]})
 
     async def chat_completions(self, request: Request) -> Response:

@@ -289,3 +289,20 @@ def test_a_gguf_load_reports_progress_per_tensor_and_can_be_cancelled(dense: Pat
         assert [p[0] for p in progress] == list(range(273)) and progress[-1][1] == 272
     finally:
         engine.close()
+
+
+def test_a_vision_language_config_gives_its_text_model_s_context() -> None:
+    """Qwen3.5's published checkpoints keep the text model's limit inside `text_config`."""
+    from ds4desk.engine.loader import clamp_context
+    from ds4desk.engine.preflight import context_length
+
+    nested = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": {"max_position_embeddings": 1024},
+    }
+    assert context_length(nested) == 1024
+    assert clamp_context(nested, 4096) == 1024 and clamp_context(nested, 512) == 512
+    flat = {"max_position_embeddings": 2048, "text_config": {"max_position_embeddings": 1024}}
+    assert context_length(flat) == 2048 and clamp_context(flat, 4096) == 2048
+    assert context_length({"text_config": "not a dict"}) is None
+    assert clamp_context({"max_position_embeddings": "huge"}, 4096) == 4096

@@ -122,8 +122,11 @@ def test_stop_cancels_the_answer_on_the_server(served: tuple[Served, Engine], re
 
 
 def test_models_are_listed_and_chosen_by_name(served: tuple[Served, Engine], remote: RemoteEngine) -> None:
-    server = served[0]
+    server, engine = served
     assert [m.id for m in remote.list_models()] == [server.model]
+    # The server says its context (vLLM's max_model_len), so the window shows the real one.
+    listed = remote.list_models()[0]
+    assert engine.model_info is not None and listed.context == engine.model_info.context > 0
     wrong = RemoteEngine(RemoteConfig(server.base_url, api_key=KEY, model="no-such-model"))
     try:
         loaded = wrong.load()

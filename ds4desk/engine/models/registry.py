@@ -26,6 +26,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "llama"),
     "DeepseekV4ForCausalLM": ("deepseek_v4", "deepseek_v4"),
     "Gemma3ForCausalLM": ("gemma3", "gemma3"),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "qwen3_5"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "qwen3_5"),  # its text model only
 }
 
 

@@ -243,12 +243,13 @@ def test_check_model_on_the_default_gguf() -> None:
     assert "memory:        285.3 MB on cpu: 96.6 MB weights + 188.7 MB cache for 4096 tokens" in text
 
 
-def test_supported_architectures_are_the_dense_families_gemma3_and_deepseek_v4() -> None:
+def test_supported_architectures_are_the_dense_families_gemma3_qwen3_5_and_deepseek_v4() -> None:
     assert {family for family, _ in ARCHITECTURES.values()} == {
         "llama",
         "mistral",
         "qwen2",
         "qwen3",
         "gemma3",
+        "qwen3_5",
         "deepseek_v4",
     }

@@ -1,0 +1,138 @@
+"""Gated DeltaNet, Qwen3.5's linear-attention layer: its parameters and its forward.
+
+A layer projects the normed hidden state into queries, keys and values (one tensor, convolved
+together), a gate z, a write strength b and a decay input a. The q/k/v channels go through a
+depthwise causal convolution of `conv_kernel` taps and silu; the heads then run the gated delta
+rule (delta_rule.py) on a per-head state matrix; the result is RMS-normed per head, gated by
+silu(z) and projected back.
+
+What a layer carries from one position to the next (its whole "cache", the same size at any
+length): the last conv_kernel - 1 inputs of the convolution, and the recurrent state matrices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds4desk.engine.models.packed import Projection, linear, projection_of
+from ds4desk.engine.models.qwen3_5 import delta_rule
+from ds4desk.engine.models.qwen3_5.config import Qwen35Config
+from ds4desk.engine.models.qwen3_5.ops import gated_rms_norm
+
+
+class _Conv(nn.Module):
+    """Holds the depthwise convolution's weight [channels, 1, kernel] under the checkpoint's name."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False)
+
+
+class _HeadNorm(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    """The parameters, named as the checkpoint names them (`...linear_attn.*`)."""
+
+    def __init__(self, cfg: Qwen35Config, dtype: torch.dtype, prefix: str, packed: Mapping[str, int]) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        value_width = cfg.linear_value_heads * cfg.linear_value_dim
+        heads = cfg.linear_value_heads
+        self.in_proj_qkv = linear(hidden, cfg.conv_channels, False, dtype, f"{prefix}.in_proj_qkv", packed)
+        self.in_proj_z = linear(hidden, value_width, False, dtype, f"{prefix}.in_proj_z", packed)
+        self.in_proj_b = linear(hidden, heads, False, dtype, f"{prefix}.in_proj_b", packed)
+        self.in_proj_a = linear(hidden, heads, False, dtype, f"{prefix}.in_proj_a", packed)
+        self.out_proj = linear(value_width, hidden, False, dtype, f"{prefix}.out_proj", packed)
+        self.conv1d = _Conv(cfg.conv_channels, cfg.conv_kernel, dtype)
+        self.dt_bias = nn.Parameter(torch.ones(heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(heads, dtype=dtype), requires_grad=False)
+        self.norm = _HeadNorm(cfg.linear_value_dim, dtype)
+
+
+@dataclass(slots=True)
+class LinearPlan:
+    """What one linear-attention layer's forward reads, derived once the weights are in."""
+
+    qkv: Projection
+    z: Projection
+    b: Projection
+    a: Projection
+    out: Projection
+    conv_weight: torch.Tensor  # [channels, kernel]
+    neg_rate: torch.Tensor  # -exp(A_log), float32 [heads]
+    dt_bias: torch.Tensor  # float32 [heads]
+    norm_weight: torch.Tensor  # [value_dim]
+    # The layer's state, views into the model's state blocks (set by allocate_cache):
+    conv_state: torch.Tensor | None = None  # the last kernel - 1 conv inputs [channels, kernel - 1]
+    recurrent: torch.Tensor | None = None  # float32 [value heads, key_dim, value_dim]
+
+
+def plan_of(module: GatedDeltaNet) -> LinearPlan:
+    return LinearPlan(
+        qkv=projection_of(module.in_proj_qkv),
+        z=projection_of(module.in_proj_z),
+        b=projection_of(module.in_proj_b),
+        a=projection_of(module.in_proj_a),
+        out=projection_of(module.out_proj),
+        conv_weight=module.conv1d.weight[:, 0, :],
+        neg_rate=-module.A_log.float().exp(),
+        dt_bias=module.dt_bias.float(),
+        norm_weight=module.norm.weight,
+    )
+
+
+def forward(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tensor:
+    """The layer's mixer over normed hidden states x [T, hidden] that continue the state in `plan`
+    (updated in place). One token takes the recurrent step, more the chunked form; both leave the
+    same state. Returns [T, hidden]."""
+    assert plan.conv_state is not None and plan.recurrent is not None
+    count = x.shape[0]
+    mixed = _convolve(plan, plan.qkv(x))  # [T, channels]
+    key_width = cfg.linear_key_heads * cfg.linear_key_dim
+    q, k, v = mixed.split([key_width, key_width, mixed.shape[1] - 2 * key_width], dim=1)
+    heads, repeat = cfg.linear_value_heads, cfg.linear_value_heads // cfg.linear_key_heads
+    # Value head h reads key head h // repeat: the key heads are repeated, not the value heads.
+    q = delta_rule.unit_rows(q.view(count, -1, cfg.linear_key_dim)) * cfg.linear_key_dim**-0.5
+    k = delta_rule.unit_rows(k.view(count, -1, cfg.linear_key_dim))
+    if repeat > 1:
+        # repeat_interleave over heads, as an expand: no sizes to learn on the device (graph-safe).
+        shape = (count, heads, cfg.linear_key_dim)
+        q = q[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
+        k = k[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
+    v = v.reshape(count, heads, cfg.linear_value_dim).float()
+    beta = torch.sigmoid(plan.b(x)).float()  # [T, heads]
+    decay = plan.neg_rate * F.softplus(plan.a(x).float() + plan.dt_bias)  # log-decay, <= 0
+    if count == 1:
+        core = delta_rule.step(q[0], k[0], v[0], decay[0], beta[0], plan.recurrent)[None]
+    else:
+        core = delta_rule.chunked(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), decay.t(), beta.t(), plan.recurrent
+        ).transpose(0, 1)
+    z = plan.z(x).view(count, heads, cfg.linear_value_dim)
+    normed = gated_rms_norm(core.to(x.dtype), z, plan.norm_weight, cfg.rms_norm_eps)
+    return plan.out(normed.reshape(count, -1))
+
+
+def _convolve(plan: LinearPlan, mixed: torch.Tensor) -> torch.Tensor:
+    """The depthwise causal convolution and silu over [T, channels], continuing from the kept window
+    (zeros at position 0), which then holds the last kernel - 1 inputs."""
+    assert plan.conv_state is not None
+    window = plan.conv_state
+    kept = window.shape[1]
+    extended = torch.cat((window, mixed.t()), dim=1)  # [channels, kept + T]
+    if mixed.shape[0] == 1:
+        # One token: a multiply-add over the taps, no conv launch (and shapes a graph can keep).
+        out = (extended * plan.conv_weight).sum(dim=1, keepdim=True)
+    else:
+        out = F.conv1d(extended[None], plan.conv_weight[:, None, :], groups=extended.shape[0])[0]
+    window.copy_(extended[:, -kept:])
+    return F.silu(out).t()

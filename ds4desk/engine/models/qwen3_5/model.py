@@ -1,0 +1,344 @@
+"""Qwen3.5 dense text (transformers' `qwen3_5`): the modules, loading, the state and the forward.
+
+Layers are Gated DeltaNet (linear_attention.py) or gated full attention (attention.py), as the
+config's `layer_types` lists them; every layer then has the usual SwiGLU MLP, and both norms
+around it are RMSNorms whose weights are stored centred on 0.
+
+The state is not a KV cache that can be cut anywhere: a linear-attention layer keeps a convolution
+window and a recurrent matrix that hold exactly the positions run so far. So the model tracks its
+length on the host, every forward must continue at that length (or start over at 0), and
+`export_state` can only take the current length; a snapshot is restored at exactly the length it
+was taken at (the runtime restores whole snapshots, never a prefix of one).
+
+A layer split (place, from base) gives each shard its layers' state on its own device (state.py);
+the hidden state crosses between shards through base.hand_over, and snapshots join the shards'
+blocks in layer order.
+
+Parameter names equal transformers' state-dict names, so a checkpoint loads by name: `model.*` in a
+text-only save (Qwen3_5ForCausalLM), `model.language_model.*` in the published vision-language
+checkpoints (Qwen3_5ForConditionalGeneration, whose vision tower is not loaded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
+from ds4desk.engine.models.base import CausalLM, LogitsMode, load_failure
+from ds4desk.engine.models.packed import Projection, embed, embedding, linear, projection_of
+from ds4desk.engine.models.qwen3_5 import attention, linear_attention
+from ds4desk.engine.models.qwen3_5.attention import AttentionPlan, CenteredNorm, GatedAttention, Positions
+from ds4desk.engine.models.qwen3_5.config import LINEAR, Qwen35Config
+from ds4desk.engine.models.qwen3_5.linear_attention import GatedDeltaNet, LinearPlan
+from ds4desk.engine.models.qwen3_5.ops import centered_rms_norm
+from ds4desk.engine.models.qwen3_5.state import KINDS, LayerPlan, Shard, copied_to, rope_tables
+from ds4desk.engine.split import materialize_parameters
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen35Config, dtype: torch.dtype, prefix: str, packed: Mapping[str, int]) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = linear(h, f, False, dtype, f"{prefix}.gate_proj", packed)
+        self.up_proj = linear(h, f, False, dtype, f"{prefix}.up_proj", packed)
+        self.down_proj = linear(f, h, False, dtype, f"{prefix}.down_proj", packed)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: Qwen35Config, index: int, dtype: torch.dtype, prefix: str, packed: Mapping[str, int]
+    ) -> None:
+        super().__init__()
+        if cfg.layer_types[index] == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, f"{prefix}.linear_attn", packed)
+        else:
+            self.self_attn = GatedAttention(cfg, dtype, f"{prefix}.self_attn", packed)
+        self.mlp = MLP(cfg, dtype, f"{prefix}.mlp", packed)
+        self.input_layernorm = CenteredNorm(cfg.hidden_size, dtype)
+        self.post_attention_layernorm = CenteredNorm(cfg.hidden_size, dtype)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: Qwen35Config, dtype: torch.dtype, packed: Mapping[str, int]) -> None:
+        super().__init__()
+        prefix = cfg.weight_prefix
+        self.embed_tokens = embedding(
+            cfg.vocab_size, cfg.hidden_size, dtype, f"{prefix}.embed_tokens", packed
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, f"{prefix}.layers.{i}", packed) for i in range(cfg.num_layers)
+        )
+        self.norm = CenteredNorm(cfg.hidden_size, dtype)
+
+
+class VisionLanguageShell(nn.Module):
+    """`model` of a vision-language checkpoint: only its language model is built (so its weights
+    are named `model.language_model.*`); the base class finds the embedding and norm through it."""
+
+    def __init__(self, backbone: Backbone) -> None:
+        super().__init__()
+        self.language_model = backbone
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.language_model.embed_tokens
+
+    @property
+    def norm(self) -> CenteredNorm:
+        return self.language_model.norm
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
+
+class Qwen35Model(CausalLM):
+    """The CausalLM of Qwen3.5 dense text (base.py has the call order)."""
+
+    config: Qwen35Config
+
+    # Prefill attention through SDPA laid out for fused GPU kernels (attention.forward's `fused`);
+    # set per device by finish_loading. The CPU keeps the grouped matmuls (no repeated kv heads).
+    fused_attention = False
+
+    def __init__(
+        self,
+        config: Qwen35Config,
+        dtype: torch.dtype = torch.float32,
+        packed: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(config, dtype)
+        packed = packed or {}
+        backbone = Backbone(config, dtype, packed)
+        self.model: Backbone | VisionLanguageShell = (
+            backbone if config.weight_prefix == "model" else VisionLanguageShell(backbone)
+        )
+        if not config.tie_word_embeddings:  # else None (base): the embedding is the head
+            self.lm_head = linear(config.hidden_size, config.vocab_size, False, dtype, "lm_head", packed)
+        self._shards: list[Shard] = []
+        self._head: Projection | None = None
+        self._inv_freq: torch.Tensor | None = None
+        self._length = 0  # the positions the state holds
+
+    # --- loading -----------------------------------------------------------------------------
+
+    def materialize(self, device: torch.device) -> None:
+        """Real (uninitialised) storage on `device`, or where the split puts each layer."""
+        materialize_parameters(self, device, self._split)
+
+    def finish_loading(self) -> None:
+        """After the weights are in: the per-layer plans grouped by shard, the rope speeds and the head."""
+        cfg = self.config
+        plans = [self._plan(layer) for layer in self.model.layers]
+        bounds = self._split.bounds() if self._split is not None else [(0, cfg.num_layers)]
+        self._shards = [
+            Shard(plans[start].input_norm.device, plans[start:stop], index == 0)
+            for index, (start, stop) in enumerate(bounds)
+        ]
+        self._inv_freq = cfg.rope.inverse_frequencies(cfg.rotary_dim, self.device)
+        self.fused_attention = self.device.type == "cuda"
+        self.copy_tied_head()
+        self._head = self.head_projection()
+        if self._context:
+            self.allocate_cache(self._context)
+
+    @staticmethod
+    def _plan(layer: DecoderLayer) -> LayerPlan:
+        mixer: LinearPlan | AttentionPlan
+        if hasattr(layer, "linear_attn"):
+            mixer = linear_attention.plan_of(layer.linear_attn)
+        else:
+            mixer = attention.plan_of(layer.self_attn)
+        return LayerPlan(
+            input_norm=layer.input_layernorm.weight,
+            mixer=mixer,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate=projection_of(layer.mlp.gate_proj),
+            up=projection_of(layer.mlp.up_proj),
+            down=projection_of(layer.mlp.down_proj),
+        )
+
+    # --- the state ---------------------------------------------------------------------------
+
+    def allocate_cache(self, context: int) -> None:
+        """Allocate every layer's state for `context` positions (replacing any old one), zeroed,
+        on each shard's device (state.py)."""
+        if context <= 0:
+            raise ValueError(f"context must be positive, got {context}")
+        if self._inv_freq is None:
+            raise RuntimeError("allocate_cache before finish_loading")
+        self.free_cache()
+        tables = rope_tables(self._inv_freq, context, self.dtype)
+        for shard in self._shards:
+            shard.allocate(self.config, context, self.dtype, copied_to(tables, shard.device))
+        self._context = context
+        self._length = 0
+
+    def free_cache(self) -> None:
+        for shard in self._shards:
+            shard.free()
+        self._context = 0
+        self._length = 0
+
+    def cache_bytes(self) -> int:
+        return sum(shard.nbytes() for shard in self._shards)
+
+    def layer_cache_bytes_for(self, context: int) -> list[int]:
+        """A linear layer's fixed-size state, a full layer's keys and values for `context` rows."""
+        cfg = self.config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        linear_bytes = cfg.conv_channels * (cfg.conv_kernel - 1) * itemsize + (
+            cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim * 4
+        )
+        full_bytes = 2 * cfg.num_kv_heads * context * cfg.head_dim * itemsize
+        return [linear_bytes if kind == LINEAR else full_bytes for kind in cfg.layer_types]
+
+    @property
+    def length(self) -> int:
+        """The positions the state holds: the next forward continues here (or starts over at 0)."""
+        return self._length
+
+    def set_length(self, length: int) -> None:
+        self._length = length
+
+    def export_state(self, length: int) -> dict[str, torch.Tensor]:
+        """The state after positions 0..length-1, as host tensors in layer order (a split joins its
+        shards'): "kv" [full layers, 2, kv heads, length, head_dim], "conv" [linear layers,
+        channels, kernel - 1] and "recurrent" [linear layers, heads, key_dim, value_dim] (float32).
+        The recurrent layers hold only the current length, so `length` must be that (or 0: the
+        empty state)."""
+        if not self._context:
+            raise RuntimeError("export_state before allocate_cache")
+        if length not in (0, self._length):
+            raise ValueError(
+                f"Qwen3.5's state holds {self._length} positions and cannot be cut back to {length}"
+            )
+        state: dict[str, torch.Tensor] = {}
+        for kind in self._kinds():
+            parts = [shard.view(kind, length).to("cpu", copy=True) for shard in self._shards]
+            joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+            state[kind] = joined.zero_() if length == 0 else joined
+        return state
+
+    def import_state(self, state: dict[str, torch.Tensor], length: int) -> None:
+        """The inverse of export_state, checked whole before anything is copied; afterwards the
+        model continues at `length`."""
+        if not self._context:
+            raise RuntimeError("import_state before allocate_cache")
+        if not 0 <= length <= self._context:
+            raise ValueError(f"a state of {length} positions does not fit a context of {self._context}")
+        for kind in self._kinds():
+            views = [shard.view(kind, length) for shard in self._shards]
+            shape = (sum(v.shape[0] for v in views), *views[0].shape[1:])
+            got = state.get(kind)
+            if got is None or tuple(got.shape) != shape:
+                found = None if got is None else list(got.shape)
+                raise ValueError(f"a '{kind}' state of shape {found} is not {length} positions of this model")
+        for kind in self._kinds():
+            start = 0
+            for shard in self._shards:
+                view = shard.view(kind, length)
+                view.copy_(state[kind][start : start + view.shape[0]])  # onto the shard's device
+                start += view.shape[0]
+        self._length = length
+
+    def _kinds(self) -> list[str]:
+        """The state kinds this model has: "kv" with full layers, "conv" and "recurrent" with linear."""
+        cfg = self.config
+        return [k for k in KINDS if (cfg.full_layers if k == "kv" else cfg.linear_layers)]
+
+    # --- running -----------------------------------------------------------------------------
+
+    def forward(
+        self, input_ids: torch.Tensor, start_pos: int, logits: LogitsMode = "last"
+    ) -> torch.Tensor | None:
+        """Run tokens at positions start_pos.. through the model, continuing its state (start_pos 0
+        starts over). Returns float32 logits: [V] for "last", [T, V] for "all", None for "none"."""
+        if not self._context:
+            raise RuntimeError("forward before allocate_cache")
+        count = input_ids.shape[0]
+        self.check_positions(start_pos, count)
+        if start_pos == 0:
+            for shard in self._shards:
+                shard.reset()
+        elif start_pos != self._length:
+            raise ValueError(
+                f"Qwen3.5's state holds {self._length} positions; it cannot run from position {start_pos} "
+                "(its linear-attention state only moves forward)"
+            )
+        rows = torch.arange(start_pos, start_pos + count, device=self.device)
+        x = embed(self.model.embed_tokens, input_ids.to(self.device))
+        for shard in self._shards:
+            if not shard.first:
+                x = base.hand_over(x, shard.device)
+            assert shard.tables is not None
+            x = self._layers(shard, x, shard.tables.positions(rows, start_pos + count), count > 1)
+        self._length = start_pos + count
+        if logits == "none":
+            return None
+        out = self._logits(x[-1:] if logits == "last" else x)
+        if out.device != input_ids.device:
+            out = out.to(input_ids.device)
+        return out[0] if logits == "last" else out
+
+    def decode_devices(self) -> list[torch.device]:
+        return [shard.device for shard in self._shards]
+
+    def decode_shard(
+        self, index: int, inputs: tuple[torch.Tensor, ...], span: int
+    ) -> tuple[torch.Tensor, ...]:
+        """Shard `index`'s part of the decode step: the first takes (token, pos), every later one
+        the previous one's (hidden, pos); the last returns (logits,), the others (hidden, pos).
+        Shapes depend on `span` only and nothing syncs with the host, so a CUDA graph can keep it;
+        the state is updated in place. The caller tells the model its new length (set_length)."""
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        shard = self._shards[index]
+        assert shard.tables is not None
+        if index == 0:
+            token, here = inputs
+            x = embed(self.model.embed_tokens, token.view(1))
+        else:
+            x, here = inputs
+        x = self._layers(shard, x, shard.tables.positions(here.view(1), span), prefill=False)
+        if index + 1 < len(self._shards):
+            return x, here
+        return (self._logits(x)[0],)
+
+    def _layers(self, shard: Shard, x: torch.Tensor, at: Positions, prefill: bool) -> torch.Tensor:
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        fused = prefill and self.fused_attention
+        for plan in shard.plans:
+            normed = centered_rms_norm(x, plan.input_norm, eps)
+            if isinstance(plan.mixer, LinearPlan):
+                x = x + linear_attention.forward(cfg, plan.mixer, normed)
+            else:
+                x = x + attention.forward(cfg, plan.mixer, normed, at, fused)
+            normed = centered_rms_norm(x, plan.post_norm, eps)
+            x = x + plan.down(F.silu(plan.gate(normed)) * plan.up(normed))
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and head over hidden states [T, hidden] (on the last shard): float32 [T, V]."""
+        assert self._head is not None
+        return self._head(centered_rms_norm(x, self.model.norm.weight, self.config.rms_norm_eps)).float()
+
+
+def build(
+    config: dict[str, Any],
+    family: str,
+    dtype: torch.dtype,
+    quantized: bool = False,
+    packed: Mapping[str, int] | None = None,
+) -> Qwen35Model:
+    """The registry's entry point: Qwen3.5 dense text for a config.json dict (text-only or the
+    published vision-language one, whose text part is built)."""
+    if quantized:
+        raise load_failure(f"the {family} family does not keep FP8 / FP4 weights packed")
+    return Qwen35Model(Qwen35Config.from_hf(config), dtype, packed)
