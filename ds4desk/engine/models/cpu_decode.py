@@ -62,9 +62,11 @@ def cached_layer(
 
 
 class FusedShard:
-    """A decode step's layers of one shard on the fused path. The shard's first layer runs every
-    layer in one C call (the threads wake once a token, not once a layer) and the later layers'
-    calls return x; where some layer is unfit, each fit layer runs alone and the others on torch."""
+    """A step's layers of one shard on the fused path, for one token or a few (up to
+    gguf_cpu.MAX_TOKENS: a verify step of speculative decoding, a short prompt). The shard's first
+    layer runs every layer in one C call (the threads wake once a step, not once a layer) and the
+    later layers' calls return x; where some layer is unfit, each fit layer runs alone and the others
+    on torch."""
 
     def __init__(
         self, plans: Sequence[_HasSlot], fused_for: Callable[[Any], gguf_cpu.FusedLayer | None], pos: int

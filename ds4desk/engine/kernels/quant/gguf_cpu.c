@@ -1095,9 +1095,10 @@ static void parts_chunks(const void *job, Py_ssize_t c0, Py_ssize_t c1) {
     }
 }
 
-/* y[0 .. proj.rows) = x @ W^T (+ bias): every part's rows in one parallel region (a projection of
- * parts in differing types, like Q4_K_M's q/k/v, wakes the threads once, not once a part). */
-static void project(const Proj *p, const float *x, float *y, int threads) {
+/* y[t][0 .. proj.rows) = x[t] @ W^T (+ bias) for the T tokens of x, x_stride floats apart: every
+ * part's rows in one parallel region (a projection of parts in differing types, like Q4_K_M's
+ * q/k/v, wakes the threads once, not once a part), each block decoded once for all T tokens. */
+static void project(const Proj *p, const float *x, int T, Py_ssize_t x_stride, float *y, int threads) {
     PartsJob job;
     Py_ssize_t start = 0, bytes = 0;
     if (threads < 1) threads = 1;
@@ -1107,7 +1108,7 @@ static void project(const Proj *p, const float *x, float *y, int threads) {
     job.first_chunk[0] = 0;
     for (int i = 0; i < p->n; i++) {
         const Part *part = &p->parts[i];
-        Gemv g = {part->ti, part->w, part->w_stride, part->rows, part->cols, x, 1, 0, y + start, 0,
+        Gemv g = {part->ti, part->w, part->w_stride, part->rows, part->cols, x, T, x_stride, y + start, p->rows,
                   pick_gemv(part->ti, part->cols)};
         job.g[i] = g;
         job.first_chunk[i + 1] = job.first_chunk[i] + (part->rows + job.chunk - 1) / job.chunk;
@@ -1116,7 +1117,8 @@ static void project(const Proj *p, const float *x, float *y, int threads) {
     }
     parallel_items(parts_chunks, &job, job.first_chunk[p->n], bytes < PARALLEL_MIN_BYTES ? 1 : threads);
     if (p->bias)
-        for (Py_ssize_t r = 0; r < p->rows; r++) y[r] = y[r] + p->bias[r];
+        for (int t = 0; t < T; t++)
+            for (Py_ssize_t r = 0; r < p->rows; r++) y[t * p->rows + r] = y[t * p->rows + r] + p->bias[r];
 }
 
 PORTABLE_CLONES static float sum_squares(const float *x, int n) {
@@ -1369,52 +1371,71 @@ static float *scratch_floats(size_t n) {
     return buffer;
 }
 
-static void layer_forward(const Layer *L, float *x, Py_ssize_t pos, int threads, float *scratch) {
-    const int hidden = L->hidden, dim = L->dim, heads = L->heads, kv_heads = L->kv_heads;
-    float *normed = scratch;                     /* [hidden] */
-    float *qkv = normed + hidden;                /* [(H + 2 KV) D] */
-    float *attn = qkv + L->qkv.rows;             /* [H D] */
-    float *y = attn + (Py_ssize_t)heads * dim;   /* [hidden]: a projection's output */
-    float *tmp = y + hidden;                     /* [hidden] */
-    float *gate_up = tmp + hidden;               /* [2 F] */
+/* The floats of scratch layer_forward takes for T tokens. */
+static size_t layer_scratch(const Layer *L, int T) {
+    return (size_t)T * ((size_t)L->hidden * 2 + (size_t)L->qkv.rows + (size_t)L->heads * L->dim + 2 * (size_t)L->ffn) +
+           (size_t)L->hidden;
+}
 
-    rms_norm_into(x, L->norm_in, hidden, L->eps, normed);
-    project(&L->qkv, normed, qkv, threads);
+/* The layer for T tokens at positions pos .. pos + T - 1; x [T][hidden] updated in place. The
+ * projections take all T tokens at once (the weights are read once); each token then writes its
+ * cache row and attends, in order, so that token t sees rows up to pos + t and, in a ring of a
+ * sliding window, a later token's write never replaces a row an earlier one still reads. */
+static void layer_forward(const Layer *L, float *x, int T, Py_ssize_t pos, int threads, float *scratch) {
+    const int hidden = L->hidden, dim = L->dim, heads = L->heads, kv_heads = L->kv_heads, ffn = L->ffn;
+    const Py_ssize_t qkv_rows = L->qkv.rows, attn_width = (Py_ssize_t)heads * dim;
+    float *normed = scratch;                     /* [T][hidden] */
+    float *qkv = normed + (size_t)T * hidden;    /* [T][(H + 2 KV) D] */
+    float *attn = qkv + (size_t)T * qkv_rows;    /* [T][H D] */
+    float *y = attn + (size_t)T * attn_width;    /* [T][hidden]: a projection's output */
+    float *tmp = y + (size_t)T * hidden;         /* [hidden] */
+    float *gate_up = tmp + hidden;               /* [T][2 F] */
 
-    const float *cos = L->cos + pos * dim, *sin = L->sin + pos * dim;
-    for (int h = 0; h < heads + kv_heads; h++)
-        norm_rotate(qkv + (Py_ssize_t)h * dim, L->qk_norm ? L->qk_norm + (Py_ssize_t)h * dim : NULL, cos, sin, dim,
-                    L->eps, L->sin_folded);
-    Py_ssize_t row = pos % L->cache_rows;
-    for (int kv = 0; kv < kv_heads; kv++) {
-        memcpy(L->cache + (kv * L->cache_rows + row) * dim, qkv + (Py_ssize_t)(heads + kv) * dim,
-               (size_t)dim * sizeof(float));
-        memcpy(L->cache + ((kv_heads + kv) * L->cache_rows + row) * dim,
-               qkv + (Py_ssize_t)(heads + kv_heads + kv) * dim, (size_t)dim * sizeof(float));
+    for (int t = 0; t < T; t++) rms_norm_into(x + (size_t)t * hidden, L->norm_in, hidden, L->eps, normed + (size_t)t * hidden);
+    project(&L->qkv, normed, T, hidden, qkv, threads);
+
+    for (int t = 0; t < T; t++) {
+        float *q = qkv + (size_t)t * qkv_rows;
+        Py_ssize_t at = pos + t;
+        const float *cos = L->cos + at * dim, *sin = L->sin + at * dim;
+        for (int h = 0; h < heads + kv_heads; h++)
+            norm_rotate(q + (Py_ssize_t)h * dim, L->qk_norm ? L->qk_norm + (Py_ssize_t)h * dim : NULL, cos, sin, dim,
+                        L->eps, L->sin_folded);
+        Py_ssize_t row = at % L->cache_rows;
+        for (int kv = 0; kv < kv_heads; kv++) {
+            memcpy(L->cache + (kv * L->cache_rows + row) * dim, q + (Py_ssize_t)(heads + kv) * dim,
+                   (size_t)dim * sizeof(float));
+            memcpy(L->cache + ((kv_heads + kv) * L->cache_rows + row) * dim,
+                   q + (Py_ssize_t)(heads + kv_heads + kv) * dim, (size_t)dim * sizeof(float));
+        }
+        Py_ssize_t lo = at + 1 - L->cache_rows;
+        if (L->window > 0 && at + 1 - L->window > lo) lo = at + 1 - L->window;
+        if (lo < 0) lo = 0;
+        AttendJob job = {L, q, attn + (size_t)t * attn_width, lo, at};
+        /* Threads only where a head's loop is long enough to pay for waking them. */
+        int attend_threads = (at - lo + 1) * dim * heads >= 64 * 1024 ? threads : 1;
+        parallel_items(attend_heads, &job, heads, attend_threads);
     }
-    Py_ssize_t lo = pos + 1 - L->cache_rows;
-    if (L->window > 0 && pos + 1 - L->window > lo) lo = pos + 1 - L->window;
-    if (lo < 0) lo = 0;
-    AttendJob job = {L, qkv, attn, lo, pos};
-    /* Threads only where a head's loop is long enough to pay for waking them. */
-    int attend_threads = (pos - lo + 1) * dim * heads >= 64 * 1024 ? threads : 1;
-    parallel_items(attend_heads, &job, heads, attend_threads);
 
-    project(&L->o, attn, y, threads);
-    add_residual(x, y, L->norm_post_attn, hidden, L->eps, tmp);
+    project(&L->o, attn, T, attn_width, y, threads);
+    for (int t = 0; t < T; t++)
+        add_residual(x + (size_t)t * hidden, y + (size_t)t * hidden, L->norm_post_attn, hidden, L->eps, tmp);
 
-    rms_norm_into(x, L->norm_pre_ff, hidden, L->eps, normed);
-    project(&L->gate_up, normed, gate_up, threads);
-    const int ffn = L->ffn;
-    activate(L->act, gate_up, ffn);
-    project(&L->down, gate_up, y, threads);
-    add_residual(x, y, L->norm_post_ff, hidden, L->eps, tmp);
+    for (int t = 0; t < T; t++)
+        rms_norm_into(x + (size_t)t * hidden, L->norm_pre_ff, hidden, L->eps, normed + (size_t)t * hidden);
+    project(&L->gate_up, normed, T, hidden, gate_up, threads);
+    for (int t = 0; t < T; t++) activate(L->act, gate_up + (size_t)t * 2 * ffn, ffn);
+    /* down reads each token's activated half: the first F of its 2F floats. */
+    project(&L->down, gate_up, T, 2 * (Py_ssize_t)ffn, y, threads);
+    for (int t = 0; t < T; t++)
+        add_residual(x + (size_t)t * hidden, y + (size_t)t * hidden, L->norm_post_ff, hidden, L->eps, tmp);
 }
 
 /* Layers [0, n) for one token: on thread 0 of one OpenMP region whose other threads follow the
  * phases as a team (see "the decode team"); on the calling thread alone where there is one thread,
  * or another caller has the team. */
-static void run_layers(const Layer *const *layers, int n, float *x, Py_ssize_t pos, int threads, float *scratch) {
+static void run_layers(const Layer *const *layers, int n, float *x, int T, Py_ssize_t pos, int threads,
+                       float *scratch) {
 #ifdef HAVE_DECODE_TEAM
     if (threads > 1 && pthread_mutex_trylock(&team.user) == 0) {
         __atomic_store_n(&team.finished, 0, __ATOMIC_SEQ_CST);
@@ -1422,7 +1443,7 @@ static void run_layers(const Layer *const *layers, int n, float *x, Py_ssize_t p
         {
             if (omp_get_thread_num() == 0) {
                 team_leading = 1;
-                for (int i = 0; i < n; i++) layer_forward(layers[i], x, pos, threads, scratch);
+                for (int i = 0; i < n; i++) layer_forward(layers[i], x, T, pos, threads, scratch);
                 team_leading = 0;
                 __atomic_store_n(&team.finished, 1, __ATOMIC_SEQ_CST);
                 uint64_t number = ((__atomic_load_n(&team.claim, __ATOMIC_RELAXED) >> (2 * TEAM_ITEM_BITS)) + 1) & ((1ull << 24) - 1);
@@ -1435,7 +1456,7 @@ static void run_layers(const Layer *const *layers, int n, float *x, Py_ssize_t p
         return;
     }
 #endif
-    for (int i = 0; i < n; i++) layer_forward(layers[i], x, pos, threads, scratch);
+    for (int i = 0; i < n; i++) layer_forward(layers[i], x, T, pos, threads, scratch);
 }
 
 static const char *LAYER_CAPSULE = "ds4desk.gguf_cpu.layer";
@@ -1517,16 +1538,21 @@ static PyObject *py_make_layer(PyObject *self, PyObject *args) {
 }
 
 #define MAX_LAYERS 1024
+#define MAX_TOKENS 16 /* a verify step's drafts and the token before them */
 
-/* decode_layers(layers, x_ptr, pos, threads): a tuple of make_layer's layers, in order, for one
- * token; x [hidden] updated in place. */
+/* decode_layers(layers, x_ptr, pos, threads[, count]): a tuple of make_layer's layers, in order, for
+ * `count` tokens (1 to MAX_TOKENS) at pos ..; x [count][hidden] updated in place. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *tuple;
     unsigned long long x_ptr;
     Py_ssize_t pos;
-    int threads;
-    if (!PyArg_ParseTuple(args, "O!Kni", &PyTuple_Type, &tuple, &x_ptr, &pos, &threads)) return NULL;
+    int threads, count = 1;
+    if (!PyArg_ParseTuple(args, "O!Kni|i", &PyTuple_Type, &tuple, &x_ptr, &pos, &threads, &count)) return NULL;
+    if (count < 1 || count > MAX_TOKENS) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: 1 to 16 tokens");
+        return NULL;
+    }
     Py_ssize_t n = PyTuple_GET_SIZE(tuple);
     if (n < 1 || n > MAX_LAYERS) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: 1 to 1024 layers");
@@ -1541,20 +1567,21 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "decode_layers: layers of different widths");
             return NULL;
         }
-        /* The positions attention reads, [pos + 1 - window, pos], must all still be in the cache. */
-        Py_ssize_t needed = L->window > 0 && L->window < pos + 1 ? L->window : pos + 1;
-        if (pos < 0 || pos >= L->table_rows || needed > L->cache_rows) {
+        /* The positions the last token reads, [last + 1 - window, last], must all be in the cache. */
+        Py_ssize_t last = pos + count - 1;
+        Py_ssize_t needed = L->window > 0 && L->window < last + 1 ? L->window : last + 1;
+        if (pos < 0 || last >= L->table_rows || needed > L->cache_rows) {
             PyErr_SetString(PyExc_ValueError, "decode_layers: position outside the cache");
             return NULL;
         }
-        size_t floats = (size_t)L->hidden * 3 + (size_t)L->qkv.rows + (size_t)L->heads * L->dim + 2 * (size_t)L->ffn;
+        size_t floats = layer_scratch(L, count);
         if (floats > need) need = floats;
         layers[i] = L;
     }
     float *scratch = scratch_floats(need);
     if (!scratch) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    run_layers(layers, (int)n, (float *)(uintptr_t)x_ptr, pos, threads < 1 ? 1 : threads, scratch);
+    run_layers(layers, (int)n, (float *)(uintptr_t)x_ptr, count, pos, threads < 1 ? 1 : threads, scratch);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -264,20 +264,34 @@ class FusedLayer:
         return self._cache() is kv_cache and self._cos() is cos and self._sin() is sin
 
     def __call__(self, x: torch.Tensor, pos: int, threads: int) -> None:
-        """x: the residual, float32 [1, hidden] contiguous on the CPU, updated in place. The caller
+        """x: the residual, float32 [T, hidden] contiguous on the CPU, updated in place. The caller
         checks `reads` first: the C side writes into the cache it was made with."""
         decode_layers((self,), x, pos, threads)
 
 
+# The most tokens one call takes: a verify step of speculative decoding (its drafts and the token
+# before them), or a short prompt. Each block of a weight is decoded once for all of them.
+MAX_TOKENS = 16
+
+
 def decode_layers(layers: Sequence[FusedLayer], x: torch.Tensor, pos: int, threads: int) -> None:
-    """One token at `pos` through `layers` in order, in one C call (one wake-up of the threads for
-    all of them, see "the decode team" in gguf_cpu.c); x, the residual [1, hidden], updated in place.
-    The caller checks each layer's `reads` first."""
+    """T tokens at pos.. through `layers` in order, in one C call (one wake-up of the threads for
+    all of them, see "the decode team" in gguf_cpu.c); x, the residual [T, hidden] with T up to
+    MAX_TOKENS, updated in place. The caller checks each layer's `reads` first."""
     hidden = layers[0].hidden
-    if x.shape != (1, hidden) or x.dtype is not _F32 or not x.is_cpu or not x.is_contiguous():
-        raise ValueError(f"decode_layers: x {tuple(x.shape)} {x.dtype} is not [1, {hidden}] float32")
+    count = x.shape[0] if x.dim() == 2 else 0
+    if (
+        not 1 <= count <= MAX_TOKENS
+        or x.shape[1] != hidden
+        or x.dtype is not _F32
+        or not x.is_cpu
+        or not x.is_contiguous()
+    ):
+        raise ValueError(
+            f"decode_layers: x {tuple(x.shape)} {x.dtype} is not [1..{MAX_TOKENS}, {hidden}] float32"
+        )
     assert _ext is not None
-    _ext.decode_layers(tuple(layer._handle for layer in layers), x.data_ptr(), pos, threads)
+    _ext.decode_layers(tuple(layer._handle for layer in layers), x.data_ptr(), pos, threads, count)
 
 
 def fused_layer(spec: LayerSpec) -> FusedLayer | None:

@@ -113,6 +113,49 @@ class LayerSteps(ABC):
         self.approximate = cfg.gelu_approximate
         assert shard.local is not None and shard.global_ is not None
         self.local, self.global_ = shard.local, shard.global_
+        self.cfg = cfg
+
+    def _fused_shard(self, shard: Shard, pos: int, count: int) -> cpu_decode.FusedShard | None:
+        """On the CPU, the layers whose projections are all GGUF-packed as one C call for these
+        `count` tokens (models/cpu_decode.py); None where that path is off."""
+        if not (cpu_decode.enabled and shard.device.type == "cpu" and count <= gguf_cpu.MAX_TOKENS):
+            return None
+        return cpu_decode.FusedShard(shard.plans, self._fused, pos)
+
+    def _fused(self, plan: LayerPlan) -> gguf_cpu.FusedLayer | None:
+        tables = self.local if plan.window is not None else self.global_
+        return cpu_decode.cached_layer(plan, tables.cos, tables.sin, lambda: self._spec(plan, tables))
+
+    def _spec(self, plan: LayerPlan, tables: RopeTables) -> gguf_cpu.LayerSpec | None:
+        projections = cpu_decode.packed_projections(plan.qkv, plan.o, plan.gate_up, plan.down)
+        if projections is None or plan.kv_cache is None:
+            return None
+        qkv, o, gate_up, down = projections
+        cfg = self.cfg
+        return gguf_cpu.LayerSpec(
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            ffn=cfg.intermediate_size,
+            eps=self.eps,
+            attention_scale=self.scale,
+            activation="gelu_tanh" if self.approximate == "tanh" else "gelu",
+            sin_folded=False,  # rotate_half's plain sin: the kernel negates the first half itself
+            window=plan.window,
+            input_norm=plan.input_norm,
+            pre_ffn_norm=plan.pre_feedforward_norm,
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
+            kv_cache=plan.kv_cache,
+            cos=tables.cos,
+            sin=tables.sin,
+            qk_norm=plan.qk_norm,
+            post_attention_norm=plan.post_attention_norm,
+            post_ffn_norm=plan.post_feedforward_norm,
+        )
 
     def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
         count = x.shape[0]
@@ -154,6 +197,13 @@ class PrefillSteps(LayerSteps):
         self.start, self.count, self.end = start, count, start + count
         self.flash = flash
         self.masks: dict[int | None, torch.Tensor] = {}  # per window, made by its first layer
+        # A few tokens (a verify step of speculative decoding) take the one-call CPU layer too.
+        self.fused = None if flash else self._fused_shard(shard, start, count)
+
+    def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        if self.fused is None:
+            return super().layer(x, plan)
+        return self.fused.layer(x, plan, lambda: super(PrefillSteps, self).layer(x, plan))
 
     def rope(self, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         return tables.cos[self.start : self.end].unsqueeze(1), tables.sin[self.start : self.end].unsqueeze(1)
@@ -227,49 +277,12 @@ class EagerDecodeSteps(LayerSteps):
     def __init__(self, cfg: Gemma3Config, shard: Shard, pos: int) -> None:
         super().__init__(cfg, shard)
         self.pos = pos
-        self.cfg, self.plans = cfg, shard.plans
-        fused = cpu_decode.enabled and shard.device.type == "cpu"
-        self.fused = cpu_decode.FusedShard(shard.plans, self._fused, pos) if fused else None
+        self.fused = self._fused_shard(shard, pos, 1)
 
     def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
         if self.fused is None:
             return super().layer(x, plan)
         return self.fused.layer(x, plan, lambda: super(EagerDecodeSteps, self).layer(x, plan))
-
-    def _fused(self, plan: LayerPlan) -> gguf_cpu.FusedLayer | None:
-        tables = self.local if plan.window is not None else self.global_
-        return cpu_decode.cached_layer(plan, tables.cos, tables.sin, lambda: self._spec(plan, tables))
-
-    def _spec(self, plan: LayerPlan, tables: RopeTables) -> gguf_cpu.LayerSpec | None:
-        projections = cpu_decode.packed_projections(plan.qkv, plan.o, plan.gate_up, plan.down)
-        if projections is None or plan.kv_cache is None:
-            return None
-        qkv, o, gate_up, down = projections
-        cfg = self.cfg
-        return gguf_cpu.LayerSpec(
-            hidden=cfg.hidden_size,
-            heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            ffn=cfg.intermediate_size,
-            eps=self.eps,
-            attention_scale=self.scale,
-            activation="gelu_tanh" if self.approximate == "tanh" else "gelu",
-            sin_folded=False,  # rotate_half's plain sin: the kernel negates the first half itself
-            window=plan.window,
-            input_norm=plan.input_norm,
-            pre_ffn_norm=plan.pre_feedforward_norm,
-            qkv=qkv,
-            o=o,
-            gate_up=gate_up,
-            down=down,
-            kv_cache=plan.kv_cache,
-            cos=tables.cos,
-            sin=tables.sin,
-            qk_norm=plan.qk_norm,
-            post_attention_norm=plan.post_attention_norm,
-            post_ffn_norm=plan.post_feedforward_norm,
-        )
 
     def rope(self, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
         return tables.cos[self.pos], tables.sin[self.pos]  # [D], broadcast over the heads

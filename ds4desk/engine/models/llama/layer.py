@@ -156,8 +156,51 @@ class _TorchSteps(LayerSteps):
     """The steps the three torch paths share: fresh projections, residual adds folded into addmm."""
 
     def __init__(self, cfg: DenseConfig, exact: bool) -> None:
+        self.cfg = cfg
         self.eps = cfg.rms_norm_eps
         self.exact = exact  # one-pass RMSNorm: see DenseModel.one_pass_norm
+
+    def _fused_shard(self, shard: Shard, pos: int, count: int) -> cpu_decode.FusedShard | None:
+        """On the CPU, the layers whose projections are all GGUF-packed as one C call for these
+        `count` tokens (models/cpu_decode.py); None where that path is off."""
+        fit = cpu_decode.enabled and self.exact and shard.device.type == "cpu"
+        if not fit or count > gguf_cpu.MAX_TOKENS or shard.cos is None or shard.sin is None:
+            return None
+        cos, sin = shard.cos, shard.sin
+
+        def fused(plan: LayerPlan) -> gguf_cpu.FusedLayer | None:
+            return cpu_decode.cached_layer(plan, cos, sin, lambda: self._spec(plan, cos, sin))
+
+        return cpu_decode.FusedShard(shard.plans, fused, pos)
+
+    def _spec(self, plan: LayerPlan, cos: torch.Tensor, sin: torch.Tensor) -> gguf_cpu.LayerSpec | None:
+        projections = cpu_decode.packed_projections(plan.qkv, plan.o, plan.gate_up, plan.down)
+        if projections is None or plan.kv_cache is None:
+            return None
+        qkv, o, gate_up, down = projections
+        cfg = self.cfg
+        return gguf_cpu.LayerSpec(
+            hidden=cfg.hidden_size,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            ffn=cfg.intermediate_size,
+            eps=self.eps,
+            attention_scale=cfg.head_dim**-0.5,  # SDPA's default, as attend uses
+            activation="silu",
+            sin_folded=True,
+            window=plan.window,
+            input_norm=plan.ln1,
+            pre_ffn_norm=plan.ln2,
+            qkv=qkv,
+            o=o,
+            gate_up=gate_up,
+            down=down,
+            kv_cache=plan.kv_cache,
+            cos=cos,
+            sin=sin,
+            qk_norm=plan.qk_norm,
+        )
 
     def qkv(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
         return plan.qkv(rms_norm(x, plan.ln1, self.eps, self.exact))
@@ -194,6 +237,13 @@ class PrefillSteps(_TorchSteps):
         self.swap = shard.half_swap
         self.flash = flash  # DenseModel.fused_attention
         self.masks: dict[int | None, torch.Tensor] = {}  # per window, made by the first layer
+        # A few tokens (a verify step of speculative decoding) take the one-call CPU layer too.
+        self.fused = self._fused_shard(shard, start, count)
+
+    def layer(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        if self.fused is None:
+            return super().layer(x, plan)
+        return self.fused.layer(x, plan, lambda: super(PrefillSteps, self).layer(x, plan))
 
     def rope_write(self, qkv: torch.Tensor, plan: LayerPlan) -> None:
         assert plan.kv_cache is not None
@@ -235,9 +285,7 @@ class EagerDecodeSteps(_TorchSteps):
         super().__init__(cfg, exact)
         buffers, cos, sin, self.swap = shard.decode, shard.cos, shard.sin, shard.half_swap
         assert buffers is not None and cos is not None and sin is not None and self.swap is not None
-        self.cfg, self.tables, self.plans = cfg, (cos, sin), shard.plans
-        fused = cpu_decode.enabled and exact and shard.device.type == "cpu"
-        self.fused = cpu_decode.FusedShard(shard.plans, self._fused, pos) if fused else None
+        self.fused = self._fused_shard(shard, pos, 1)
         self.pos, self.end = pos, pos + 1
         self.q_width = cfg.num_heads * cfg.head_dim
         self.cos, self.sin = cos[pos], sin[pos]  # [D], broadcast over the heads
@@ -248,39 +296,6 @@ class EagerDecodeSteps(_TorchSteps):
         if self.fused is None:
             return super().layer(x, plan)
         return self.fused.layer(x, plan, lambda: super(EagerDecodeSteps, self).layer(x, plan))
-
-    def _fused(self, plan: LayerPlan) -> gguf_cpu.FusedLayer | None:
-        cos, sin = self.tables
-        return cpu_decode.cached_layer(plan, cos, sin, lambda: self._spec(plan))
-
-    def _spec(self, plan: LayerPlan) -> gguf_cpu.LayerSpec | None:
-        projections = cpu_decode.packed_projections(plan.qkv, plan.o, plan.gate_up, plan.down)
-        if projections is None or plan.kv_cache is None:
-            return None
-        qkv, o, gate_up, down = projections
-        cfg, (cos, sin) = self.cfg, self.tables
-        return gguf_cpu.LayerSpec(
-            hidden=cfg.hidden_size,
-            heads=cfg.num_heads,
-            kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            ffn=cfg.intermediate_size,
-            eps=self.eps,
-            attention_scale=cfg.head_dim**-0.5,  # SDPA's default, as attend uses
-            activation="silu",
-            sin_folded=True,
-            window=plan.window,
-            input_norm=plan.ln1,
-            pre_ffn_norm=plan.ln2,
-            qkv=qkv,
-            o=o,
-            gate_up=gate_up,
-            down=down,
-            kv_cache=plan.kv_cache,
-            cos=cos,
-            sin=sin,
-            qk_norm=plan.qk_norm,
-        )
 
     def qkv(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
         return plan.qkv(rms_norm(x, plan.ln1, self.eps, self.exact), out=self.qkv_out)

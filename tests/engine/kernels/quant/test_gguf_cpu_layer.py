@@ -90,6 +90,69 @@ def test_gemma3_fused_decode_matches_across_the_ring_wrap(gemma, monkeypatch) ->
     _compare(gemma, window - 6, 12, monkeypatch)
 
 
+def _several(model, prompt: int, count: int, fused: bool, monkeypatch: pytest.MonkeyPatch):
+    """A torch prefill of `prompt` tokens, then `count` tokens in one forward (a verify step of
+    speculative decoding) on one path, then one more token: (the step's logits [count, V], the
+    next token's logits [1, V], the cache afterwards)."""
+    monkeypatch.setattr(cpu_decode, "enabled", False)
+    model.allocate_cache(prompt + count + 8)
+    for plan in model._plans:
+        plan.cpu_layer = None
+    with torch.inference_mode():
+        model.forward(_prompt(prompt, model.vocab_size), 0, "none")
+        monkeypatch.setattr(cpu_decode, "enabled", fused)
+        block = (_prompt(count, model.vocab_size) * 3 + 11) % model.vocab_size
+        rows = model.forward(block, prompt, "all").clone()
+        monkeypatch.setattr(cpu_decode, "enabled", False)
+        after = model.forward(torch.tensor([7]), prompt + count, "last").clone()
+    return rows, after, [plan.kv_cache.clone() for plan in model._plans]
+
+
+def _compare_several(model, prompt: int, count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch_rows, torch_after, torch_cache = _several(model, prompt, count, False, monkeypatch)
+    assert all(plan.cpu_layer is None for plan in model._plans), "the torch steps made a fused layer"
+    rows, after, cache = _several(model, prompt, count, True, monkeypatch)
+    assert _paths_used(model) == {"FusedLayer"}, "the fused layer did not run"
+    assert rows.shape == torch_rows.shape == (count, model.vocab_size)
+    assert torch_rows.abs().max().item() > 5.0
+    delta = (rows - torch_rows).abs().max().item()
+    assert delta <= TOLERANCE, f"max |Δ logit| {delta:.3g} over {count} tokens"
+    assert torch.equal(rows.argmax(-1), torch_rows.argmax(-1))
+    # The cache the step wrote is the one the next token reads: same keys and values, same logits.
+    assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(cache, torch_cache, strict=True))
+    assert (after - torch_after).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [2, 5, 9, 16])
+def test_several_tokens_in_one_call_match_the_torch_prefill(smollm, count: int, monkeypatch) -> None:
+    _compare_several(smollm, 70, count, monkeypatch)
+
+
+@pytest.mark.slow
+def test_several_tokens_across_gemma3_s_ring_wrap(gemma, monkeypatch) -> None:
+    """Nine tokens whose positions cross the local layers' wrap (window 512): each token writes its
+    ring row and attends before the next one overwrites the row 512 positions back."""
+    window = gemma.config.sliding_windows[0]
+    _compare_several(gemma, window - 4, 9, monkeypatch)
+
+
+def test_more_tokens_than_one_call_takes_are_refused(smollm) -> None:
+    smollm.allocate_cache(64)
+    for plan in smollm._plans:
+        plan.cpu_layer = None
+    fused = cpu_decode.cached_layer(
+        smollm._plans[0],
+        smollm._shards[0].cos,
+        smollm._shards[0].sin,
+        lambda: _spec(smollm),
+    )
+    assert fused is not None
+    x = torch.zeros(gguf_cpu.MAX_TOKENS + 1, smollm.config.hidden_size)
+    with pytest.raises(ValueError, match="is not"):
+        gguf_cpu.decode_layers([fused], x, 0, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_any_thread_count_gives_the_same_logits(smollm, threads: int, monkeypatch) -> None:
@@ -133,8 +196,9 @@ def test_a_new_cache_gets_a_new_fused_layer_and_the_old_one_is_freed(smollm, mon
 def _spec(model, **changes) -> gguf_cpu.LayerSpec:
     from ds4desk.engine.models.llama.layer import EagerDecodeSteps
 
-    steps = EagerDecodeSteps(model.config, True, model._shards[0], 0)
-    spec = steps._spec(model._plans[0])
+    shard = model._shards[0]
+    steps = EagerDecodeSteps(model.config, True, shard, 0)
+    spec = steps._spec(model._plans[0], shard.cos, shard.sin)
     assert spec is not None
     for name, value in changes.items():
         setattr(spec, name, value)
