@@ -142,6 +142,13 @@ def inspect_folder(folder: Path) -> ModelSource:
     config = read_config(folder)
     architecture = config["architectures"][0]
     tensors = read_weight_headers(folder)
+    if architecture in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration") and any(
+        name.endswith(".mlp.experts.gate_up_proj") for name in tensors
+    ):
+        # Experts stored stacked (the published checkpoints' layout, where save_pretrained writes one
+        # weight an expert): the model names its parameters so (models/qwen3_5/config.py's
+        # STACKED_EXPERTS_KEY; loading/ does not import a family, hence the literal).
+        config = {**config, "ds4desk_stacked_experts": True}
     layout = None
     if architecture == deepseek_v4_names.ARCHITECTURE:
         # Official, save_pretrained's or transformers' module names: entries under our names, and

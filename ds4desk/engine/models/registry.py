@@ -28,6 +28,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "gemma3"),
     "Qwen3_5ForCausalLM": ("qwen3_5", "qwen3_5"),
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "qwen3_5"),  # its text model only
+    "Qwen3_5MoeForCausalLM": ("qwen3_5", "qwen3_5"),  # the MoE variant: same family, sparse MLPs
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "qwen3_5"),  # its text model only
 }
 
 

@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense) text's config: what `Qwen35Config.from_hf` reads and checks in a config.json.
+"""Qwen3.5 text's config (dense and MoE): what `Qwen35Config.from_hf` reads and checks in a config.json.
 
 Qwen3.5 interleaves two kinds of layers, listed in `layer_types` (or, in configs without it, every
 `full_attention_interval`-th layer is full attention, the rest linear):
@@ -7,6 +7,11 @@ Qwen3.5 interleaves two kinds of layers, listed in `layer_types` (or, in configs
   per-head recurrent matrix updated by the gated delta rule; its state has a fixed size.
 - "full_attention": softmax attention whose output is gated by a sigmoid of a second half of the
   query projection, with RoPE on the first `partial_rotary_factor` of each head only.
+
+The MoE variant (transformers' `qwen3_5_moe`) replaces every layer's MLP by a sparse block: a
+router over `num_experts` experts of width `moe_intermediate_size`, of which each token takes the
+top `num_experts_per_tok`, plus one always-on shared expert (`shared_expert_intermediate_size`)
+scaled by a sigmoid gate. It has no dense `intermediate_size`.
 
 Published checkpoints are vision-language models (`Qwen3_5ForConditionalGeneration`) whose text
 settings sit in `text_config`; a text-only save (`Qwen3_5ForCausalLM`) has them at the top. Both
@@ -24,10 +29,21 @@ from ds4desk.engine.models.llama.config import RopeConfig
 # The deepest published models have under 200 layers; a config claiming more is refused before
 # anything is built per layer.
 MAX_LAYERS = 1024
+# Published MoE variants have 256 or 512 experts; every expert is a module (or rows of one), so a
+# config claiming far more is refused before anything is built.
+MAX_EXPERTS = 4096
 
 LINEAR, FULL = "linear_attention", "full_attention"
 TEXT_ARCHITECTURE = "Qwen3_5ForCausalLM"
 VISION_LANGUAGE_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+MOE_TEXT_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
+MOE_VISION_LANGUAGE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
+# Set (true) in the config by whoever reads the checkpoint's names (loading/detect.py) when the experts
+# are stored stacked, three-dimensional: `mlp.experts.gate_up_proj` [E, 2I, hidden] and
+# `mlp.experts.down_proj` [E, hidden, I], as transformers holds them in memory (and, by all accounts,
+# the published checkpoints store them). Absent: one 2-D weight per expert and projection, what
+# transformers' save_pretrained writes. The model names its parameters after the layout it loads.
+STACKED_EXPERTS_KEY = "ds4desk_stacked_experts"
 _DEFAULT_INTERVAL = 4  # transformers' default: every fourth layer full attention
 _DEFAULT_PARTIAL_ROTARY = 0.25
 
@@ -55,9 +71,20 @@ class Qwen35Config:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 0
+    # The MoE variant (num_experts > 0): every layer's MLP is the sparse block (moe.py); the dense
+    # intermediate_size is then 0.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    stacked_experts: bool = False  # STACKED_EXPERTS_KEY
     # Where the text model's weights live in the checkpoint: "model" for a text-only save,
     # "model.language_model" inside a vision-language one.
     weight_prefix: str = "model"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def linear_layers(self) -> list[int]:
@@ -87,8 +114,7 @@ class Qwen35Config:
             # transformers ties a vision-language model's head by the top-level flag.
             prefix, tie_default = "model.language_model", bool(text.get("tie_word_embeddings", False))
         tie = config.get("tie_word_embeddings", tie_default)
-        if text.get("num_experts") or text.get("num_experts_per_tok"):
-            raise load_failure("the Qwen3.5 MoE variant is not supported yet (only the dense models)")
+        moe = _moe_sizes({**text, STACKED_EXPERTS_KEY: config.get(STACKED_EXPERTS_KEY)})
         act = text.get("hidden_act", "silu")
         if act != "silu":
             raise load_failure(f"hidden_act '{act}' is not supported; Qwen3.5 uses silu")
@@ -118,7 +144,7 @@ class Qwen35Config:
         return cls(
             vocab_size=config_int(text, "vocab_size"),
             hidden_size=config_int(text, "hidden_size"),
-            intermediate_size=config_int(text, "intermediate_size"),
+            intermediate_size=0 if moe else config_int(text, "intermediate_size"),
             num_layers=layers,
             layer_types=_layer_types(text, layers),
             rms_norm_eps=config_float(text, "rms_norm_eps", 1e-6),
@@ -136,7 +162,35 @@ class Qwen35Config:
             tie_word_embeddings=bool(tie),
             max_position_embeddings=int(text.get("max_position_embeddings") or 0),
             weight_prefix=prefix,
+            **moe,
         )
+
+
+def _moe_sizes(config: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields (empty for a dense config). transformers' Qwen3.5 MoE has no per-layer choice
+    (no `mlp_only_layers`, `decoder_sparse_step`) and always renormalises the top-k weights (no
+    `norm_topk_prob`): a config asking otherwise is refused rather than run differently."""
+    if not config.get("num_experts") and not config.get("num_experts_per_tok"):
+        return {}
+    experts = config_int(config, "num_experts")
+    if experts > MAX_EXPERTS:
+        raise load_failure(f"config.json num_experts {experts} is more than ds4desk loads ({MAX_EXPERTS})")
+    top_k = config_int(config, "num_experts_per_tok")
+    if top_k > experts:
+        raise load_failure(f"config.json num_experts_per_tok ({top_k}) is more than num_experts ({experts})")
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise load_failure("Qwen3.5 MoE configs with dense layers (mlp_only_layers) are not supported")
+    if config.get("norm_topk_prob", True) is not True:
+        raise load_failure(
+            "Qwen3.5 MoE renormalises its top-k weights; norm_topk_prob false is not supported"
+        )
+    return {
+        "stacked_experts": config.get(STACKED_EXPERTS_KEY) is True,
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "moe_intermediate_size": config_int(config, "moe_intermediate_size"),
+        "shared_expert_intermediate_size": config_int(config, "shared_expert_intermediate_size"),
+    }
 
 
 def _layer_types(config: dict[str, Any], layers: int) -> tuple[str, ...]:

@@ -1,8 +1,10 @@
-"""Qwen3.5 dense text (transformers' `qwen3_5`): the modules, loading, the state and the forward.
+"""Qwen3.5 text, dense and MoE (transformers' `qwen3_5`, `qwen3_5_moe`): the modules, loading, the
+state and the forward.
 
 Layers are Gated DeltaNet (linear_attention.py) or gated full attention (attention.py), as the
-config's `layer_types` lists them; every layer then has the usual SwiGLU MLP, and both norms
-around it are RMSNorms whose weights are stored centred on 0.
+config's `layer_types` lists them; every layer then has the usual SwiGLU MLP (dense) or the sparse
+block of routed experts plus a gated shared expert (MoE, moe.py), and both norms around it are
+RMSNorms whose weights are stored centred on 0.
 
 The state is not a KV cache that can be cut anywhere: a linear-attention layer keeps a convolution
 window and a recurrent matrix that hold exactly the positions run so far. So the model tracks its
@@ -16,7 +18,8 @@ blocks in layer order.
 
 Parameter names equal transformers' state-dict names, so a checkpoint loads by name: `model.*` in a
 text-only save (Qwen3_5ForCausalLM), `model.language_model.*` in the published vision-language
-checkpoints (Qwen3_5ForConditionalGeneration, whose vision tower is not loaded).
+checkpoints (Qwen3_5ForConditionalGeneration and Qwen3_5MoeForConditionalGeneration, whose vision
+tower is not loaded).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from torch import nn
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
 from ds4desk.engine.models.base import CausalLM, LogitsMode, load_failure
 from ds4desk.engine.models.packed import Projection, embed, embedding, linear, projection_of
-from ds4desk.engine.models.qwen3_5 import attention, linear_attention
+from ds4desk.engine.models.qwen3_5 import attention, linear_attention, moe
 from ds4desk.engine.models.qwen3_5.attention import AttentionPlan, CenteredNorm, GatedAttention, Positions
 from ds4desk.engine.models.qwen3_5.config import LINEAR, Qwen35Config
 from ds4desk.engine.models.qwen3_5.linear_attention import GatedDeltaNet, LinearPlan
+from ds4desk.engine.models.qwen3_5.moe import SparseMoeBlock, fuse_experts
 from ds4desk.engine.models.qwen3_5.ops import centered_rms_norm
 from ds4desk.engine.models.qwen3_5.state import KINDS, LayerPlan, Shard, copied_to, rope_tables
 from ds4desk.engine.split import materialize_parameters
@@ -58,7 +62,11 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, dtype, f"{prefix}.linear_attn", packed)
         else:
             self.self_attn = GatedAttention(cfg, dtype, f"{prefix}.self_attn", packed)
-        self.mlp = MLP(cfg, dtype, f"{prefix}.mlp", packed)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg, dtype, f"{prefix}.mlp", packed)
+            if cfg.is_moe
+            else MLP(cfg, dtype, f"{prefix}.mlp", packed)
+        )
         self.input_layernorm = CenteredNorm(cfg.hidden_size, dtype)
         self.post_attention_layernorm = CenteredNorm(cfg.hidden_size, dtype)
 
@@ -98,7 +106,7 @@ class VisionLanguageShell(nn.Module):
 
 
 class Qwen35Model(CausalLM):
-    """The CausalLM of Qwen3.5 dense text (base.py has the call order)."""
+    """The CausalLM of Qwen3.5 text, dense or MoE (base.py has the call order)."""
 
     config: Qwen35Config
 
@@ -128,13 +136,25 @@ class Qwen35Model(CausalLM):
     # --- loading -----------------------------------------------------------------------------
 
     def materialize(self, device: torch.device) -> None:
-        """Real (uninitialised) storage on `device`, or where the split puts each layer."""
+        """Real (uninitialised) storage on `device`, or where the split puts each layer; a MoE
+        layer's experts laid side by side first (moe.fuse_experts)."""
+        if self.config.is_moe:
+            split = self._split
+            layer_devices = [device] * self.config.num_layers
+            if split is not None:
+                layer_devices = [torch.device(d) for d in split.layer_devices()]
+            for layer, where in zip(self.model.layers, layer_devices, strict=True):
+                assert isinstance(layer.mlp, SparseMoeBlock)
+                fuse_experts(layer.mlp, where)
         materialize_parameters(self, device, self._split)
 
     def finish_loading(self) -> None:
         """After the weights are in: the per-layer plans grouped by shard, the rope speeds and the head."""
         cfg = self.config
-        plans = [self._plan(layer) for layer in self.model.layers]
+        plans = [self._plan(layer, cfg.experts_per_token) for layer in self.model.layers]
+        # The graphable MoE step picks experts by index from the stacked float weights; packed
+        # (GGUF) experts are picked on the host, which a CUDA graph cannot keep.
+        self.supports_graphs = all(p.moe is None or p.moe.stacked_gate_up is not None for p in plans)
         bounds = self._split.bounds() if self._split is not None else [(0, cfg.num_layers)]
         self._shards = [
             Shard(plans[start].input_norm.device, plans[start:stop], index == 0)
@@ -148,20 +168,24 @@ class Qwen35Model(CausalLM):
             self.allocate_cache(self._context)
 
     @staticmethod
-    def _plan(layer: DecoderLayer) -> LayerPlan:
+    def _plan(layer: DecoderLayer, top_k: int) -> LayerPlan:
         mixer: LinearPlan | AttentionPlan
         if hasattr(layer, "linear_attn"):
             mixer = linear_attention.plan_of(layer.linear_attn)
         else:
             mixer = attention.plan_of(layer.self_attn)
-        return LayerPlan(
+        plan = LayerPlan(
             input_norm=layer.input_layernorm.weight,
             mixer=mixer,
             post_norm=layer.post_attention_layernorm.weight,
-            gate=projection_of(layer.mlp.gate_proj),
-            up=projection_of(layer.mlp.up_proj),
-            down=projection_of(layer.mlp.down_proj),
         )
+        if isinstance(layer.mlp, SparseMoeBlock):
+            plan.moe = moe.plan_of(layer.mlp, top_k)
+        else:
+            plan.gate = projection_of(layer.mlp.gate_proj)
+            plan.up = projection_of(layer.mlp.up_proj)
+            plan.down = projection_of(layer.mlp.down_proj)
+        return plan
 
     # --- the state ---------------------------------------------------------------------------
 
@@ -305,12 +329,16 @@ class Qwen35Model(CausalLM):
             x = embed(self.model.embed_tokens, token.view(1))
         else:
             x, here = inputs
-        x = self._layers(shard, x, shard.tables.positions(here.view(1), span), prefill=False)
+        x = self._layers(shard, x, shard.tables.positions(here.view(1), span), prefill=False, graphable=True)
         if index + 1 < len(self._shards):
             return x, here
         return (self._logits(x)[0],)
 
-    def _layers(self, shard: Shard, x: torch.Tensor, at: Positions, prefill: bool) -> torch.Tensor:
+    def _layers(
+        self, shard: Shard, x: torch.Tensor, at: Positions, prefill: bool, graphable: bool = False
+    ) -> torch.Tensor:
+        """`graphable`: the decode step a CUDA graph keeps (decode_shard): nothing reads back to
+        the host, so a MoE layer picks its experts by index on the device."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         fused = prefill and self.fused_attention
@@ -321,7 +349,13 @@ class Qwen35Model(CausalLM):
             else:
                 x = x + attention.forward(cfg, plan.mixer, normed, at, fused)
             normed = centered_rms_norm(x, plan.post_norm, eps)
-            x = x + plan.down(F.silu(plan.gate(normed)) * plan.up(normed))
+            if plan.moe is not None:
+                # Eager forwards (prefill and decode alike) group their tokens by expert with one
+                # host read a layer; only the graphable step picks experts on the device.
+                x = x + moe.forward(plan.moe, normed, graphable and plan.moe.stacked_gate_up is not None)
+            else:
+                assert plan.gate is not None and plan.up is not None and plan.down is not None
+                x = x + plan.down(F.silu(plan.gate(normed)) * plan.up(normed))
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -337,8 +371,8 @@ def build(
     quantized: bool = False,
     packed: Mapping[str, int] | None = None,
 ) -> Qwen35Model:
-    """The registry's entry point: Qwen3.5 dense text for a config.json dict (text-only or the
-    published vision-language one, whose text part is built)."""
+    """The registry's entry point: Qwen3.5 text, dense or MoE, for a config.json dict (text-only or
+    the published vision-language one, whose text part is built)."""
     if quantized:
         raise load_failure(f"the {family} family does not keep FP8 / FP4 weights packed")
     return Qwen35Model(Qwen35Config.from_hf(config), dtype, packed)

@@ -21,6 +21,7 @@ from ds4desk.engine.models.packed import Projection
 from ds4desk.engine.models.qwen3_5.attention import AttentionPlan, Positions, positions_for
 from ds4desk.engine.models.qwen3_5.config import Qwen35Config
 from ds4desk.engine.models.qwen3_5.linear_attention import LinearPlan
+from ds4desk.engine.models.qwen3_5.moe import MoePlan
 
 KINDS = ("kv", "conv", "recurrent")
 
@@ -32,9 +33,11 @@ class LayerPlan:
     input_norm: torch.Tensor
     mixer: LinearPlan | AttentionPlan
     post_norm: torch.Tensor
-    gate: Projection
-    up: Projection
-    down: Projection
+    # The dense MLP's projections, or the MoE block's plan: one or the other.
+    gate: Projection | None = None
+    up: Projection | None = None
+    down: Projection | None = None
+    moe: MoePlan | None = None
 
 
 @dataclass(slots=True)

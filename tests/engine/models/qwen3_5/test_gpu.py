@@ -14,15 +14,29 @@ from ds4desk.engine.graphs import GraphedDecode
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
-from tests.engine.models.qwen3_5.tiny import TINY, save_tiny
+from tests.engine.models.qwen3_5.tiny import TINY, save_tiny, save_tiny_moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def test_replayed_graphs_give_the_eager_tokens(tmp_path: Path) -> None:
-    _, source = save_tiny(tmp_path / "q", seed=3, max_position_embeddings=1024)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "dense",
+        "moe",  # experts gathered by index inside the graph (32 columns: no GEMV kernel tile fits)
+        "moe-kernels",  # the picked experts' rows read by the GEMV kernels
+    ],
+)
+def test_replayed_graphs_give_the_eager_tokens(tmp_path: Path, variant: str) -> None:
+    if variant == "dense":
+        _, source = save_tiny(tmp_path / "q", seed=3, max_position_embeddings=1024)
+    else:
+        width = 64 if variant == "moe-kernels" else 32
+        _, source = save_tiny_moe(
+            tmp_path / "q", seed=3, max_position_embeddings=1024, moe_intermediate_size=width
+        )
     device = torch.device("cuda")
     prompt = [
         int(t)

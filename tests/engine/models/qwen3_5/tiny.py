@@ -1,5 +1,5 @@
-"""Tiny random Qwen3.5 (dense) checkpoints written by transformers (the test oracle), with a
-Qwen-style tokenizer, and a ModelSource for them."""
+"""Tiny random Qwen3.5 checkpoints (dense and MoE) written by transformers (the test oracle), with
+a Qwen-style tokenizer, and a ModelSource for them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ds4desk.engine.loading.source import ModelSource
 from tests.engine.tiny_dense import source_from_folder
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
+MOE_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
 LINEAR, FULL = "linear_attention", "full_attention"
 
 # Small enough for the CPU, shaped to exercise what Qwen3.5 adds: linear layers on both sides of
@@ -39,6 +40,16 @@ TINY: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# The MoE variant of TINY: no dense MLP width; eight experts, two picked per token, an expert width
+# that differs from the shared expert's (so a swapped weight would not fit).
+TINY_MOE: dict[str, Any] = {
+    **{k: v for k, v in TINY.items() if k != "intermediate_size"},
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
+
 # Qwen's special tokens (the ones its chat format uses) at the start of the vocabulary.
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -50,7 +61,25 @@ def make_hf_model(seed: int = 0, **overrides: Any) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = transformers.Qwen3_5TextConfig(**{**TINY, **overrides}, architectures=[ARCHITECTURE])
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    return randomized(transformers.Qwen3_5ForCausalLM(config).eval())
+
+
+def make_hf_moe_model(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """make_hf_model for the MoE variant (TINY_MOE), the routers' weights wide enough that no two
+    experts' scores come within rounding of each other (a tie would pick by rounding)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3_5MoeTextConfig(**{**TINY_MOE, **overrides}, architectures=[MOE_ARCHITECTURE])
+    model = randomized(transformers.Qwen3_5MoeForCausalLM(config).eval())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.3)
+    return model
+
+
+def randomized(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("linear_attn.norm.weight"):
@@ -102,6 +131,33 @@ def save_tiny(folder: Path, seed: int = 0, chat_template: str | None = None, **o
     model.save_pretrained(folder, safe_serialization=True)
     write_tokenizer(folder, model.config.vocab_size, chat_template)
     return model, source_from_folder(folder)
+
+
+def save_tiny_moe(folder: Path, seed: int = 0, chat_template: str | None = None, **overrides: Any):
+    """save_tiny for the MoE variant."""
+    model = make_hf_moe_model(seed, **overrides)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder, model.config.vocab_size, chat_template)
+    return model, source_from_folder(folder)
+
+
+def save_tiny_moe_stacked(folder: Path, seed: int = 0, **overrides: Any):
+    """save_tiny_moe with the experts stored stacked (`mlp.experts.gate_up_proj` [E, 2I, hidden],
+    `mlp.experts.down_proj` [E, hidden, I]: transformers' own state-dict names, the published
+    checkpoints' layout) and the source marked so (config.STACKED_EXPERTS_KEY, what the name
+    detection is to set for such a folder)."""
+    from safetensors.torch import save_file
+
+    from ds4desk.engine.models.qwen3_5.config import STACKED_EXPERTS_KEY
+
+    model, _ = save_tiny_moe(folder, seed, **overrides)
+    tensors = {name: t.detach().contiguous().clone() for name, t in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    from ds4desk.engine.loading.detect import read_source
+
+    source = read_source(folder)  # the name detection marks the layout (loading/detect.py)
+    assert source.config.get(STACKED_EXPERTS_KEY) is True, "stacked experts not recognised"
+    return model, source
 
 
 def as_source(folder: Path) -> ModelSource:
