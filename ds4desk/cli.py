@@ -81,6 +81,20 @@ def _weights_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    from ds4desk.engine.api import SPECULATIVE_MODES
+
+    parser.add_argument(
+        "--draft", metavar="PATH",
+        help="a small draft model (folder or .gguf) with the same vocabulary, for speculative decoding",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative", choices=SPECULATIVE_MODES, default="auto",
+        help="speculative decoding: auto (the default: the draft model when one is loaded, else prompt "
+        "lookup; off for DeepSeek-V4), draft, lookup, off (mtp: not supported yet)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ds4desk",
@@ -113,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     _weights_argument(gen)
     _split_arguments(gen)
+    _speculative_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
     session = verbs.add_parser("session", help="drive the engine with JSON lines on stdin and stdout")
@@ -123,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
     session.add_argument("--context", type=int, default=4096, help="context size in tokens")
     _weights_argument(session)
+    _speculative_arguments(session)
 
     serve = verbs.add_parser("serve", help="serve the model to other programs over the OpenAI API")
     _common(serve)
@@ -248,6 +264,8 @@ def load_request_of(args: argparse.Namespace) -> LoadRequest:
         devices=getattr(args, "devices", None),
         layer_split=getattr(args, "layer_split", None),
         weights=args.weights,
+        draft=getattr(args, "draft", None),
+        speculative=getattr(args, "speculative", "auto"),
     )
 
 
@@ -304,6 +322,12 @@ def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
             f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s",
             file=sys.stderr,
         )
+        if stats.speculative != "off":
+            print(
+                f"speculative {stats.speculative}: {stats.accepted_tokens} of {stats.drafted_tokens} drafted "
+                f"tokens accepted ({stats.acceptance_rate:.0%})",
+                file=sys.stderr,
+            )
         if result.error:
             print(f"error: {result.error}", file=sys.stderr)
     return 0 if result.ok else 1

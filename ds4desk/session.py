@@ -33,6 +33,7 @@ from ds4desk.engine import (
     SaveSnapshot,
     ThinkingBudget,
 )
+from ds4desk.engine.api import SPECULATIVE_MODES
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,12 @@ def _request_from(command: Json) -> GenerateRequest:
         max_new_tokens=_int(command, "max_tokens", 256, 1, MAX_TOKENS) or 1,
         use_snapshots=bool(command.get("use_snapshots", True)),
     )
+    if (speculative := command.get("speculative")) is not None:
+        if speculative not in SPECULATIVE_MODES:
+            raise _bad(
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {_shown(speculative)}"
+            )
+        request.speculative = speculative
     if "prompt_tokens" in command:
         request.prompt_tokens = _int_list(command["prompt_tokens"], "prompt_tokens")
     elif "prompt" in command:

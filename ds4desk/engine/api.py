@@ -104,6 +104,8 @@ class GenerateRequest:
     use_snapshots: bool = True  # continue from the longest snapshot that prefixes the prompt
     save_snapshot: SaveSnapshot | None = None
     on_token: TokenCallback | None = None
+    # One of SPECULATIVE_MODES; None: the load's setting (LoadRequest.speculative).
+    speculative: str | None = None
     request_id: int = field(default_factory=lambda: next(_request_ids))
 
 
@@ -116,6 +118,15 @@ class GenerateStats:
     time_to_first_token_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # Speculative decoding: the drafter that ran ("off", "lookup" or "draft"), the tokens it
+    # proposed to the target and how many of them the target accepted.
+    speculative: str = "off"
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -138,6 +149,10 @@ class GenerateStats:
             "decode_s": self.decode_s,
             "prefill_tok_s": self.prefill_tok_s,
             "decode_tok_s": self.decode_tok_s,
+            "speculative": self.speculative,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
         }
 
 
@@ -189,7 +204,17 @@ class LoadRequest:
     # A 16-bit model's linear weights as stored, or quantized while loading to GGUF blocks (one of
     # WEIGHT_MODES), so that the model fits a smaller GPU.
     weights: str = "as-stored"
+    # A draft model for speculative decoding (a dense model with the target's vocabulary), loaded
+    # beside the target on its first device; None: no draft.
+    draft: str | None = None
+    # The default of every request's GenerateRequest.speculative (one of SPECULATIVE_MODES).
+    speculative: str = "auto"
 
+
+# Speculative decoding: "auto" is the draft model when one is loaded, else prompt lookup, and off
+# for a model whose cache cannot roll back (DeepSeek-V4); "mtp" (DeepSeek-V4's MTP layer) is
+# refused for now.
+SPECULATIVE_MODES = ("off", "auto", "draft", "mtp", "lookup")
 
 # LoadRequest.weights: "as-stored", "q8" (Q8_0 blocks) or "q4" (Q4_K blocks).
 WEIGHT_MODES = ("as-stored", "q8", "q4")
@@ -233,6 +258,8 @@ class ModelInfo:
     tokenizer: str  # what the tokenizer is, e.g. "BPE, 49152 tokens"
     has_chat_template: bool
     thinking: ThinkingFormat = field(default_factory=ThinkingFormat)
+    draft: str = ""  # the draft model's path, "" when none is loaded
+    draft_weight_bytes: int = 0
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ds4desk.engine.loader import LoadedModel, LoadPlan
     from ds4desk.engine.runtime import Runtime
     from ds4desk.engine.snapshots import SnapshotStore
+    from ds4desk.engine.speculative.draft_model import DraftModel
     from ds4desk.engine.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class Engine:
         loaded = self._loaded
         if loaded is None:
             return "", 0
-        return str(loaded.runtime.device), loaded.info.weight_bytes + loaded.runtime.model.cache_bytes()
+        return str(loaded.runtime.device), _resident(loaded.runtime, loaded.info)
 
     def submit_generate(
         self, request: GenerateRequest, sink: DeltaSink | None = None
@@ -332,6 +333,7 @@ class Engine:
         from ds4desk.engine.loading.default_model import default_model_path
         from ds4desk.engine.loading.detect import read_source
         from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
+        from ds4desk.engine.speculative.mode import check_mode
         from ds4desk.engine.tokenizer import ChatTokenizer
 
         if self._load_cancelled(seq):
@@ -343,6 +345,7 @@ class Engine:
             raise EngineFailure(
                 ErrorCode.BAD_REQUEST, f"weights must be one of {modes}, got {request.weights!r}"
             )
+        check_mode(request.speculative)
         if on_progress is not None:
             on_progress(0, 0, "tensors")  # planning: the amount is not known yet
         path = Path(request.path).expanduser() if request.path else default_model_path()
@@ -361,19 +364,23 @@ class Engine:
             weights=request.weights,
         )
         context = plan.context
+        draft_plan = _plan_draft(request, plan) if request.draft else None
+        needs = dict(plan.needs)
+        if draft_plan is not None:  # the draft sits on the first device, beside the target
+            needs[str(device)] = needs.get(str(device), 0) + sum(draft_plan.needs.values())
         previous = self._loaded
         # Refused before the current model is let go: a model that cannot fit costs nothing. Every
         # device of a split is checked on its own.
         what = f"{path.name} in {_dtype_name(dtype)} with a {context}-token cache"
-        for name, needed in plan.needs.items():
+        for name, needed in needs.items():
             reclaimable = 0
             if previous is not None and str(previous.runtime.device) == name:
-                reclaimable = previous.info.weight_bytes + previous.runtime.model.cache_bytes()
+                reclaimable = _resident(previous.runtime, previous.info)
             check_fits(needed, torch.device(name), what, reclaimable)
         # Both at once when memory allows: the current model keeps answering between the new one's
         # tensors, and a failed or cancelled load leaves it exactly as it was. Otherwise it goes first.
         keep = previous is not None and all(
-            needed <= free_memory_bytes(torch.device(name)) for name, needed in plan.needs.items()
+            needed <= free_memory_bytes(torch.device(name)) for name, needed in needs.items()
         )
         fallback = None
         if previous is not None and not keep:
@@ -398,6 +405,9 @@ class Engine:
         failure: BaseException | None = None
         try:
             loaded, runtime = _fill_and_start(plan, request, tick, stop_if_cancelled)
+            if draft_plan is not None:
+                # Its tensors are not counted in the progress (the bar would start over).
+                runtime.draft = _start_draft(draft_plan, runtime, lambda _done, _total: stop_if_cancelled())
         except BaseException as exc:
             failure = exc
         if failure is not None:
@@ -430,6 +440,8 @@ class Engine:
             tokenizer=tokenizer.describe(),
             has_chat_template=source.chat_template is not None,
             thinking=_probe_thinking(tokenizer),
+            draft=runtime.draft.path if runtime.draft is not None else "",
+            draft_weight_bytes=runtime.draft.weight_bytes if runtime.draft is not None else 0,
         )
         parked = self._parked
         if parked is not None and parked.request == request:
@@ -496,10 +508,12 @@ class Engine:
             error = EngineError(ErrorCode.BAD_REQUEST, f"park selector must be one of {PARK_SELECTORS}")
             return ParkResult(selector, self.parked, error=error)
         loaded = self._loaded
-        if selector == "draft" or loaded is None:  # no draft model yet; nothing loaded to free
+        if selector == "draft":
+            return self._park_draft(selector)
+        if loaded is None:  # nothing loaded to free
             return ParkResult(selector, self.parked)
         started = time.perf_counter()
-        freed = loaded.info.weight_bytes + loaded.runtime.model.cache_bytes()
+        freed = _resident(loaded.runtime, loaded.info)
         device = loaded.runtime.device
         split = loaded.runtime.model.split  # a layer split frees every device's part
         devices = [device] if split is None else sorted({type(device)(d) for d in split.devices}, key=str)
@@ -516,15 +530,60 @@ class Engine:
             error = EngineError(ErrorCode.BAD_REQUEST, f"unpark selector must be one of {PARK_SELECTORS}")
             return ParkResult(selector, self.parked, error=error)
         parked = self._parked
-        if selector == "draft" or parked is None:
+        if selector == "draft":
+            return self._unpark_draft(selector)
+        if parked is None:
             return ParkResult(selector, self.parked)
         loaded = self._load(parked.request)  # the same files, device, dtype and sizes
         if not loaded.ok:
             self._parked = parked  # still parked: a later unpark can try again
             return ParkResult(selector, True, seconds=loaded.seconds, error=loaded.error)
         assert self._loaded is not None
-        taken = self._loaded.info.weight_bytes + self._loaded.runtime.model.cache_bytes()
+        taken = _resident(self._loaded.runtime, self._loaded.info)
         return ParkResult(selector, False, bytes=taken, seconds=loaded.seconds)
+
+    def _park_draft(self, selector: str) -> ParkResult:
+        """Free the draft model (weights and cache); the target keeps answering, without it. A
+        target parked afterwards comes back with its draft (its LoadRequest names it)."""
+        loaded = self._loaded
+        if loaded is None or loaded.runtime.draft is None:  # no draft loaded: nothing to free
+            return ParkResult(selector, self.parked)
+        started = time.perf_counter()
+        draft = loaded.runtime.draft
+        device = loaded.runtime.device
+        freed = draft.bytes()
+        before = _allocated(device)
+        loaded.runtime.draft = None
+        draft.close()
+        del draft
+        gc.collect()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+            freed = before - _allocated(device)
+        return ParkResult(selector, self.parked, bytes=freed, seconds=time.perf_counter() - started)
+
+    def _unpark_draft(self, selector: str) -> ParkResult:
+        """Load the draft the target's LoadRequest names again (nothing to do when it is loaded, or
+        when the target itself is parked: its unpark brings the draft back)."""
+        loaded = self._loaded
+        if loaded is None or loaded.runtime.draft is not None or not loaded.request.draft:
+            return ParkResult(selector, self.parked)
+        started = time.perf_counter()
+        try:
+            draft_plan = _plan_draft(loaded.request, None, loaded.runtime)
+            loaded.runtime.draft = _start_draft(draft_plan, loaded.runtime, None)
+        except EngineFailure as failure:
+            return ParkResult(
+                selector, self.parked, seconds=time.perf_counter() - started, error=failure.error
+            )
+        except Exception as exc:
+            log.exception("reloading the draft model failed")
+            error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
+            return ParkResult(selector, self.parked, seconds=time.perf_counter() - started, error=error)
+        draft = loaded.runtime.draft
+        return ParkResult(selector, self.parked, bytes=draft.bytes(), seconds=time.perf_counter() - started)
 
     def _slots(self, op: str, slot: int | None, path: Path | None) -> SlotResult:
         chosen = self._loaded or self._parked
@@ -607,6 +666,7 @@ class Engine:
                 loaded.snapshots,
                 request.use_snapshots,
                 request.save_snapshot,
+                request.speculative or loaded.request.speculative,
             )
             tail = detokenizer.flush()
             if tail and sink is not None:
@@ -654,6 +714,56 @@ def _fill_and_start(
     graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)
     chunk = request.chunk or _auto_chunk(device.type)
     return loaded, Runtime(loaded.model, device, context=plan.context, chunk=chunk, graphs=graphs)
+
+
+def _plan_draft(
+    request: LoadRequest, target_plan: LoadPlan | None, runtime: Runtime | None = None
+) -> LoadPlan:
+    """The draft model's load plan: on the target's first device, in its dtype, for its context;
+    refused (LOAD_FAILED) before any memory is taken when it cannot draft for the target."""
+    from ds4desk.engine.loader import plan_load
+    from ds4desk.engine.loading.detect import read_source
+    from ds4desk.engine.speculative.draft_model import check_draft_pair
+    from ds4desk.engine.speculative.rollback import rollback_of
+
+    assert request.draft
+    if target_plan is not None:
+        target, device, dtype, context = (
+            target_plan.model,
+            target_plan.device,
+            target_plan.dtype,
+            target_plan.context,
+        )
+    else:
+        assert runtime is not None
+        target, device, dtype, context = runtime.model, runtime.device, runtime.model.dtype, runtime.context
+    if rollback_of(target) is None:
+        raise EngineFailure(
+            ErrorCode.LOAD_FAILED,
+            "speculative decoding with a draft model is not supported for this model (its cache cannot "
+            "roll back a rejected draft yet): load it without a draft",
+        )
+    path = Path(request.draft).expanduser()
+    plan = plan_load(read_source(path), device, dtype, context, weights=request.weights)
+    check_draft_pair(target, plan.model, path.name)
+    return plan
+
+
+def _start_draft(plan: LoadPlan, runtime: Runtime, tick: Callable[[int, int], None] | None) -> DraftModel:
+    """The planned draft filled from its files, with a cache as long as the target's (or its own
+    maximum, when that is shorter: it then drafts nothing past it)."""
+    from ds4desk.engine.loader import fill
+    from ds4desk.engine.speculative.draft_model import DraftModel
+
+    loaded = fill(plan, tick)
+    context = min(plan.context, runtime.context)
+    return DraftModel(loaded.model, context, runtime.chunk, str(plan.source.origin), loaded.weight_bytes)
+
+
+def _resident(runtime: Runtime, info: ModelInfo) -> int:
+    """What the loaded model takes: its weights and cache, and its draft's."""
+    draft = runtime.draft.bytes() if runtime.draft is not None else 0
+    return info.weight_bytes + runtime.model.cache_bytes() + draft
 
 
 def _release_frames(error: BaseException | None) -> None:

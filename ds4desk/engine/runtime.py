@@ -24,6 +24,12 @@ from ds4desk.engine.graphs import GraphedDecode
 from ds4desk.engine.models.base import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
 from ds4desk.engine.snapshots import SnapshotStore
+from ds4desk.engine.speculative.adaptive import DEFAULT_MAX_K, AdaptiveK
+from ds4desk.engine.speculative.decode import SpeculativeDecode
+from ds4desk.engine.speculative.draft_model import DraftModel
+from ds4desk.engine.speculative.drafter import Drafter, LookupDrafter
+from ds4desk.engine.speculative.mode import resolve_mode
+from ds4desk.engine.speculative.rollback import rollback_of
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,10 @@ class Runtime:
             raise EngineFailure(
                 ErrorCode.OUT_OF_MEMORY, f"the cache for {context} positions does not fit on {device}"
             ) from exc
+        # A draft model for speculative decoding (the engine attaches and detaches it), and the most
+        # tokens one step drafts (the adaptive k's ceiling).
+        self.draft: DraftModel | None = None
+        self.max_draft_tokens = DEFAULT_MAX_K
         self.graphs: GraphedDecode | None = None
         if graphs:
             try:
@@ -73,6 +83,9 @@ class Runtime:
 
     def close(self) -> None:
         """Free the cache and graphs (the weights belong to whoever loaded the model)."""
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
@@ -112,7 +125,9 @@ class Runtime:
         snapshots: SnapshotStore | None = None,
         use_snapshots: bool = True,
         save: SaveSnapshot | None = None,
+        speculative: str = "off",
     ) -> RunOutcome:
+        """`speculative`: one of SPECULATIVE_MODES (speculative/mode.py resolves "auto")."""
         started = time.perf_counter()
         if not prompt_ids:
             raise EngineFailure(ErrorCode.BAD_REQUEST, "the prompt is empty")
@@ -133,11 +148,14 @@ class Runtime:
                 ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
             )
         check_sampling(sampling)
+        can_roll_back = rollback_of(self.model) is not None
+        mode = resolve_mode(speculative, can_roll_back, self.draft is not None, self.graphs is not None)
         gate = ThinkingGate(thinking, vocab) if thinking is not None else None
 
         out = RunOutcome()
         stats = out.stats
         stats.prompt_tokens = len(prompt_ids)
+        stats.speculative = mode
         if max_new_tokens == 0:
             return out
 
@@ -164,59 +182,15 @@ class Runtime:
             return out
 
         pos = len(prompt_ids)
-        decode_start = 0.0
-        greedy_pick: torch.Tensor | None = None
+        emission = _Emission(out, gate, stop_ids, on_token, should_cancel, max_new_tokens, started)
         with torch.inference_mode():
-            while True:
-                try:
-                    forced = gate.forced_token() if gate is not None else None
-                    token_t: torch.Tensor | None
-                    if forced is None and greedy_pick is not None and sampling.greedy:
-                        pick = greedy_pick  # already chosen inside the captured graph
-                        # None: the graph feeds its own pick to the next step, with no launch here.
-                        assert self.graphs is not None
-                        token_t = None if self.graphs.chains(pos) else pick[0].long()
-                    else:
-                        if forced is None:
-                            token_t, logprob_t = sample(logits, sampling, generator)
-                        else:
-                            token_t = torch.tensor(forced, device=logits.device)
-                            logprob_t = logits[forced] - torch.logsumexp(logits, dim=0)
-                        pick = torch.stack((token_t.double(), logprob_t.double()))
-                    # The one host sync per step (stop checks and streaming need the token), as
-                    # one copy: float64 holds every token id exactly.
-                    token_f, logprob = pick.tolist()
-                    token = int(token_f)
-                except EngineFailure:
-                    raise
-                except Exception as exc:
-                    raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
-                stats.generated_tokens += 1
-                if gate is not None:
-                    gate.observe(token)
-                if stats.generated_tokens == 1:
-                    decode_start = time.perf_counter()
-                    stats.time_to_first_token_s = decode_start - started
-                if token in stop_ids:
-                    out.finish_reason = FinishReason.STOP
-                    break
-                out.tokens.append(token)
-                out.logprobs.append(logprob)
-                on_token(token)
-                if stats.generated_tokens >= max_new_tokens:
-                    out.finish_reason = FinishReason.LENGTH
-                    break
-                if should_cancel():
-                    out.finish_reason = FinishReason.CANCELLED
-                    break
-                try:
-                    logits, greedy_pick = self._decode(token_t, pos)
-                except EngineFailure:
-                    raise
-                except Exception as exc:
-                    raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
-                pos += 1
-        stats.decode_s = time.perf_counter() - decode_start
+            if mode == "off":
+                pos, logits = self._decode_plain(logits, pos, sampling, generator, gate, emission)
+            else:
+                pos, logits = self._decode_speculative(
+                    mode, [*prompt_ids], logits, pos, sampling, generator, gate, emission, max_new_tokens
+                )
+        stats.decode_s = time.perf_counter() - emission.decode_start if emission.decode_start else 0.0
         out.budget_forced_close = gate is not None and gate.forced
         if save is not None and save.at is None and out.finish_reason != FinishReason.CANCELLED:
             # The cache now holds the prompt and every generated token that was fed back; the
@@ -225,6 +199,89 @@ class Runtime:
             seq = [*prompt_ids, *out.tokens][:pos]
             out.snapshot_slot = snapshots.put(seq, self.model.export_state(pos), logits, save.slot).slot
         return out
+
+    def _decode_plain(
+        self,
+        logits: torch.Tensor,
+        pos: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        gate: ThinkingGate | None,
+        emit: _Emission,
+    ) -> tuple[int, torch.Tensor]:
+        """One token a step until the answer ends; returns the final position and logits."""
+        greedy_pick: torch.Tensor | None = None
+        while True:
+            try:
+                forced = gate.forced_token() if gate is not None else None
+                token_t: torch.Tensor | None
+                if forced is None and greedy_pick is not None and sampling.greedy:
+                    pick = greedy_pick  # already chosen inside the captured graph
+                    # None: the graph feeds its own pick to the next step, with no launch here.
+                    assert self.graphs is not None
+                    token_t = None if self.graphs.chains(pos) else pick[0].long()
+                else:
+                    if forced is None:
+                        token_t, logprob_t = sample(logits, sampling, generator)
+                    else:
+                        token_t = torch.tensor(forced, device=logits.device)
+                        logprob_t = logits[forced] - torch.logsumexp(logits, dim=0)
+                    pick = torch.stack((token_t.double(), logprob_t.double()))
+                # The one host sync per step (stop checks and streaming need the token), as
+                # one copy: float64 holds every token id exactly.
+                token_f, logprob = pick.tolist()
+                token = int(token_f)
+            except EngineFailure:
+                raise
+            except Exception as exc:
+                raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
+            if emit(token, logprob):
+                return pos, logits
+            try:
+                logits, greedy_pick = self._decode(token_t, pos)
+            except EngineFailure:
+                raise
+            except Exception as exc:
+                raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
+            pos += 1
+
+    def _decode_speculative(
+        self,
+        mode: str,
+        seq: list[int],
+        logits: torch.Tensor,
+        pos: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        gate: ThinkingGate | None,
+        emit: _Emission,
+        max_new_tokens: int,
+    ) -> tuple[int, torch.Tensor]:
+        """Draft, verify in one forward, keep the agreeing prefix (speculative/decode.py)."""
+        hooks = rollback_of(self.model)
+        assert hooks is not None  # resolve_mode chose a drafter only for a model that rolls back
+        drafter: Drafter
+        if mode == "draft":
+            assert self.draft is not None
+            drafter = self.draft
+        else:
+            drafter = LookupDrafter()
+
+        def plain_step(token: torch.Tensor, at: int) -> torch.Tensor:
+            return self._decode(token, at)[0]
+
+        loop = SpeculativeDecode(
+            self.model, hooks, drafter, sampling, generator, gate, emit.out.stats, emit, plain_step,
+            max_new_tokens, AdaptiveK(k_max=self.max_draft_tokens),
+        )  # fmt: skip
+        try:
+            return loop.run(seq, logits, pos)
+        except EngineFailure:
+            raise
+        except Exception as exc:
+            if isinstance(drafter, DraftModel):
+                drafter.forget()
+            raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
 
     @staticmethod
     def _check_save(
@@ -288,6 +345,53 @@ class Runtime:
             except Exception as exc:
                 raise _failure(exc, ErrorCode.PREFILL_FAILED) from exc
         return logits
+
+
+class _Emission:
+    """Takes each token the decode loop settles on, in order: counts it, lets the thinking budget
+    see it, ends the answer on a stop token, at the length limit or on cancel, else keeps and
+    streams it. Called as emit(token, logprob) -> True once the answer has ended."""
+
+    def __init__(
+        self,
+        out: RunOutcome,
+        gate: ThinkingGate | None,
+        stop_ids: set[int],
+        on_token: Callable[[int], None],
+        should_cancel: Callable[[], bool],
+        max_new_tokens: int,
+        started: float,
+    ) -> None:
+        self.out = out
+        self._gate = gate
+        self._stop_ids = stop_ids
+        self._on_token = on_token
+        self._should_cancel = should_cancel
+        self._max_new_tokens = max_new_tokens
+        self._started = started
+        self.decode_start = 0.0
+
+    def __call__(self, token: int, logprob: float) -> bool:
+        out, stats = self.out, self.out.stats
+        stats.generated_tokens += 1
+        if self._gate is not None:
+            self._gate.observe(token)
+        if stats.generated_tokens == 1:
+            self.decode_start = time.perf_counter()
+            stats.time_to_first_token_s = self.decode_start - self._started
+        if token in self._stop_ids:
+            out.finish_reason = FinishReason.STOP
+            return True
+        out.tokens.append(token)
+        out.logprobs.append(logprob)
+        self._on_token(token)
+        if stats.generated_tokens >= self._max_new_tokens:
+            out.finish_reason = FinishReason.LENGTH
+            return True
+        if self._should_cancel():
+            out.finish_reason = FinishReason.CANCELLED
+            return True
+        return False
 
 
 def _failure(exc: Exception, code: ErrorCode) -> EngineFailure:

@@ -291,6 +291,40 @@ class Gemma3Model(CausalLM):
         found = (s.global_cache if key == "global" else s.local_cache for s in self._shards)
         return [b for b in found if b is not None]
 
+    # --- speculative decoding (speculative/rollback.py) ---------------------------------------
+
+    # Global layers keep a row per position (nothing to undo); a local layer's ring row p % ring
+    # held position p - ring before a verify wrote p, and a later step inside the window reads it.
+    supports_speculation = True
+
+    def max_verify_tokens(self) -> int | None:
+        """A verify never wraps the ring, so every position it writes has a row of its own to put back."""
+        ring = self.ring_rows(self._context)
+        return ring or None
+
+    def verify_checkpoint(self, start_pos: int, count: int) -> list[torch.Tensor]:
+        """The ring rows positions start_pos.. will overwrite, one copy per shard's local block."""
+        ring = self.ring_rows(self._context)
+        if not ring:
+            return []
+        if count > ring:
+            raise ValueError(f"a verify of {count} positions would wrap the ring of {ring} rows")
+        saved = []
+        for block in self._blocks("local"):
+            rows = torch.arange(start_pos, start_pos + count, device=block.device) % ring
+            saved.append(block.index_select(3, rows))
+        return saved
+
+    def verify_rollback(self, saved: list[torch.Tensor], start_pos: int, kept: int) -> None:
+        """Put back the rows of the dead positions start_pos+kept.. from the checkpoint."""
+        ring = self.ring_rows(self._context)
+        for block, rows_saved in zip(self._blocks("local"), saved, strict=True):
+            count = rows_saved.shape[3]
+            if kept >= count:
+                continue
+            rows = torch.arange(start_pos + kept, start_pos + count, device=block.device) % ring
+            block.index_copy_(3, rows, rows_saved[:, :, :, kept:])
+
     # --- running -----------------------------------------------------------------------------
 
     def forward(

@@ -275,6 +275,21 @@ class DenseModel(CausalLM):
             shard.cache[:, :, :, :length].copy_(state["kv"][start:stop])  # onto the shard's device
             start = stop
 
+    # --- speculative decoding (speculative/rollback.py) ---------------------------------------
+
+    # A row per position and attention masked by position (sliding windows included): the rows a
+    # rejected draft wrote are never read before the next write replaces them.
+    supports_speculation = True
+
+    def max_verify_tokens(self) -> int | None:
+        return None
+
+    def verify_checkpoint(self, start_pos: int, count: int) -> None:
+        return None
+
+    def verify_rollback(self, saved: None, start_pos: int, kept: int) -> None:
+        return None
+
     # --- running -----------------------------------------------------------------------------
 
     def forward(

@@ -1,0 +1,45 @@
+"""Which drafter a request gets: the setting (SPECULATIVE_MODES) against what the model allows."""
+
+from __future__ import annotations
+
+from ds4desk.engine.api import SPECULATIVE_MODES, EngineFailure, ErrorCode
+
+
+def check_mode(mode: str) -> None:
+    """BAD_REQUEST for a word that is no mode at all."""
+    if mode not in SPECULATIVE_MODES:
+        raise EngineFailure(
+            ErrorCode.BAD_REQUEST,
+            f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}",
+        )
+
+
+def resolve_mode(mode: str, can_roll_back: bool, has_draft: bool, graphed: bool = False) -> str:
+    """The drafter ("off", "lookup" or "draft") for a request asking `mode` of a model whose cache
+    can (or cannot) roll back and that has (or has not) a draft model loaded. "auto" picks what
+    pays: the draft when there is one, else prompt lookup, except where decode steps replay from
+    CUDA graphs (`graphed`): the verify forward is not captured yet, and an eager verify there costs
+    more than lookup saves on ordinary text. Off where the cache cannot roll back. An explicit mode
+    the model cannot run is a BAD_REQUEST that says why."""
+    check_mode(mode)
+    if mode == "off":
+        return "off"
+    if mode == "auto":
+        if not can_roll_back:
+            return "off"
+        return "draft" if has_draft else "off" if graphed else "lookup"
+    if mode == "mtp":
+        raise EngineFailure(
+            ErrorCode.BAD_REQUEST, "speculative mtp (a model's own MTP layer) is not supported for this model"
+        )
+    if not can_roll_back:
+        raise EngineFailure(
+            ErrorCode.BAD_REQUEST,
+            f"speculative {mode} is not supported for this model: its cache cannot roll back a "
+            "rejected draft yet",
+        )
+    if mode == "draft" and not has_draft:
+        raise EngineFailure(
+            ErrorCode.BAD_REQUEST, "speculative draft needs a draft model (load one with --draft PATH)"
+        )
+    return mode
