@@ -317,9 +317,11 @@ class ModelPreview:
 
 @dataclass(slots=True, frozen=True)
 class MemoryStats:
-    """The device memory as the engine thread read it. On CUDA: the caching allocator's allocated and
-    reserved bytes and the driver's free/total; on the CPU: the process RSS (as allocated and reserved)
-    and the system's MemAvailable/MemTotal. 0 where the platform cannot say."""
+    """The device memory as the engine thread read it. On CUDA: the caching allocator's allocated
+    bytes on the model's devices and its reserved bytes, the driver's free/total; on the CPU: the
+    model's weights + cache (0 with no model) as allocated, the process RSS as reserved, the system's
+    MemAvailable/MemTotal. `allocated` is what the memory readout shows and what a park frees. 0
+    where the platform cannot say."""
 
     device: str  # "cuda:0", "cpu", ...
     name: str  # e.g. "NVIDIA H200" or the CPU model

@@ -113,6 +113,9 @@ class Engine:
         self._memory: MemoryStats | None = None  # the latest reading, refreshed by the engine thread
         self._memory_read_at = 0.0
         self._memory_device: Any = None  # the device of the last loaded model
+        self._model_devices: list[
+            Any
+        ] = []  # the devices of the last loaded model (a layer split has several)
         self._thread = threading.Thread(target=self._serve, name="ds4desk-engine", daemon=True)
         self._thread.start()
 
@@ -290,6 +293,19 @@ class Engine:
             log.exception("reading the device memory failed")
             return None
 
+    def _held_bytes(self) -> int:
+        """What the engine holds for the model: the memory readout's figure; a park frees its drop."""
+        from ds4desk.engine.memory import bytes_held
+
+        loaded = self._loaded
+        if loaded is None:
+            return bytes_held(self._model_devices, 0)
+        device, split = loaded.runtime.device, loaded.runtime.model.split
+        self._model_devices = (
+            [device] if split is None else sorted({type(device)(d) for d in split.devices}, key=str)
+        )
+        return bytes_held(self._model_devices, _resident(loaded.runtime, loaded.info))
+
     def _read_memory(self) -> MemoryStats:
         from ds4desk.engine.memory import read_memory
 
@@ -297,7 +313,7 @@ class Engine:
             self._memory_device = self._loaded.runtime.device
         deadline = self.idle_park_deadline()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        self._memory = read_memory(self._memory_device, left)
+        self._memory = read_memory(self._memory_device, left, held=self._held_bytes())
         self._memory_read_at = time.monotonic()
         return self._memory
 
@@ -513,16 +529,11 @@ class Engine:
         if loaded is None:  # nothing loaded to free
             return ParkResult(selector, self.parked)
         started = time.perf_counter()
-        freed = _resident(loaded.runtime, loaded.info)
-        device = loaded.runtime.device
-        split = loaded.runtime.model.split  # a layer split frees every device's part
-        devices = [device] if split is None else sorted({type(device)(d) for d in split.devices}, key=str)
-        before = sum(_allocated(d) for d in devices)
+        before = self._held_bytes()
         self._parked = _Parked(loaded.request, loaded.info, loaded.snapshots)
         del loaded
         self._drop_model()
-        if all(d.type == "cuda" for d in devices):  # the allocator's own count, when there is one
-            freed = before - sum(_allocated(d) for d in devices)
+        freed = before - self._held_bytes()  # the readout's own quantity: its drop is what Park reports
         return ParkResult(selector, True, bytes=freed, seconds=time.perf_counter() - started)
 
     def _unpark(self, selector: str) -> ParkResult:
@@ -534,12 +545,12 @@ class Engine:
             return self._unpark_draft(selector)
         if parked is None:
             return ParkResult(selector, self.parked)
+        before = self._held_bytes()
         loaded = self._load(parked.request)  # the same files, device, dtype and sizes
         if not loaded.ok:
             self._parked = parked  # still parked: a later unpark can try again
             return ParkResult(selector, True, seconds=loaded.seconds, error=loaded.error)
-        assert self._loaded is not None
-        taken = _resident(self._loaded.runtime, self._loaded.info)
+        taken = self._held_bytes() - before
         return ParkResult(selector, False, bytes=taken, seconds=loaded.seconds)
 
     def _park_draft(self, selector: str) -> ParkResult:
@@ -551,8 +562,7 @@ class Engine:
         started = time.perf_counter()
         draft = loaded.runtime.draft
         device = loaded.runtime.device
-        freed = draft.bytes()
-        before = _allocated(device)
+        before = self._held_bytes()
         loaded.runtime.draft = None
         draft.close()
         del draft
@@ -561,7 +571,7 @@ class Engine:
             import torch
 
             torch.cuda.empty_cache()
-            freed = before - _allocated(device)
+        freed = before - self._held_bytes()
         return ParkResult(selector, self.parked, bytes=freed, seconds=time.perf_counter() - started)
 
     def _unpark_draft(self, selector: str) -> ParkResult:
@@ -571,6 +581,7 @@ class Engine:
         if loaded is None or loaded.runtime.draft is not None or not loaded.request.draft:
             return ParkResult(selector, self.parked)
         started = time.perf_counter()
+        before = self._held_bytes()
         try:
             draft_plan = _plan_draft(loaded.request, None, loaded.runtime)
             loaded.runtime.draft = _start_draft(draft_plan, loaded.runtime, None)
@@ -582,8 +593,8 @@ class Engine:
             log.exception("reloading the draft model failed")
             error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
             return ParkResult(selector, self.parked, seconds=time.perf_counter() - started, error=error)
-        draft = loaded.runtime.draft
-        return ParkResult(selector, self.parked, bytes=draft.bytes(), seconds=time.perf_counter() - started)
+        taken = self._held_bytes() - before
+        return ParkResult(selector, self.parked, bytes=taken, seconds=time.perf_counter() - started)
 
     def _slots(self, op: str, slot: int | None, path: Path | None) -> SlotResult:
         chosen = self._loaded or self._parked
@@ -837,12 +848,6 @@ def _fingerprint(source: Any) -> str:
     tensors = sorted((name, e.dtype, e.shape, e.end - e.begin) for name, e in source.tensors.items())
     payload = json.dumps([source.architecture, source.config, tensors], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
-
-
-def _allocated(device: Any) -> int:
-    import torch
-
-    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -168,7 +168,9 @@ def test_the_window_shows_why_and_goes_on(
         label = window.model_label.text()
         failed = run(window.load_model(str(path)))
         assert not failed.ok and failed.error is not None and expected in failed.error.detail
-        assert expected in window.chat_view.toPlainText()
+        # Said in a notice above the chat, never as a message inside it.
+        assert expected in window.notice_label.text()
+        assert expected not in window.chat_view.toPlainText()
         assert "Could not load" in window.status_label.text()
         assert window.model_label.text() == label  # the model it had is still there
         qtbot.keyClicks(window.composer, "Still there?")

@@ -1,0 +1,134 @@
+"""Speculative decoding on the CPU: decode speed with and without it, on prompts that quote their
+input back, and whether the tokens stay the same.
+
+    .venv/bin/python bench/speculative_cpu.py [--model PATH] [--modes off,lookup] [--max-tokens 192]
+        [--prompts bench/prompts/quote_back.json] [--repeats 2]
+
+The embedded SmolLM2-135M Q4_1 by default, greedy, every prompt of the set through its chat
+template. Each mode runs in its own fresh process (two engines' thread pools in one process slow
+each other down on two cores); a mode's figure is its generated tokens over its decode seconds,
+summed over the prompts, the median of `--repeats` passes after one warm-up pass. Every mode's
+tokens are compared with the first mode's, prompt by prompt. Prints a table and writes JSON under
+bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def run_mode(model: str, mode: str, prompts: list[dict], max_tokens: int, repeats: int) -> dict:
+    """In this process: every prompt `repeats` + 1 times; the tokens and per-pass totals."""
+    from ds4desk.engine import Engine, GenerateRequest, LoadRequest
+
+    engine = Engine()
+    try:
+        loaded = engine.load(LoadRequest(path=model, device="cpu", context=4096, speculative=mode))
+        assert loaded.ok, loaded.error
+        passes = []
+        tokens: dict[str, list[int]] = {}
+        for _ in range(repeats + 1):
+            generated = decode_s = drafted = accepted = 0
+            for prompt in prompts:
+                result = engine.generate(
+                    GenerateRequest(
+                        messages=prompt["messages"],
+                        max_new_tokens=max_tokens,
+                        use_snapshots=False,
+                        speculative=mode,
+                    )
+                )
+                assert result.ok, result.error
+                tokens[prompt["name"]] = list(result.tokens)
+                generated += max(len(result.tokens) - 1, 0)  # the first token comes from the prefill
+                decode_s += result.stats.decode_s
+                drafted += result.stats.drafted_tokens
+                accepted += result.stats.accepted_tokens
+            passes.append(
+                {"generated": generated, "decode_s": decode_s, "drafted": drafted, "accepted": accepted}
+            )
+        timed = passes[1:]  # the first pass warms the allocator, caches and thread pool
+        return {
+            "mode": mode,
+            "decode_tok_s": statistics.median(p["generated"] / p["decode_s"] for p in timed),
+            "passes": timed,
+            "tokens": tokens,
+        }
+    finally:
+        engine.close()
+
+
+def in_child(model: str, mode: str, prompts_path: Path, max_tokens: int, repeats: int) -> dict:
+    job = json.dumps(
+        {
+            "model": model,
+            "mode": mode,
+            "prompts": str(prompts_path),
+            "max_tokens": max_tokens,
+            "repeats": repeats,
+        }
+    )
+    child = subprocess.run(
+        [sys.executable, __file__, "--worker", job], capture_output=True, text=True, timeout=3600
+    )
+    if child.returncode != 0:
+        raise SystemExit(f"{mode} failed ({child.returncode}): {child.stderr[-800:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        job = json.loads(sys.argv[2])
+        prompts = json.loads(Path(job["prompts"]).read_text())["prompts"]
+        print(json.dumps(run_mode(job["model"], job["mode"], prompts, job["max_tokens"], job["repeats"])))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a model path (default: the embedded SmolLM2 Q4_1)")
+    parser.add_argument("--modes", default="off,lookup")
+    parser.add_argument("--prompts", type=Path, default=HERE / "prompts" / "quote_back.json")
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    from ds4desk.engine.loading.default_model import default_model_path
+
+    model = args.model or str(default_model_path())
+    runs = [
+        in_child(model, mode, args.prompts, args.max_tokens, args.repeats) for mode in args.modes.split(",")
+    ]
+    base = runs[0]
+    print(f"{'mode':10} {'decode tok/s':>12} {'x ' + base['mode']:>8} {'accepted':>10} {'same tokens':>12}")
+    for run in runs:
+        same = sum(run["tokens"][name] == base["tokens"][name] for name in base["tokens"])
+        drafted = sum(p["drafted"] for p in run["passes"])
+        accepted = sum(p["accepted"] for p in run["passes"])
+        run["same_tokens_prompts"] = same
+        run["acceptance_rate"] = accepted / drafted if drafted else 0.0
+        print(
+            f"{run['mode']:10} {run['decode_tok_s']:12.1f} {run['decode_tok_s'] / base['decode_tok_s']:8.2f} "
+            f"{run['acceptance_rate']:10.2f} {same:>5} of {len(base['tokens'])}"
+        )
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = RESULTS / f"speculative_cpu_{stamp}.json"
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"date": stamp, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    meta |= {"model": model, "max_tokens": args.max_tokens, "prompts": str(args.prompts.name)}
+    out.write_text(json.dumps({**meta, "runs": runs}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
