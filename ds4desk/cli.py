@@ -17,6 +17,7 @@ from ds4desk.paths import DataDirs, resolve_data_dirs
 
 if TYPE_CHECKING:
     from ds4desk.engine.api import LoadRequest
+    from ds4desk.remote import RemoteEngine
 
 VERBS = ("gui", "generate", "check", "session", "serve", "make-tiny")
 DEVICE_HELP = "auto, cpu, cuda or cuda:N (default: auto, the first GPU when there is one, else the CPU)"
@@ -129,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     _split_arguments(gen)
     _speculative_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    remote = gen.add_argument_group("a model on a server (ds4desk serve, vLLM, SGLang, llama.cpp, Ollama)")
+    remote.add_argument(
+        "--remote", metavar="URL", help="answer with the model of this OpenAI-compatible server"
+    )
+    remote.add_argument(
+        "--api-key", default=os.environ.get("DS4DESK_API_KEY"), help="its key (default: $DS4DESK_API_KEY)"
+    )
+    remote.add_argument(
+        "--model", dest="remote_model", metavar="NAME", help="its model (default: the first listed)"
+    )
 
     session = verbs.add_parser("session", help="drive the engine with JSON lines on stdin and stdout")
     _common(session)
@@ -153,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     serve.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
     serve.add_argument("--context", type=int, default=4096, help="context size in tokens")
+    serve.add_argument(
+        "--slot-dir",
+        help="the folder of slot files for POST /slots/{id}?action=save|restore "
+        "(default: the data directory's snapshots folder)",
+    )
     _weights_argument(serve)
 
     check = verbs.add_parser("check", help="say what a model path is, or why it cannot be loaded")
@@ -185,6 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args_list.insert(0, "gui")
     args = build_parser().parse_args(args_list)
     dirs = resolve_data_dirs(args.data_dir).create()
+    # Libraries' own caches live with ours, not in $TMPDIR or ~: `import torch` alone makes
+    # $TMPDIR/torchinductor_$USER, and Triton compiles into ~/.triton unless told otherwise.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dirs.cache / "torchinductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(dirs.cache / "triton"))
     if args.verb == "gui":
         from ds4desk.app import run_app
 
@@ -207,7 +227,10 @@ def _headless(args: argparse.Namespace, dirs: DataDirs) -> int:
     if args.verb == "serve":
         from ds4desk.server import ServeOptions, serve
 
-        return serve(load_request_of(args), ServeOptions(args.host, args.port, args.api_key))
+        slot_dir = Path(args.slot_dir).expanduser() if args.slot_dir else dirs.data / "snapshots"
+        return serve(
+            load_request_of(args), ServeOptions(args.host, args.port, args.api_key, slot_dir=slot_dir)
+        )
     if args.verb == "session":
         from ds4desk.session import run_session
 
@@ -278,10 +301,22 @@ def _generate(args: argparse.Namespace, dirs: DataDirs) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be at least 1", file=sys.stderr)
         return 2
-    engine = Engine()
+    if args.remote and args.model:
+        print("error: with --remote, name the server's model with --model NAME", file=sys.stderr)
+        return 2
+    engine: Engine | RemoteEngine
+    if args.remote:
+        from ds4desk.engine import LoadRequest
+        from ds4desk.remote import RemoteConfig, RemoteEngine
+
+        engine = RemoteEngine(RemoteConfig(args.remote, api_key=args.api_key, model=args.remote_model))
+        load = LoadRequest()  # connects: lists the server's models and takes --model
+    else:
+        engine = Engine()
+        load = load_request_of(args)
     request: GenerateRequest | None = None
     try:
-        loaded = engine.load(load_request_of(args))
+        loaded = engine.load(load)
         if not loaded.ok:
             assert loaded.error is not None
             return _fail(args.json, loaded.error.to_json())
