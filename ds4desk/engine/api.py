@@ -89,6 +89,26 @@ _request_ids = itertools.count(1)
 TokenCallback = Callable[[int], None]
 
 
+@dataclass(slots=True, frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a position, with its text and natural log-probability."""
+
+    token: int
+    text: str  # the token alone, decoded with its special tokens
+    logprob: float
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's unmodified distribution, and the
+    GenerateRequest.top_logprobs most likely tokens there, most likely first."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """Exactly one of prompt_tokens, messages or raw_text says what the prompt is."""
@@ -106,6 +126,10 @@ class GenerateRequest:
     on_token: TokenCallback | None = None
     # One of SPECULATIVE_MODES; None: the load's setting (LoadRequest.speculative).
     speculative: str | None = None
+    # None: no per-token entries; 0..20: each generated token's TokenLogprob with that many most
+    # likely alternatives (in TextDelta.logprobs and GenerateResult.token_logprobs). Decoding then
+    # runs without speculation: the entries come from each plain step's own logits.
+    top_logprobs: int | None = None
     request_id: int = field(default_factory=lambda: next(_request_ids))
 
 
@@ -162,6 +186,7 @@ class GenerateResult:
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # with GenerateRequest.top_logprobs
     text: str = ""
     finish_reason: FinishReason = FinishReason.ERROR
     error: EngineError | None = None
@@ -431,3 +456,4 @@ class TextDelta:
     request_id: int
     tokens: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, with GenerateRequest.top_logprobs

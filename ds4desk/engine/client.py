@@ -26,6 +26,7 @@ from ds4desk.engine.api import (
     ParkResult,
     SlotResult,
     TextDelta,
+    TokenLogprob,
 )
 from ds4desk.engine.engine import Engine
 
@@ -110,24 +111,27 @@ class _DeltaBatcher(_Coalescer):
         self._deliver = deliver
         self._tokens: list[int] = []
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
 
-    def push(self, token: int | None, text: str) -> None:
+    def push(self, token: int | None, text: str, entry: TokenLogprob | None = None) -> None:
         """Engine thread."""
         with self._lock:
             if token is not None:
                 self._tokens.append(token)
+            if entry is not None:
+                self._logprobs.append(entry)
             self._text.append(text)
         self._pushed()
 
-    def _take(self) -> tuple[list[int], str]:
-        taken = self._tokens, "".join(self._text)
-        self._tokens, self._text = [], []
+    def _take(self) -> tuple[list[int], str, list[TokenLogprob]]:
+        taken = self._tokens, "".join(self._text), self._logprobs
+        self._tokens, self._text, self._logprobs = [], [], []
         return taken
 
-    def _send(self, taken: tuple[list[int], str]) -> None:
-        tokens, text = taken
+    def _send(self, taken: tuple[list[int], str, list[TokenLogprob]]) -> None:
+        tokens, text, logprobs = taken
         if tokens or text:
-            self._deliver(TextDelta(self._request_id, tuple(tokens), text))
+            self._deliver(TextDelta(self._request_id, tuple(tokens), text, tuple(logprobs)))
 
 
 class _ProgressBatcher(_Coalescer):

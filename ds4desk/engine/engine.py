@@ -37,11 +37,13 @@ from ds4desk.engine.api import (
     SlotResult,
     ThinkingBudget,
     ThinkingFormat,
+    TokenLogprob,
+    TopLogprob,
 )
 
 if TYPE_CHECKING:
     from ds4desk.engine.loader import LoadedModel, LoadPlan
-    from ds4desk.engine.runtime import Runtime
+    from ds4desk.engine.runtime import Runtime, Scored
     from ds4desk.engine.snapshots import SnapshotStore
     from ds4desk.engine.speculative.draft_model import DraftModel
     from ds4desk.engine.tokenizer import ChatTokenizer
@@ -50,7 +52,8 @@ log = logging.getLogger(__name__)
 
 # Called on the engine thread for every generated token with the text it completed (may be "");
 # token None carries text held back until the end (an unfinished UTF-8 sequence, say).
-DeltaSink = Callable[[int | None, str], None]
+# sink(token, text) or, with GenerateRequest.top_logprobs, sink(token, text, TokenLogprob).
+DeltaSink = Callable[..., None]
 
 
 @dataclass(slots=True)
@@ -653,6 +656,7 @@ class Engine:
             result.prompt_tokens = prompt
             stops = set(request.stop_tokens) if request.stop_tokens is not None else loaded.tokenizer.stop_ids
             detokenizer = IncrementalDetokenizer(loaded.tokenizer)
+            scored: list[Scored] = []  # filled by the runtime with request.top_logprobs
 
             def on_token(token: int) -> None:
                 piece = detokenizer.push(token)
@@ -660,8 +664,11 @@ class Engine:
                     self._read_memory_quietly()
                 if request.on_token is not None:
                     request.on_token(token)
+                entry = _token_logprob(loaded.tokenizer, token, scored[-1]) if scored else None
+                if entry is not None:
+                    result.token_logprobs.append(entry)
                 if sink is not None:
-                    sink(token, piece)
+                    sink(token, piece) if entry is None else sink(token, piece, entry)
 
             budget = request.thinking_budget
             if budget is not None and not budget.close_tokens:
@@ -678,6 +685,8 @@ class Engine:
                 request.use_snapshots,
                 request.save_snapshot,
                 request.speculative or loaded.request.speculative,
+                request.top_logprobs,
+                scored if request.top_logprobs is not None else None,
             )
             tail = detokenizer.flush()
             if tail and sink is not None:
@@ -769,6 +778,16 @@ def _start_draft(plan: LoadPlan, runtime: Runtime, tick: Callable[[int, int], No
     loaded = fill(plan, tick)
     context = min(plan.context, runtime.context)
     return DraftModel(loaded.model, context, runtime.chunk, str(plan.source.origin), loaded.weight_bytes)
+
+
+def _token_logprob(tokenizer: ChatTokenizer, token: int, scored: Scored) -> TokenLogprob:
+    logprob, top = scored
+
+    def text(i: int) -> str:
+        return tokenizer.decode([i], skip_special_tokens=False)
+
+    alternatives = tuple(TopLogprob(i, text(i), value) for i, value in top)
+    return TokenLogprob(token, text(token), logprob, alternatives)
 
 
 def _resident(runtime: Runtime, info: ModelInfo) -> int:

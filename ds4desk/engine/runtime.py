@@ -21,6 +21,7 @@ from ds4desk.engine.api import (
 )
 from ds4desk.engine.budget import ThinkingGate
 from ds4desk.engine.graphs import GraphedDecode
+from ds4desk.engine.logprobs import token_logprobs
 from ds4desk.engine.models.base import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
 from ds4desk.engine.snapshots import SnapshotStore
@@ -32,6 +33,9 @@ from ds4desk.engine.speculative.mode import resolve_mode
 from ds4desk.engine.speculative.rollback import rollback_of
 
 log = logging.getLogger(__name__)
+
+# A kept token's log-probability and its most likely alternatives [(id, log-probability)].
+Scored = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass(slots=True)
@@ -126,8 +130,13 @@ class Runtime:
         use_snapshots: bool = True,
         save: SaveSnapshot | None = None,
         speculative: str = "off",
+        top_logprobs: int | None = None,
+        scored: list[Scored] | None = None,
     ) -> RunOutcome:
-        """`speculative`: one of SPECULATIVE_MODES (speculative/mode.py resolves "auto")."""
+        """`speculative`: one of SPECULATIVE_MODES (speculative/mode.py resolves "auto").
+        `top_logprobs`: each kept token's log-probability and its `top_logprobs` most likely
+        alternatives go into `scored` before `on_token` sees the token; decoding then runs without
+        speculation (the entries come from each plain step's logits)."""
         started = time.perf_counter()
         if not prompt_ids:
             raise EngineFailure(ErrorCode.BAD_REQUEST, "the prompt is empty")
@@ -150,6 +159,8 @@ class Runtime:
         check_sampling(sampling)
         can_roll_back = rollback_of(self.model) is not None
         mode = resolve_mode(speculative, can_roll_back, self.draft is not None, self.graphs is not None)
+        if top_logprobs is not None:
+            mode = "off"
         gate = ThinkingGate(thinking, vocab) if thinking is not None else None
 
         out = RunOutcome()
@@ -182,10 +193,12 @@ class Runtime:
             return out
 
         pos = len(prompt_ids)
-        emission = _Emission(out, gate, stop_ids, on_token, should_cancel, max_new_tokens, started)
+        emission = _Emission(out, gate, stop_ids, on_token, should_cancel, max_new_tokens, started, scored)
         with torch.inference_mode():
             if mode == "off":
-                pos, logits = self._decode_plain(logits, pos, sampling, generator, gate, emission)
+                pos, logits = self._decode_plain(
+                    logits, pos, sampling, generator, gate, emission, top_logprobs
+                )
             else:
                 pos, logits = self._decode_speculative(
                     mode, [*prompt_ids], logits, pos, sampling, generator, gate, emission, max_new_tokens
@@ -208,6 +221,7 @@ class Runtime:
         generator: torch.Generator | None,
         gate: ThinkingGate | None,
         emit: _Emission,
+        top_logprobs: int | None = None,
     ) -> tuple[int, torch.Tensor]:
         """One token a step until the answer ends; returns the final position and logits."""
         greedy_pick: torch.Tensor | None = None
@@ -231,11 +245,13 @@ class Runtime:
                 # one copy: float64 holds every token id exactly.
                 token_f, logprob = pick.tolist()
                 token = int(token_f)
+                # The graph's own pick left `logits` as its output row: the same call works there.
+                top = token_logprobs(logits, token, top_logprobs)[1] if top_logprobs is not None else None
             except EngineFailure:
                 raise
             except Exception as exc:
                 raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
-            if emit(token, logprob):
+            if emit(token, logprob, top):
                 return pos, logits
             try:
                 logits, greedy_pick = self._decode(token_t, pos)
@@ -361,8 +377,10 @@ class _Emission:
         should_cancel: Callable[[], bool],
         max_new_tokens: int,
         started: float,
+        scored: list[Scored] | None = None,
     ) -> None:
         self.out = out
+        self._scored = scored
         self._gate = gate
         self._stop_ids = stop_ids
         self._on_token = on_token
@@ -371,7 +389,7 @@ class _Emission:
         self._started = started
         self.decode_start = 0.0
 
-    def __call__(self, token: int, logprob: float) -> bool:
+    def __call__(self, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> bool:
         out, stats = self.out, self.out.stats
         stats.generated_tokens += 1
         if self._gate is not None:
@@ -384,6 +402,8 @@ class _Emission:
             return True
         out.tokens.append(token)
         out.logprobs.append(logprob)
+        if self._scored is not None and top is not None:
+            self._scored.append((logprob, top))
         self._on_token(token)
         if stats.generated_tokens >= self._max_new_tokens:
             out.finish_reason = FinishReason.LENGTH

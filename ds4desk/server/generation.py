@@ -29,7 +29,6 @@ from ds4desk.server.protocol import (
     ChatParams,
     CompletionParams,
     GenerationParams,
-    bad,
     error_of_engine,
 )
 from ds4desk.server.stops import StopScanner, first_stop
@@ -40,20 +39,6 @@ log = logging.getLogger(__name__)
 # Without max_tokens an answer may run this long, or to the end of the context when the prompt
 # leaves less (then the request is sent again with what is left: see Generation._run).
 DEFAULT_MAX_TOKENS = 2048
-
-# The engine hook for log-probabilities beyond the sampled token's (see .notes/requests.md):
-# GenerateRequest.top_logprobs, TextDelta.logprobs and GenerateResult.token_logprobs. Until the
-# engine has it, a request for logprobs is refused with a clear 400.
-LOGPROBS_FIELD = "top_logprobs"
-
-
-def engine_has_logprobs() -> bool:
-    return LOGPROBS_FIELD in {f.name for f in dataclasses.fields(GenerateRequest)}
-
-
-def _check_logprobs(params: GenerationParams) -> None:
-    if params.logprobs is not None and not engine_has_logprobs():
-        raise bad("logprobs are not supported by this engine yet", "logprobs")
 
 
 @dataclass(slots=True)
@@ -76,7 +61,6 @@ class Finished:
 
 
 def chat_request(params: ChatParams, context: int, fmt: ThinkingFormat) -> GenerateRequest:
-    _check_logprobs(params)
     budget = None
     if params.thinking_budget is not None:
         # close_tokens left empty: the engine fills in the loaded tokenizer's </think>.
@@ -87,19 +71,17 @@ def chat_request(params: ChatParams, context: int, fmt: ThinkingFormat) -> Gener
 
 
 def completion_request(params: CompletionParams, context: int) -> GenerateRequest:
-    _check_logprobs(params)
     return _request(params, context, raw_text=params.text, prompt_tokens=params.tokens)
 
 
 def _request(params: GenerationParams, context: int, **prompt: Any) -> GenerateRequest:
-    extra = {LOGPROBS_FIELD: params.logprobs} if params.logprobs is not None else {}
     return GenerateRequest(
         sampling=SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed),
         max_new_tokens=params.max_tokens or min(DEFAULT_MAX_TOKENS, context - 1),
         stop_tokens=[] if params.ignore_eos else None,
         save_snapshot=SaveSnapshot() if params.cache_prompt else None,
+        top_logprobs=params.logprobs,  # per-token entries (GenerateResult.token_logprobs) when asked
         **prompt,
-        **extra,
     )
 
 

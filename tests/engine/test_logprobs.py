@@ -77,3 +77,48 @@ def test_a_small_vocabulary_gives_what_there_is() -> None:
 def test_bad_arguments_are_refused(logits: torch.Tensor, token: int, top_n: int, mentions: str) -> None:
     with pytest.raises(ValueError, match=mentions):
         token_logprobs(logits, token, top_n)
+
+
+def test_the_engine_gives_each_token_its_entry_and_alternatives() -> None:
+    """Through the engine on the real SmolLM2: one TokenLogprob per generated token, in the result
+    and in the streamed deltas; the first one equals token_logprobs of the prompt's own logits."""
+    import asyncio
+
+    from ds4desk.engine import Engine, EngineClient, GenerateRequest, LoadRequest
+    from ds4desk.engine.loading.default_model import default_model_path
+
+    engine = Engine()
+    try:
+        assert engine.load(LoadRequest(path=str(default_model_path()), device="cpu", context=256)).ok
+        request = GenerateRequest(raw_text="The capital of France is", max_new_tokens=6, top_logprobs=3)
+        result = engine.generate(request)
+        assert result.ok and result.tokens
+        entries = result.token_logprobs
+        assert [e.token for e in entries] == result.tokens
+        assert [e.logprob for e in entries] == pytest.approx(result.logprobs, abs=1e-5)
+        for entry in entries:  # greedy: the token chosen leads its alternatives
+            assert len(entry.top) == 3 and entry.top[0].token == entry.token
+            assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
+        assert "".join(e.text for e in entries) == result.text
+        loaded = engine._loaded
+        assert loaded is not None
+        first = loaded.runtime.prefill_logits(result.prompt_tokens)
+        chosen, top = token_logprobs(first, result.tokens[0], 3)
+        assert entries[0].logprob == pytest.approx(chosen, abs=1e-4)
+        assert [(t.token, t.logprob) for t in entries[0].top] == [
+            (i, pytest.approx(v, abs=1e-4)) for i, v in top
+        ]
+
+        async def streamed() -> list:
+            client = EngineClient(engine)
+            deltas = []
+            done = await client.generate(
+                GenerateRequest(raw_text="The capital of France is", max_new_tokens=6, top_logprobs=2),
+                on_delta=deltas.append,
+            )
+            return [done, deltas]
+
+        done, deltas = asyncio.run(streamed())
+        assert [e.token for d in deltas for e in d.logprobs] == done.tokens == result.tokens
+    finally:
+        engine.close()

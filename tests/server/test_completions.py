@@ -9,7 +9,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from ds4desk.server.generation import engine_has_logprobs
 from tests.server.conftest import API_KEY, Served, ds4desk
 from tests.server.test_hostile_requests import assert_openai_error, send
 
@@ -108,12 +107,7 @@ def test_a_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
     assert first and sample(5) == first
 
 
-def test_logprobs_follow_what_the_engine_can_do(client: openai.OpenAI, generated_raw: dict) -> None:
-    if not engine_has_logprobs():
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.completions.create(model="m", prompt=RAW, max_tokens=4, temperature=0, logprobs=2)
-        assert "logprobs are not supported by this engine yet" in str(refused.value)
-        return
+def test_logprobs_of_a_completion(client: openai.OpenAI, generated_raw: dict) -> None:
     reply = client.completions.create(model="m", prompt=RAW, max_tokens=4, temperature=0, logprobs=2)
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs

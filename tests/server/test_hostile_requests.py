@@ -69,7 +69,7 @@ def assert_openai_error(status: int, answer: dict, expected_status: int, mention
         (json.dumps({**GOOD, "stop": [""]}).encode(), "stop"),
         (json.dumps({**GOOD, "stream": "yes"}).encode(), "stream"),
         (json.dumps({**GOOD, "n": 3}).encode(), "n = 1"),
-        (json.dumps({**GOOD, "logprobs": True}).encode(), "logprobs"),
+        (json.dumps({**GOOD, "logprobs": True, "top_logprobs": 99}).encode(), "top_logprobs"),
     ],
 )
 def test_a_malformed_request_is_a_400(server: Served, body: bytes, mentions: str) -> None:
