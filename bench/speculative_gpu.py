@@ -1,0 +1,166 @@
+"""Speculative decoding on a GPU: what a verify step of k drafted tokens costs against one plain
+decode step, the tokens/s that gives at a chosen acceptance, and greedy identity in bf16.
+
+    python3 bench/speculative_gpu.py --vocab DIR [--work DIR] [--out bench/results]
+
+`--vocab`: the tokenizer folder `bench/gpu_speed.py prepare` writes.
+
+On the dense 1.07B model of bench/gpu_speed.py (random bf16 weights, written here). A plain step
+replays the captured CUDA graph (as `ds4desk generate` decodes); a verify step is the eager
+forward of k + 1 tokens that speculative/decode.py runs (not captured yet). Both are timed at
+position 512 with CUDA events, the median of 50 after a warm-up. From the two: tokens/s at an
+acceptance a, k drafts a step = (1 + a·k) / verify(k), against 1 / plain.
+
+Then three answers of 256 tokens to a prompt that repeats itself: speculation off, prompt lookup and
+the model as its own draft (every draft accepted: the ceiling), with their tokens compared; a
+difference is counted with the target's top-2 logit margin where it happened (bf16 near-ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_speed import random_dense_state, write_hf
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def timed(fn, repeats: int = 50) -> float:
+    """Median seconds of fn() by CUDA events, after a warm-up."""
+    for _ in range(5):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def step_costs(folder: Path) -> dict:
+    from ds4desk.engine.loader import load_model
+    from ds4desk.engine.loading.detect import read_source
+    from ds4desk.engine.runtime import Runtime
+
+    device = torch.device("cuda")
+    loaded = load_model(read_source(folder), device, torch.bfloat16)
+    runtime = Runtime(loaded.model, device, context=1024, chunk=512, graphs=True)
+    model = runtime.model
+    ids = torch.randint(100, 40000, (600,), device=device)
+    with torch.inference_mode():
+        model.forward(ids[:512], 0, "none")
+        token = ids[512:513]
+        plain = timed(lambda: runtime._decode(token, 512))
+        verify = {}
+        for k in range(1, 9):
+            block = ids[512 : 512 + k + 1]
+            verify[k] = timed(lambda block=block: model.forward(block, 512, "all"))
+    runtime.close()
+    return {"plain_s": plain, "verify_s": verify}
+
+
+def answers(folder: Path) -> dict:
+    from ds4desk.engine import Engine, GenerateRequest, LoadRequest
+
+    pattern = [(i * 7919 + 17) % 40000 + 100 for i in range(48)]
+    prompt = pattern * 6  # a prompt that repeats itself: lookup finds its n-grams
+    out = {}
+    for mode, draft in (("off", None), ("lookup", None), ("draft", str(folder))):
+        engine = Engine()
+        try:
+            load = LoadRequest(path=str(folder), device="cuda", dtype="bfloat16", context=1024, draft=draft)
+            loaded = engine.load(load)
+            assert loaded.ok, loaded.error
+            request = GenerateRequest(
+                prompt_tokens=prompt, max_new_tokens=256, stop_tokens=[], speculative=mode
+            )
+            engine.generate(request)  # warm-up: graphs, kernels
+            result = engine.generate(
+                GenerateRequest(prompt_tokens=prompt, max_new_tokens=256, stop_tokens=[], speculative=mode)
+            )
+            assert result.ok, result.error
+            stats = result.stats
+            out[mode] = {
+                "tokens": result.tokens,
+                "decode_tok_s": stats.decode_tok_s,
+                "drafted": stats.drafted_tokens,
+                "accepted": stats.accepted_tokens,
+                "speculative": stats.speculative,
+            }
+            if mode == "off":
+                loaded = engine._loaded
+                assert loaded is not None
+                margins = []
+                seq = [*prompt, *result.tokens]
+                with torch.inference_mode():
+                    logits = loaded.runtime.model.forward(
+                        torch.tensor(seq, device="cuda")[: len(prompt) + 255], 0, "all"
+                    )
+                    top2 = logits[len(prompt) - 1 :].float().topk(2, dim=-1).values
+                    margins = (top2[:, 0] - top2[:, 1]).tolist()
+                out["off"]["margins"] = margins
+        finally:
+            engine.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=Path, required=True)
+    parser.add_argument("--work", type=Path)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp())
+    folder = work / "dense"
+    if not (folder / "config.json").exists():
+        write_hf(folder, random_dense_state(), args.vocab)
+    costs = step_costs(folder)
+    plain = costs["plain_s"]
+    print(f"plain graphed step {plain * 1e6:.1f} us ({1 / plain:.1f} tok/s)")
+    rates = {}
+    for k, seconds in costs["verify_s"].items():
+        rates[k] = {a: (1 + a * k) / seconds for a in (0.6, 0.8, 1.0)}
+        print(
+            f"verify k={k}: {seconds * 1e6:8.1f} us = {seconds / plain:5.2f}x a plain step; tok/s at "
+            + ", ".join(f"a={a}: {r:7.1f} ({r * plain:4.2f}x)" for a, r in rates[k].items())
+        )
+    runs = answers(folder)
+    base = runs["off"]["tokens"]
+    margins = runs["off"]["margins"]
+    for mode, run in runs.items():
+        first = next((i for i, (a, b) in enumerate(zip(base, run["tokens"], strict=True)) if a != b), None)
+        run["first_difference"] = first
+        run["margin_there"] = margins[first] if first is not None else None
+        rate = run["accepted"] / run["drafted"] if run["drafted"] else 0.0
+        print(
+            f"{mode:7} ({run['speculative']}): {run['decode_tok_s']:8.1f} tok/s, accepted {run['accepted']}"
+            f" of {run['drafted']} ({rate:.2f}), first difference from off: {first}"
+            + (f" (top-2 margin there {margins[first]:.3f})" if first is not None else "")
+        )
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"speculative_gpu_{stamp}.json"
+    meta = {"date": stamp, "device": torch.cuda.get_device_name(), "model": "dense 1.07B random bf16"}
+    for run in runs.values():
+        run.pop("margins", None)
+    path.write_text(
+        json.dumps({**meta, "plain_s": plain, "verify_s": costs["verify_s"], "rates": rates, "runs": runs})
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
