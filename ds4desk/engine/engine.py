@@ -12,7 +12,6 @@ import logging
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,16 +35,24 @@ from ds4desk.engine.api import (
     ProgressCallback,
     SlotResult,
     ThinkingBudget,
-    ThinkingFormat,
-    TokenLogprob,
-    TopLogprob,
 )
+from ds4desk.engine.load_steps import (
+    dtype_name,
+    fill_and_start,
+    fingerprint,
+    model_bytes,
+    model_name,
+    plan_draft,
+    probe_thinking,
+    release_frames,
+    start_draft,
+    state_check,
+)
+from ds4desk.engine.prompting import prompt_ids, token_logprob
 
 if TYPE_CHECKING:
-    from ds4desk.engine.loader import LoadedModel, LoadPlan
     from ds4desk.engine.runtime import Runtime, Scored
     from ds4desk.engine.snapshots import SnapshotStore
-    from ds4desk.engine.speculative.draft_model import DraftModel
     from ds4desk.engine.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -158,7 +165,7 @@ class Engine:
         loaded = self._loaded
         if loaded is None:
             return "", 0
-        return str(loaded.runtime.device), _resident(loaded.runtime, loaded.info)
+        return str(loaded.runtime.device), model_bytes(loaded.runtime, loaded.info)
 
     def submit_generate(
         self, request: GenerateRequest, sink: DeltaSink | None = None
@@ -307,7 +314,7 @@ class Engine:
         self._model_devices = (
             [device] if split is None else sorted({type(device)(d) for d in split.devices}, key=str)
         )
-        return bytes_held(self._model_devices, _resident(loaded.runtime, loaded.info))
+        return bytes_held(self._model_devices, model_bytes(loaded.runtime, loaded.info))
 
     def _read_memory(self) -> MemoryStats:
         from ds4desk.engine.memory import read_memory
@@ -383,18 +390,18 @@ class Engine:
             weights=request.weights,
         )
         context = plan.context
-        draft_plan = _plan_draft(request, plan) if request.draft else None
+        draft_plan = plan_draft(request, plan) if request.draft else None
         needs = dict(plan.needs)
         if draft_plan is not None:  # the draft sits on the first device, beside the target
             needs[str(device)] = needs.get(str(device), 0) + sum(draft_plan.needs.values())
         previous = self._loaded
         # Refused before the current model is let go: a model that cannot fit costs nothing. Every
         # device of a split is checked on its own.
-        what = f"{path.name} in {_dtype_name(dtype)} with a {context}-token cache"
+        what = f"{path.name} in {dtype_name(dtype)} with a {context}-token cache"
         for name, needed in needs.items():
             reclaimable = 0
             if previous is not None and str(previous.runtime.device) == name:
-                reclaimable = _resident(previous.runtime, previous.info)
+                reclaimable = model_bytes(previous.runtime, previous.info)
             check_fits(needed, torch.device(name), what, reclaimable)
         # Both at once when memory allows: the current model keeps answering between the new one's
         # tensors, and a failed or cancelled load leaves it exactly as it was. Otherwise it goes first.
@@ -423,17 +430,17 @@ class Engine:
 
         failure: BaseException | None = None
         try:
-            loaded, runtime = _fill_and_start(plan, request, tick, stop_if_cancelled)
+            loaded, runtime = fill_and_start(plan, request, tick, stop_if_cancelled)
             if draft_plan is not None:
                 # Its tensors are not counted in the progress (the bar would start over).
-                runtime.draft = _start_draft(draft_plan, runtime, lambda _done, _total: stop_if_cancelled())
+                runtime.draft = start_draft(draft_plan, runtime, lambda _done, _total: stop_if_cancelled())
         except BaseException as exc:
             failure = exc
         if failure is not None:
             # The plan (and the traceback's frames) hold the half-built model: free it before
             # anything is reloaded.
             del plan
-            _release_frames(failure)
+            release_frames(failure)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -447,18 +454,18 @@ class Engine:
                     self._restore(fallback.request)
             raise failure
         info = ModelInfo(
-            name=_model_name(source.origin),
+            name=model_name(source.origin),
             family=loaded.family,
             architecture=source.architecture,
             path=str(source.origin),
             device=plan.devices_text,
-            dtype=_dtype_name(dtype),
+            dtype=dtype_name(dtype),
             parameters=loaded.parameters,
             weight_bytes=loaded.weight_bytes,
             context=context,
             tokenizer=tokenizer.describe(),
             has_chat_template=source.chat_template is not None,
-            thinking=_probe_thinking(tokenizer),
+            thinking=probe_thinking(tokenizer),
             draft=runtime.draft.path if runtime.draft is not None else "",
             draft_weight_bytes=runtime.draft.weight_bytes if runtime.draft is not None else 0,
         )
@@ -466,8 +473,8 @@ class Engine:
         if parked is not None and parked.request == request:
             snapshots = parked.snapshots  # unparking: the same model, its snapshots still apply
         else:
-            layout, vocab = _state_check(runtime.model, context)
-            identity = ModelIdentity(_fingerprint(source), info.dtype, context, layout, vocab)
+            layout, vocab = state_check(runtime.model, context)
+            identity = ModelIdentity(fingerprint(source), info.dtype, context, layout, vocab)
             snapshots = SnapshotStore(identity, self._snapshot_slots, self._snapshot_budget_bytes)
         if keep:
             # The old model goes only now that the new one is ready; the cuBLAS workspaces stay,
@@ -586,8 +593,8 @@ class Engine:
         started = time.perf_counter()
         before = self._held_bytes()
         try:
-            draft_plan = _plan_draft(loaded.request, None, loaded.runtime)
-            loaded.runtime.draft = _start_draft(draft_plan, loaded.runtime, None)
+            draft_plan = plan_draft(loaded.request, None, loaded.runtime)
+            loaded.runtime.draft = start_draft(draft_plan, loaded.runtime, None)
         except EngineFailure as failure:
             return ParkResult(
                 selector, self.parked, seconds=time.perf_counter() - started, error=failure.error
@@ -652,7 +659,7 @@ class Engine:
                 raise EngineFailure(ErrorCode.MODEL_NOT_LOADED, "no model is loaded")
             if self._is_cancelled(request.request_id):
                 raise EngineFailure(ErrorCode.CANCELLED, "cancelled before it started")
-            prompt = _prompt_ids(request, loaded.tokenizer)
+            prompt = prompt_ids(request, loaded.tokenizer)
             result.prompt_tokens = prompt
             stops = set(request.stop_tokens) if request.stop_tokens is not None else loaded.tokenizer.stop_ids
             detokenizer = IncrementalDetokenizer(loaded.tokenizer)
@@ -664,7 +671,7 @@ class Engine:
                     self._read_memory_quietly()
                 if request.on_token is not None:
                     request.on_token(token)
-                entry = _token_logprob(loaded.tokenizer, token, scored[-1]) if scored else None
+                entry = token_logprob(loaded.tokenizer, token, scored[-1]) if scored else None
                 if entry is not None:
                     result.token_logprobs.append(entry)
                 if sink is not None:
@@ -715,163 +722,3 @@ class Engine:
                 self._cancelled.discard(request.request_id)
                 self._running = None
         return result
-
-
-def _fill_and_start(
-    plan: LoadPlan,
-    request: LoadRequest,
-    tick: Callable[[int, int], None],
-    stop_if_cancelled: Callable[[], None],
-) -> tuple[LoadedModel, Runtime]:
-    """The planned model filled from its files, and the runtime (and CUDA graphs) around it."""
-    from ds4desk.engine.graphs import graphs_wanted
-    from ds4desk.engine.loader import fill
-    from ds4desk.engine.runtime import Runtime
-
-    loaded = fill(plan, tick)
-    stop_if_cancelled()  # after the last tensor: still before the swap
-    device = plan.device
-    graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)
-    chunk = request.chunk or _auto_chunk(device.type)
-    return loaded, Runtime(loaded.model, device, context=plan.context, chunk=chunk, graphs=graphs)
-
-
-def _plan_draft(
-    request: LoadRequest, target_plan: LoadPlan | None, runtime: Runtime | None = None
-) -> LoadPlan:
-    """The draft model's load plan: on the target's first device, in its dtype, for its context;
-    refused (LOAD_FAILED) before any memory is taken when it cannot draft for the target."""
-    from ds4desk.engine.loader import plan_load
-    from ds4desk.engine.loading.detect import read_source
-    from ds4desk.engine.speculative.draft_model import check_draft_pair
-    from ds4desk.engine.speculative.rollback import rollback_of
-
-    assert request.draft
-    if target_plan is not None:
-        target, device, dtype, context = (
-            target_plan.model,
-            target_plan.device,
-            target_plan.dtype,
-            target_plan.context,
-        )
-    else:
-        assert runtime is not None
-        target, device, dtype, context = runtime.model, runtime.device, runtime.model.dtype, runtime.context
-    if rollback_of(target) is None:
-        raise EngineFailure(
-            ErrorCode.LOAD_FAILED,
-            "speculative decoding with a draft model is not supported for this model (its cache cannot "
-            "roll back a rejected draft yet): load it without a draft",
-        )
-    path = Path(request.draft).expanduser()
-    plan = plan_load(read_source(path), device, dtype, context, weights=request.weights)
-    check_draft_pair(target, plan.model, path.name)
-    return plan
-
-
-def _start_draft(plan: LoadPlan, runtime: Runtime, tick: Callable[[int, int], None] | None) -> DraftModel:
-    """The planned draft filled from its files, with a cache as long as the target's (or its own
-    maximum, when that is shorter: it then drafts nothing past it)."""
-    from ds4desk.engine.loader import fill
-    from ds4desk.engine.speculative.draft_model import DraftModel
-
-    loaded = fill(plan, tick)
-    context = min(plan.context, runtime.context)
-    return DraftModel(loaded.model, context, runtime.chunk, str(plan.source.origin), loaded.weight_bytes)
-
-
-def _token_logprob(tokenizer: ChatTokenizer, token: int, scored: Scored) -> TokenLogprob:
-    logprob, top = scored
-
-    def text(i: int) -> str:
-        return tokenizer.decode([i], skip_special_tokens=False)
-
-    alternatives = tuple(TopLogprob(i, text(i), value) for i, value in top)
-    return TokenLogprob(token, text(token), logprob, alternatives)
-
-
-def _resident(runtime: Runtime, info: ModelInfo) -> int:
-    """What the loaded model takes: its weights and cache, and its draft's."""
-    draft = runtime.draft.bytes() if runtime.draft is not None else 0
-    return info.weight_bytes + runtime.model.cache_bytes() + draft
-
-
-def _release_frames(error: BaseException | None) -> None:
-    """Clear the locals of every frame an exception (and its causes) keeps alive."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
-
-
-def _auto_chunk(device_type: str) -> int:
-    """Measured (docs/BENCHMARKS.md, bench/gpu_speed.py and bench/profile_v4_prefill.py sweeps): on
-    an H200 both families prefill a 4k prompt fastest in one chunk of 4096 (DeepSeek-V4 synthetic:
-    36k tok/s at 512, 60k at 1024, 69k at 2048, 71k at 4096); the CPU is tuned at 512."""
-    return 4096 if device_type == "cuda" else 512
-
-
-def _prompt_ids(request: GenerateRequest, tokenizer: ChatTokenizer) -> list[int]:
-    given = [x is not None for x in (request.prompt_tokens, request.messages, request.raw_text)]
-    if sum(given) != 1:
-        raise EngineFailure(ErrorCode.BAD_REQUEST, "give exactly one of prompt_tokens, messages or raw_text")
-    if request.max_new_tokens < 1:
-        raise EngineFailure(ErrorCode.BAD_REQUEST, "max_new_tokens must be at least 1")
-    if request.prompt_tokens is not None:
-        ids = list(request.prompt_tokens)  # the runtime checks them against the model's vocabulary
-    elif request.messages is not None:
-        thinking = request.thinking or request.thinking_budget is not None
-        # Both spellings: our DeepSeek-V4 encoder and Hugging Face templates (enable_thinking).
-        ids = tokenizer.encode_chat(
-            request.messages, variables={"thinking": thinking, "enable_thinking": thinking}
-        )
-    else:
-        ids = tokenizer.encode(request.raw_text or "")
-    if not ids:
-        raise EngineFailure(ErrorCode.BAD_REQUEST, "the prompt is empty")
-    return ids
-
-
-def _probe_thinking(tokenizer: ChatTokenizer) -> ThinkingFormat:
-    """Whether the window may offer Think for this model, and whether the answer starts inside <think>."""
-    from ds4desk.engine.chat_template import probe_thinking
-
-    return probe_thinking(lambda messages, variables: tokenizer.render_chat(messages, variables=variables))
-
-
-def _state_check(model: Any, context: int) -> tuple[Any, int | None]:
-    """What a snapshot file must hold for this model: its state layout and its vocabulary size. A
-    model whose layout cannot be learned gets every file refused, never trusted."""
-    from ds4desk.engine.snapshots import state_layout
-
-    vocab = getattr(model, "vocab_size", None)
-    try:
-        return state_layout(model, context), vocab if isinstance(vocab, int) else None
-    except Exception as exc:
-        reason = f"{type(exc).__name__}: {exc}"
-
-        def refuse(_length: int) -> dict[str, Any]:
-            raise EngineFailure(
-                ErrorCode.INVALID_SNAPSHOT_SLOT, f"snapshot files of this model cannot be checked ({reason})"
-            )
-
-        return refuse, vocab if isinstance(vocab, int) else None
-
-
-def _fingerprint(source: Any) -> str:
-    """Which weights a snapshot belongs to: the architecture, config and every tensor's header."""
-    import hashlib
-    import json
-
-    tensors = sorted((name, e.dtype, e.shape, e.end - e.begin) for name, e in source.tensors.items())
-    payload = json.dumps([source.architecture, source.config, tensors], sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()[:32]
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _model_name(origin: Path) -> str:
-    return origin.stem if origin.is_file() else origin.name
