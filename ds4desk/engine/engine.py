@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ds4desk.engine.api import (
-    PARK_SELECTORS,
     WEIGHT_MODES,
     EngineError,
     EngineFailure,
@@ -48,12 +47,11 @@ from ds4desk.engine.load_steps import (
     start_draft,
     state_check,
 )
+from ds4desk.engine.parking import Loaded, Parked, Parking
 from ds4desk.engine.prompting import prompt_ids, token_logprob
 
 if TYPE_CHECKING:
-    from ds4desk.engine.runtime import Runtime, Scored
-    from ds4desk.engine.snapshots import SnapshotStore
-    from ds4desk.engine.tokenizer import ChatTokenizer
+    from ds4desk.engine.runtime import Scored
 
 log = logging.getLogger(__name__)
 
@@ -71,23 +69,7 @@ class _Command:
     sink: DeltaSink | None = None
 
 
-@dataclass(slots=True)
-class _Loaded:
-    runtime: Runtime
-    tokenizer: ChatTokenizer
-    info: ModelInfo
-    request: LoadRequest
-    snapshots: SnapshotStore
-
-
-@dataclass(slots=True)
-class _Parked:
-    request: LoadRequest
-    info: ModelInfo
-    snapshots: SnapshotStore  # host memory: they outlive the park
-
-
-class Engine:
+class Engine(Parking):
     """`unpark_on_generate`: a request to a parked model reloads it first (else `model_parked`).
     `park_cancels_running`: a park stops the answer being written instead of waiting for it.
     `idle_park_after_s`: park the model after that long without a command (None: never)."""
@@ -110,8 +92,8 @@ class Engine:
         self._cancelled: set[int] = set()
         self._running: int | None = None  # the request id being generated
         self._lock = threading.Lock()
-        self._loaded: _Loaded | None = None
-        self._parked: _Parked | None = None
+        self._loaded: Loaded | None = None
+        self._parked: Parked | None = None
         # Loads are numbered when submitted; cancel_load() cancels every one submitted so far.
         self._load_seq = 0
         self._load_cancel_upto = 0
@@ -295,38 +277,6 @@ class Engine:
             self._idle_since = time.monotonic()
             self._read_memory_quietly()
 
-    def _read_memory_quietly(self) -> MemoryStats | None:
-        """A reading is a nicety: its failure must never fail the command around it."""
-        try:
-            return self._read_memory()
-        except Exception:
-            log.exception("reading the device memory failed")
-            return None
-
-    def _held_bytes(self) -> int:
-        """What the engine holds for the model: the memory readout's figure; a park frees its drop."""
-        from ds4desk.engine.memory import bytes_held
-
-        loaded = self._loaded
-        if loaded is None:
-            return bytes_held(self._model_devices, 0)
-        device, split = loaded.runtime.device, loaded.runtime.model.split
-        self._model_devices = (
-            [device] if split is None else sorted({type(device)(d) for d in split.devices}, key=str)
-        )
-        return bytes_held(self._model_devices, model_bytes(loaded.runtime, loaded.info))
-
-    def _read_memory(self) -> MemoryStats:
-        from ds4desk.engine.memory import read_memory
-
-        if self._loaded is not None:
-            self._memory_device = self._loaded.runtime.device
-        deadline = self.idle_park_deadline()
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        self._memory = read_memory(self._memory_device, left, held=self._held_bytes())
-        self._memory_read_at = time.monotonic()
-        return self._memory
-
     def _load(
         self, request: LoadRequest, seq: int | None = None, on_progress: ProgressCallback | None = None
     ) -> LoadResult:
@@ -410,7 +360,7 @@ class Engine:
         )
         fallback = None
         if previous is not None and not keep:
-            fallback = _Parked(previous.request, previous.info, previous.snapshots)
+            fallback = Parked(previous.request, previous.info, previous.snapshots)
             if result is not None:
                 result.dropped_previous = True
         del previous  # no reference of ours may keep a dropped model's memory alive
@@ -480,7 +430,7 @@ class Engine:
             # The old model goes only now that the new one is ready; the cuBLAS workspaces stay,
             # because the new model's graphs were captured with them.
             self._drop_model(clear_workspaces=False)
-        self._loaded = _Loaded(runtime, tokenizer, info, request, snapshots)
+        self._loaded = Loaded(runtime, tokenizer, info, request, snapshots)
         self._parked = None  # a new model replaces a parked one too
         return info
 
@@ -528,83 +478,6 @@ class Engine:
                 torch.cuda.synchronize(device)
                 clear()
                 torch.cuda.empty_cache()
-
-    def _park(self, selector: str) -> ParkResult:
-        if selector not in PARK_SELECTORS:
-            error = EngineError(ErrorCode.BAD_REQUEST, f"park selector must be one of {PARK_SELECTORS}")
-            return ParkResult(selector, self.parked, error=error)
-        loaded = self._loaded
-        if selector == "draft":
-            return self._park_draft(selector)
-        if loaded is None:  # nothing loaded to free
-            return ParkResult(selector, self.parked)
-        started = time.perf_counter()
-        before = self._held_bytes()
-        self._parked = _Parked(loaded.request, loaded.info, loaded.snapshots)
-        del loaded
-        self._drop_model()
-        freed = before - self._held_bytes()  # the readout's own quantity: its drop is what Park reports
-        return ParkResult(selector, True, bytes=freed, seconds=time.perf_counter() - started)
-
-    def _unpark(self, selector: str) -> ParkResult:
-        if selector not in PARK_SELECTORS:
-            error = EngineError(ErrorCode.BAD_REQUEST, f"unpark selector must be one of {PARK_SELECTORS}")
-            return ParkResult(selector, self.parked, error=error)
-        parked = self._parked
-        if selector == "draft":
-            return self._unpark_draft(selector)
-        if parked is None:
-            return ParkResult(selector, self.parked)
-        before = self._held_bytes()
-        loaded = self._load(parked.request)  # the same files, device, dtype and sizes
-        if not loaded.ok:
-            self._parked = parked  # still parked: a later unpark can try again
-            return ParkResult(selector, True, seconds=loaded.seconds, error=loaded.error)
-        taken = self._held_bytes() - before
-        return ParkResult(selector, False, bytes=taken, seconds=loaded.seconds)
-
-    def _park_draft(self, selector: str) -> ParkResult:
-        """Free the draft model (weights and cache); the target keeps answering, without it. A
-        target parked afterwards comes back with its draft (its LoadRequest names it)."""
-        loaded = self._loaded
-        if loaded is None or loaded.runtime.draft is None:  # no draft loaded: nothing to free
-            return ParkResult(selector, self.parked)
-        started = time.perf_counter()
-        draft = loaded.runtime.draft
-        device = loaded.runtime.device
-        before = self._held_bytes()
-        loaded.runtime.draft = None
-        draft.close()
-        del draft
-        gc.collect()
-        if device.type == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
-        freed = before - self._held_bytes()
-        return ParkResult(selector, self.parked, bytes=freed, seconds=time.perf_counter() - started)
-
-    def _unpark_draft(self, selector: str) -> ParkResult:
-        """Load the draft the target's LoadRequest names again (nothing to do when it is loaded, or
-        when the target itself is parked: its unpark brings the draft back)."""
-        loaded = self._loaded
-        if loaded is None or loaded.runtime.draft is not None or not loaded.request.draft:
-            return ParkResult(selector, self.parked)
-        started = time.perf_counter()
-        before = self._held_bytes()
-        try:
-            draft_plan = plan_draft(loaded.request, None, loaded.runtime)
-            loaded.runtime.draft = start_draft(draft_plan, loaded.runtime, None)
-        except EngineFailure as failure:
-            return ParkResult(
-                selector, self.parked, seconds=time.perf_counter() - started, error=failure.error
-            )
-        except Exception as exc:
-            log.exception("reloading the draft model failed")
-            error = EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}")
-            return ParkResult(selector, self.parked, seconds=time.perf_counter() - started, error=error)
-        taken = self._held_bytes() - before
-        return ParkResult(selector, self.parked, bytes=taken, seconds=time.perf_counter() - started)
 
     def _slots(self, op: str, slot: int | None, path: Path | None) -> SlotResult:
         chosen = self._loaded or self._parked
