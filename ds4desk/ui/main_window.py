@@ -11,14 +11,12 @@ import asyncio
 import base64
 import functools
 import logging
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import shiboken6
-from PySide6.QtCore import QByteArray, QEvent, QObject, Qt, QTimer
-from PySide6.QtGui import QAction, QCloseEvent, QKeyEvent, QKeySequence
+from PySide6.QtCore import QByteArray, Qt, QTimer
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
@@ -41,8 +39,6 @@ from ds4desk.engine.api import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
-    LoadRequest,
-    LoadResult,
     MemoryStats,
     ModelInfo,
     SaveSnapshot,
@@ -51,10 +47,8 @@ from ds4desk.engine.api import (
 )
 from ds4desk.history import LEAF, History
 from ds4desk.settings import BUILT_IN_MODEL, Settings
-from ds4desk.ui import chat_view
 from ds4desk.ui.backend import ChatBackend
 from ds4desk.ui.banners import (
-    DEVICE_FALLBACK,
     LOAD_FAILED,
     NO_MODEL_HELP,
     NO_MODEL_TITLE,
@@ -66,19 +60,20 @@ from ds4desk.ui.chat_options import ChatOptions
 from ds4desk.ui.chat_view import ChatView, NoteKind, counts_as_thinking
 from ds4desk.ui.composer import Composer
 from ds4desk.ui.conversation import Generation, conversation, message_note
-from ds4desk.ui.device_choice import DeviceFallback, DeviceLister, canonical, fallback_for
+from ds4desk.ui.device_choice import DeviceFallback, DeviceLister
 from ds4desk.ui.markdown_render import split_thinking
 from ds4desk.ui.markdown_render import with_think_tag as _with_think_tag
 from ds4desk.ui.model_loader import LoaderHooks, ModelLoader
-from ds4desk.ui.model_picker import ModelPicker, PickerHooks
+from ds4desk.ui.model_picker import ModelPicker
 from ds4desk.ui.park_controls import ParkControls, ParkHooks
 from ds4desk.ui.perf_panel import PerfPanel
 from ds4desk.ui.remote_actions import RemoteActions, RemoteHooks
-from ds4desk.ui.settings_dialog import SettingsDialog
 from ds4desk.ui.sidebar import UNTITLED, Sidebar
 from ds4desk.ui.slot_panel import SlotPanel
 from ds4desk.ui.stats_format import status_speed
 from ds4desk.ui.theme import ThemeWatcher
+from ds4desk.ui.window_chats import ChatNavigation
+from ds4desk.ui.window_loading import ModelLoading
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +88,9 @@ DEFAULT_SIZE = (1100, 750)
 MIN_CHAT_WIDTH = 520
 DOCK_WIDTH = 340  # a dock's width when it first opens; the user may drag it wider
 SIDEBAR_MIN_WIDTH = 180  # the chat list stays readable when docks open
-BUILT_IN_LOADING = "Loading the built-in model (SmolLM2)…"
-FIRST_START_NOTE = " The first load also starts the engine, which takes a few seconds."
 
 
-class MainWindow(QMainWindow):
+class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
     def __init__(
         self,
         backend: ChatBackend,
@@ -487,335 +480,6 @@ class MainWindow(QMainWindow):
             f"context {info.context}, tokenizer {info.tokenizer}\n{info.path}"
         )
 
-    # ---- model loading --------------------------------------------------------------------
-
-    def start_load(
-        self, path: str | None = None, *, remember: bool = False, recent: bool = False
-    ) -> asyncio.Task[LoadResult]:
-        """Load in the background; a message sent meanwhile waits for it."""
-        load = self.load_model(path, remember=remember, recent=recent)
-        return self.model_loader.track(asyncio.ensure_future(load))
-
-    async def load_model(
-        self, path: str | None = None, *, remember: bool = False, recent: bool = False
-    ) -> LoadResult:
-        """`remember`: a successful load becomes the model to load next time (and first in File >
-        Open recent); `recent`: only first in Open recent (a model given on the command line)."""
-        wanted = self.settings.load_request(path)
-        label = Path(wanted.path).name if wanted.path else "the built-in model (SmolLM2)"
-        status = f"Loading {label}…" if wanted.path else BUILT_IN_LOADING
-        self.set_status(status + (FIRST_START_NOTE if self._loads_done == 0 else ""))
-        self.model_label.setText("Loading…")
-        self.open_model_action.setEnabled(False)
-        self._loads_running += 1
-        self._update_send()  # a message may be typed and sent now: it waits for the load
-        try:
-            return await self._load_model(path, label, remember=remember, recent=recent)
-        finally:
-            self._loads_running -= 1
-            self._update_send()
-
-    async def _load_model(self, path: str | None, label: str, *, remember: bool, recent: bool) -> LoadResult:
-        await self._check_device()  # the first time, the engine side is asked which devices exist
-        if self._closed:
-            return LoadResult(error=EngineError(ErrorCode.CANCELLED, "the window closed"))
-        request = self.settings.load_request(path, self.model_loader.device_override)
-        started = time.monotonic()
-        result = await self._backend_load(request)
-        if self._gpu_failed(request, result) and not self._closed:
-            result = await self._load_on_cpu_instead(request, result)
-        self._loads_done += 1
-        if self._closed:
-            return result
-        self.open_model_action.setEnabled(True)
-        self._show_model(self.backend.model_info)  # a failed load may have kept the previous model
-        if result.ok and result.info is not None:
-            self.park_controls.restart_idle_countdown()
-            self.refresh_memory()
-            if self.slot_dock.isVisible():
-                self.slot_panel.refresh()
-            seconds = result.seconds or time.monotonic() - started
-            unloaded = " (the previous model was unloaded first: memory holds one)" * result.dropped_previous
-            self.set_status(f"Model {result.info.name} loaded in {seconds:.1f} s{unloaded}")
-            self.notice_bar.remove(LOAD_FAILED)  # an earlier failure is over
-            chosen = path if path is not None else request.path
-            self.current_model_path = chosen or BUILT_IN_MODEL
-            if remember and chosen:
-                self.model_loader.remember(chosen)
-                self._save_settings()
-            elif recent and chosen:
-                self.model_loader.add_recent(chosen)
-                self._save_settings()
-        elif result.error is not None and result.error.code == ErrorCode.CANCELLED:
-            kept = self.backend.model_info
-            self.set_status(f"Loading {label} cancelled" + (f"; {kept.name} is still loaded" if kept else ""))
-        else:
-            detail = result.error.detail if result.error else "the engine gave no reason"
-            kept = self.backend.model_info
-            still = f" {kept.name} is still loaded." if kept else ""
-            # A notice above the chat, not a line in it: a failed load belongs to no conversation.
-            self.show_notice(f"Could not load {label}: {detail.rstrip('.')}.{still}", key=LOAD_FAILED)
-            self.set_status(f"Could not load the model: {detail}", error=True)
-        return result
-
-    async def _backend_load(self, request: LoadRequest) -> LoadResult:
-        try:
-            return await self.model_loader.load(request)
-        except Exception as exc:  # the backend promises not to raise; a bug must not kill the window
-            log.exception("load raised")
-            return LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, f"{type(exc).__name__}: {exc}"))
-
-    def _gpu_failed(self, request: LoadRequest, result: LoadResult) -> bool:
-        """The load failed on a device that may be a GPU: worth one more try on the CPU. A file
-        that is no model fails the same everywhere, but the engine cannot tell us which part failed,
-        and a second failure costs a header read. A model too big for the GPU is not moved to the
-        CPU behind the user's back: it would be slow, and may not fit there either."""
-        if result.ok or result.error is None:
-            return False
-        if result.error.code in (ErrorCode.CANCELLED, ErrorCode.OUT_OF_MEMORY):
-            return False
-        devices = request.devices or (request.device,)
-        if all(canonical(d) == "cpu" for d in devices):
-            return False
-        choices = self.device_choices
-        # auto is the CPU on a machine without a GPU: it already failed there.
-        cpu_only = choices is not None and not any(c.name.startswith("cuda") for c in choices)
-        return not (devices == ("auto",) and cpu_only)
-
-    async def _load_on_cpu_instead(self, request: LoadRequest, failed: LoadResult) -> LoadResult:
-        """GPU -> CPU: the saved device failed, so this load runs on the CPU and the window says why.
-        The setting is left alone (the GPU may work next time); the notice says where to change it."""
-        where = ", ".join(request.devices) if request.devices else request.device
-        detail = failed.error.detail if failed.error else "no reason given"
-        self.set_status(f"Loading on {where} failed; trying the CPU…", error=True)
-        result = await self._backend_load(replace(request, device="cpu", devices=None, layer_split=None))
-        if result.ok:
-            self.show_notice(
-                f"The model could not be loaded on {where} ({detail}), so it was loaded on the CPU "
-                "instead. Choose another device in Settings > Device.",
-                key=DEVICE_FALLBACK,
-            )
-            return result
-        return failed  # the CPU failed too: the first reason is the one to show
-
-    async def known_devices(self) -> list[DeviceChoice] | None:
-        """The devices this torch sees, asked of the engine side once; None when it cannot say."""
-        if self.device_choices is None and self._list_devices is not None:
-            try:
-                self.device_choices = list(await self._list_devices())
-            except Exception as exc:  # the list is a check, never a reason not to load
-                log.warning("listing the devices failed: %s", exc)
-        return self.device_choices
-
-    async def _check_device(self) -> None:
-        """A device this machine does not have (saved, or given with --device) is replaced by the
-        first GPU, else the CPU, for this session; the notice says why and stays until dismissed.
-        The saved setting is left alone: the GPU may be back next time."""
-        await self.known_devices()
-        if not self._closed:
-            self._apply_device_check()
-
-    def _apply_device_check(self) -> None:
-        wanted = self._device_override or self.settings.device
-        choices = self.device_choices
-        fallback = fallback_for(wanted, choices) if choices is not None else None
-        self.model_loader.device_override = fallback.instead if fallback else self._device_override
-        if fallback is not None and fallback != self.device_fallback:
-            self.show_notice(fallback.why, key=DEVICE_FALLBACK)
-        self.device_fallback = fallback
-
-    def open_settings(self) -> SettingsDialog:
-        """Settings (Ctrl+,): window-modal, not blocking; OK saves them."""
-        dialog = SettingsDialog(self.settings, self, devices=self.device_choices)
-        if self.device_choices is None and self._list_devices is not None:
-            self._device_task = asyncio.ensure_future(self._list_devices_into(dialog))
-        dialog.accepted.connect(self._on_settings_accepted)
-        dialog.finished.connect(dialog.deleteLater)
-        self.settings_dialog = dialog
-        dialog.open()
-        return dialog
-
-    async def _list_devices_into(self, dialog: SettingsDialog) -> None:
-        choices = await self.known_devices()
-        if choices is not None and not self._closed and shiboken6.isValid(dialog) and dialog.isVisible():
-            dialog.set_devices(choices)
-
-    def _on_settings_accepted(self) -> None:
-        self._apply_device_check()  # a new device holds for the next load, a drop's check included
-        self._save_settings()
-        self.chat_options.sync()
-        self.set_status("Settings saved. Model options apply at the next model load.")
-
-    def _save_settings(self) -> None:
-        if self._settings_path is None:
-            return
-        try:
-            self.settings.save(self._settings_path)
-        except OSError as exc:
-            self.set_status(f"Could not save settings: {exc}", error=True)
-
-    # ---- chats ----------------------------------------------------------------------------
-
-    def _refresh_sidebar(self) -> None:
-        self.sidebar.current_id = self.current_chat_id
-        self.sidebar.refresh()
-
-    def open_chat(self, chat_id: int, *, focus_composer: bool = True) -> None:
-        """Show the chat's active branch; a chat still being answered keeps streaming into view."""
-        if self.history.get_chat(chat_id) is None:
-            return
-        if chat_id != self.current_chat_id:
-            self.composer.cancel_edit()
-        self.current_chat_id = chat_id
-        self.chat_view.clear_messages()
-        generation = self._generation if self._generation and self._generation.chat_id == chat_id else None
-        for item in self.history.thread(chat_id):
-            message = item.message
-            if generation and message.id == generation.writer.message_id:
-                # Still streaming: keep following it.
-                self.chat_view.begin_stream(
-                    generation.writer.text,
-                    message_id=message.id,
-                    thinking_tokens=generation.thinking_tokens,
-                    branch=(item.index, len(item.sibling_ids)),
-                )
-                continue
-            note, kind = message_note(message)
-            self.chat_view.add_message(
-                message.role,
-                message.content,
-                note=note,
-                note_kind=kind,
-                message_id=message.id,
-                branch=(item.index, len(item.sibling_ids)),
-                thinking_tokens=(message.stats or {}).get("thinking_tokens"),
-            )
-        self.sidebar.select(chat_id)
-        if focus_composer:
-            self.composer.setFocus()
-
-    def new_chat(self) -> None:
-        """The chat row is created with the first message, so empty chats never pile up."""
-        self.current_chat_id = None
-        self.composer.cancel_edit()
-        self.chat_view.clear_messages()
-        self.sidebar.select(None)
-        self.composer.setFocus()
-
-    def rename_chat(self, chat_id: int, title: str) -> None:
-        if title.strip():
-            self.history.rename_chat(chat_id, title)
-            self._refresh_sidebar()
-
-    def delete_chat(self, chat_id: int) -> bool:
-        """Hides the chat; Undo (the sidebar's button, Ctrl+Z) brings it back for a few seconds."""
-        if self._generation and self._generation.chat_id == chat_id:
-            self.set_status("Stop the answer before deleting its chat.", error=True)
-            return False
-        chat = self.history.get_chat(chat_id)
-        title = (chat.title if chat else "") or UNTITLED
-        self.sidebar.hide_chat(chat_id)
-        if chat_id == self.current_chat_id:
-            self.new_chat()
-        # Ctrl+Z in the composer undoes this delete until something is typed there.
-        self._undo_steps_at_delete = self.composer.document().availableUndoSteps()
-        self.set_status(f"Deleted “{title}”. Undo with Ctrl+Z or the Undo button.")
-        return True
-
-    def delete_current_chat(self) -> bool:
-        """Edit > Delete chat (Del): the chat selected in the list, else the one shown."""
-        item = self.chat_list.currentItem()
-        chat_id = int(item.data(Qt.ItemDataRole.UserRole)) if item is not None else self.current_chat_id
-        return chat_id is not None and self.delete_chat(chat_id)
-
-    def rename_current_chat(self) -> bool:
-        """Edit > Rename chat (F2)."""
-        item = self.chat_list.currentItem()
-        chat_id = int(item.data(Qt.ItemDataRole.UserRole)) if item is not None else self.current_chat_id
-        return self.sidebar.start_rename(chat_id)
-
-    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
-        kind = event.type()
-        if kind == QEvent.Type.ShortcutOverride and isinstance(event, QKeyEvent):
-            if (
-                watched is self.composer
-                and event.matches(QKeySequence.StandardKey.Undo)
-                and self._undo_deletes_chat()
-            ):
-                event.ignore()  # not the composer's: the window's Undo delete chat takes it
-                return True
-        elif kind == QEvent.Type.KeyPress and watched is self.chat_list and isinstance(event, QKeyEvent):
-            typed = event.text()
-            plain = not event.modifiers() & ~Qt.KeyboardModifier.ShiftModifier
-            if typed and typed.isprintable() and not typed.isspace() and plain:
-                self.composer.setFocus(Qt.FocusReason.OtherFocusReason)
-                self.composer.insertPlainText(typed)
-                return True
-        return super().eventFilter(watched, event)
-
-    def _undo_deletes_chat(self) -> bool:
-        """A chat delete is waiting for its undo, and nothing was typed since."""
-        return (
-            self.sidebar.pending_delete is not None
-            and self._undo_steps_at_delete == self.composer.document().availableUndoSteps()
-        )
-
-    def _on_chat_restored(self, chat_id: int) -> None:
-        self.open_chat(chat_id)
-        self.set_status("Chat restored.")
-
-    # ---- branches: edit, regenerate, switch -------------------------------------------------
-
-    def _on_message_action(self, action: str, message_id: int) -> None:
-        if action == chat_view.EDIT:
-            self.edit_message(message_id)
-        elif action == chat_view.REGENERATE:
-            self.regenerate(message_id)
-        elif action in (chat_view.PREVIOUS, chat_view.NEXT):
-            self.switch_branch(message_id, -1 if action == chat_view.PREVIOUS else 1)
-
-    def edit_message(self, message_id: int) -> None:
-        """Loads a sent message into the composer; sending it makes a new branch from there."""
-        message = self.history.get_message(message_id)
-        if message is None or message.role != "user":
-            return
-        self.composer.start_edit(message_id, message.content)
-        self.set_status("Editing: Enter sends it as a new branch (the old one stays), Esc cancels.")
-
-    def regenerate(self, message_id: int | None = None) -> asyncio.Task[GenerateResult | None] | None:
-        """A new answer to the same question, as a sibling of `message_id` (default: the last one)."""
-        if not self.can_send:
-            self.set_status(f"{NO_MODEL_TITLE} {NO_MODEL_HELP}", error=True)
-            return None
-        if self.busy:
-            self.set_status("Still answering: press Stop (Esc) to interrupt it first.")
-            return None
-        thread = self.history.messages(self.current_chat_id) if self.current_chat_id else []
-        if message_id is None:
-            message_id = next((m.id for m in reversed(thread) if m.role == "assistant"), None)
-        message = self.history.get_message(message_id) if message_id is not None else None
-        if message is None or message.role != "assistant" or message.parent_id is None:
-            return None
-        self._set_busy(True)
-        self._send_task = asyncio.ensure_future(self.send_message(None, parent_id=message.parent_id))
-        return self._send_task
-
-    def switch_branch(self, message_id: int, step: int) -> None:
-        """Show the previous (step -1) or next (+1) sibling of `message_id` and its branch."""
-        chat_id = self.current_chat_id
-        thread = self.history.thread(chat_id) if chat_id is not None else []
-        item = next((i for i in thread if i.message.id == message_id), None)
-        if item is None:
-            return
-        index = item.index + step
-        if not 0 <= index < len(item.sibling_ids):
-            return
-        if self._generation is not None and self._generation.chat_id == chat_id:
-            self.set_status("Wait for the answer (or Stop it) before switching branches.")
-            return
-        self.history.switch_branch(item.sibling_ids[index])
-        self.open_chat(chat_id)
-
     # ---- sending and streaming ------------------------------------------------------------
 
     @property
@@ -1066,26 +730,6 @@ class MainWindow(QMainWindow):
         s.window_geometry = _base64(self.saveGeometry())
         s.window_state = _base64(self.saveState())
         s.splitter_state = _base64(self.splitter.saveState())
-
-    # ---- the model picker ---------------------------------------------------------------------
-
-    def open_model_picker(self) -> ModelPicker:
-        """File > Choose model… (Ctrl+L): window-modal, not blocking; a row loads like File > Open."""
-        picker = self.model_picker
-        if picker is not None and shiboken6.isValid(picker) and picker.isVisible():
-            picker.raise_()
-            return picker
-        hooks = PickerHooks(
-            open_model=self.model_loader.open_path,
-            load_request=lambda path: self.settings.load_request(path, self.model_loader.device_override),
-            current_path=lambda: self.current_model_path if self.backend.model_info is not None else None,
-            save_settings=self._save_settings,
-        )
-        picker = ModelPicker(self.settings, self.backend, hooks, self)
-        picker.finished.connect(picker.deleteLater)
-        self.model_picker = picker
-        picker.open()
-        return picker
 
     def closeEvent(self, event: QCloseEvent) -> None:
         self.remember_window_state()

@@ -23,9 +23,10 @@ from ds4desk.engine import Engine, EngineClient, GenerateRequest, SamplingParams
 from ds4desk.engine.devices import visible_devices
 from ds4desk.history import History
 from ds4desk.settings import BUILT_IN_MODEL, Settings
-from ds4desk.ui.main_window import BUILT_IN_LOADING, DEFAULT_SIZE, MIN_CHAT_WIDTH, MainWindow
+from ds4desk.ui.main_window import DEFAULT_SIZE, MIN_CHAT_WIDTH, MainWindow
 from ds4desk.ui.model_picker import FAMILY, FITS, NAME, SIZE, TYPES
 from ds4desk.ui.theme import apply_theme
+from ds4desk.ui.window_loading import BUILT_IN_LOADING
 from tests.real_models import smollm2_gguf
 
 MISSING_GPU = "cuda:99"  # no machine has it

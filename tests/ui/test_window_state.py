@@ -20,8 +20,9 @@ from ds4desk.engine.api import EngineError, ErrorCode
 from ds4desk.history import History
 from ds4desk.settings import Settings
 from ds4desk.ui.chat_options import CUSTOM, PRESETS
-from ds4desk.ui.main_window import BUILT_IN_LOADING, DEFAULT_SIZE, MIN_CHAT_WIDTH, MainWindow
+from ds4desk.ui.main_window import DEFAULT_SIZE, MIN_CHAT_WIDTH, MainWindow
 from ds4desk.ui.model_loader import PROGRESS_ROOM
+from ds4desk.ui.window_loading import BUILT_IN_LOADING
 from tests.ui.chat_helpers import link_hrefs, type_and_enter
 from tests.ui.fake_backend import CPU_ONLY, TWO_GPUS, FakeBackend
 
