@@ -79,6 +79,14 @@ def hand_over(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device, non_blocking=False, copy=True)
 
 
+class CenteredNorm(nn.Module):
+    """Holds an RMSNorm weight stored centred on 0, applied as 1 + weight (Gemma 3, Qwen3.5)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
+
+
 class CausalLM(nn.Module, ABC):
     """A decoder with its own preallocated cache; see the module docstring for the call order.
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
-from ds4desk.engine.models.base import CausalLM, LogitsMode, load_failure
+from ds4desk.engine.models.base import CausalLM, CenteredNorm, LogitsMode, load_failure
 from ds4desk.engine.models.gemma3.config import Gemma3Config
 from ds4desk.engine.models.gemma3.layer import (
     EagerDecodeSteps,
@@ -45,14 +45,6 @@ from ds4desk.engine.models.packed import (
 from ds4desk.engine.split import materialize_parameters
 
 
-class RMSNorm(nn.Module):
-    """Holds Gemma's norm weight (applied as 1 + weight, see layer.rms_norm)."""
-
-    def __init__(self, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Gemma3Config, dtype: torch.dtype, prefix: str, packed: Mapping[str, int]) -> None:
         super().__init__()
@@ -66,8 +58,8 @@ class Attention(nn.Module):
         self.k_proj = linear(hidden, kv, bias, dtype, f"{prefix}.k_proj", packed)
         self.v_proj = linear(hidden, kv, bias, dtype, f"{prefix}.v_proj", packed)
         self.o_proj = linear(q, hidden, bias, dtype, f"{prefix}.o_proj", packed)
-        self.q_norm = RMSNorm(cfg.head_dim, dtype)
-        self.k_norm = RMSNorm(cfg.head_dim, dtype)
+        self.q_norm = CenteredNorm(cfg.head_dim, dtype)
+        self.k_norm = CenteredNorm(cfg.head_dim, dtype)
 
 
 class MLP(nn.Module):
@@ -84,10 +76,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, dtype, f"{prefix}.self_attn", packed)
         self.mlp = MLP(cfg, dtype, f"{prefix}.mlp", packed)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, dtype)
-        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, dtype)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, dtype)
+        self.input_layernorm = CenteredNorm(cfg.hidden_size, dtype)
+        self.post_attention_layernorm = CenteredNorm(cfg.hidden_size, dtype)
+        self.pre_feedforward_layernorm = CenteredNorm(cfg.hidden_size, dtype)
+        self.post_feedforward_layernorm = CenteredNorm(cfg.hidden_size, dtype)
         # Set by materialize: "qkv" / "gate_up" -> the fused (weight, bias) the float parts view.
         self.fused: dict[str, Fused] = {}
 
@@ -99,7 +91,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, f"model.layers.{i}", packed) for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, dtype)
+        self.norm = CenteredNorm(cfg.hidden_size, dtype)
 
 
 class Gemma3Model(CausalLM):
@@ -391,7 +383,7 @@ class Gemma3Model(CausalLM):
         return out
 
 
-def _scale(norm: RMSNorm) -> torch.Tensor:
+def _scale(norm: CenteredNorm) -> torch.Tensor:
     """Gemma's norm factor: 1 + weight, in float32 (the reference adds in float32)."""
     return 1.0 + norm.weight.float()
 

@@ -18,17 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from ds4desk.engine.models.base import CenteredNorm
 from ds4desk.engine.models.packed import Projection, linear, projection_of
 from ds4desk.engine.models.qwen3_5.config import Qwen35Config
 from ds4desk.engine.models.qwen3_5.ops import centered_rms_norm, rotate_leading
-
-
-class CenteredNorm(nn.Module):
-    """Holds an RMSNorm weight stored centred on 0 (applied as 1 + weight, ops.centered_rms_norm)."""
-
-    def __init__(self, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
 
 
 class GatedAttention(nn.Module):

@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
-from ds4desk.engine.models.base import CausalLM, LogitsMode, load_failure
+from ds4desk.engine.models.base import CausalLM, CenteredNorm, LogitsMode, load_failure
 from ds4desk.engine.models.packed import Projection, embed, embedding, linear, projection_of
 from ds4desk.engine.models.qwen3_5 import attention, linear_attention, moe
-from ds4desk.engine.models.qwen3_5.attention import AttentionPlan, CenteredNorm, GatedAttention, Positions
+from ds4desk.engine.models.qwen3_5.attention import AttentionPlan, GatedAttention, Positions
 from ds4desk.engine.models.qwen3_5.config import LINEAR, Qwen35Config
 from ds4desk.engine.models.qwen3_5.linear_attention import GatedDeltaNet, LinearPlan
 from ds4desk.engine.models.qwen3_5.moe import SparseMoeBlock, fuse_experts
