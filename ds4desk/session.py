@@ -11,8 +11,6 @@ import contextlib
 import io
 import json
 import logging
-import math
-import re
 import sys
 import threading
 import time
@@ -22,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
+from ds4desk import strict_json
 from ds4desk.engine import (
     Engine,
     EngineFailure,
@@ -43,7 +42,6 @@ Json = dict[str, Any]
 MAX_LINE_CHARS = 16 * 2**20
 MAX_TOKENS = 2**20  # max_tokens and thinking budgets: far beyond any context, far below overflow
 MAX_SEED = 2**63 - 1
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _bad(detail: str) -> EngineFailure:
@@ -142,40 +140,19 @@ def parse_command(line: str) -> Json:
     if len(line) > MAX_LINE_CHARS:
         raise _bad(f"a command line is limited to {MAX_LINE_CHARS} characters")
 
-    def refuse_constant(name: str) -> Any:
-        raise _bad(f"{name} is not a JSON number")
-
-    def finite(text: str) -> float:
-        value = float(text)
-        if math.isinf(value):
-            raise _bad(f"the number {text[:40]} is out of range")
-        return value
-
     try:
-        command = json.loads(line, parse_constant=refuse_constant, parse_float=finite)
-    except RecursionError:
-        raise _bad("the command is nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and int() of a number with too many digits
-        raise _bad(f"not valid JSON ({exc})") from None
+        command = strict_json.loads(line)
+    except strict_json.StrictJsonError as exc:
+        if exc.kind == "deep":
+            raise _bad("the command is nested too deeply") from None
+        raise _bad(
+            exc.detail if exc.kind in ("constant", "range") else f"not valid JSON ({exc.detail})"
+        ) from None
     if not isinstance(command, dict) or not isinstance(command.get("op"), str):
         raise _bad('each line must be a JSON object with an "op"')
-    _check_strings(command)
+    if strict_json.has_lone_surrogate(command):
+        raise _bad("a string holds a lone surrogate or bytes that are not UTF-8")
     return command
-
-
-def _check_strings(value: Any) -> None:
-    """A lone surrogate (from an escape like \\ud800, or bytes that were not UTF-8) is no text."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                raise _bad("a string holds a lone surrogate or bytes that are not UTF-8")
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
 
 
 class _TokenBatches:

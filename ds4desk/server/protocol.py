@@ -6,12 +6,10 @@ the error object OpenAI's clients know how to show, never with a traceback.
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds4desk import strict_json
 from ds4desk.engine.api import ErrorCode
 
 MAX_TOKENS = 2**20  # far beyond any context, far below anything that overflows
@@ -22,7 +20,6 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's completions API
 MAX_TOKEN_ID = 2**31 - 1
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -94,27 +91,19 @@ def parse_json(body: bytes) -> dict[str, Any]:
     """Strict JSON (no NaN or Infinity, no numbers that overflow to them, valid UTF-8, no lone
     surrogates), and an object at the top."""
 
-    def refuse_constant(name: str) -> Any:
-        raise bad(f"{name} is not a JSON number")
-
-    def finite(text: str) -> float:
-        value = float(text)
-        if math.isinf(value):
-            raise bad(f"the number {text[:40]} is out of range")
-        return value
-
     try:
-        text = body.decode("utf-8")
-        value = json.loads(text, parse_constant=refuse_constant, parse_float=finite)
+        value = strict_json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
         raise bad("the request body is not UTF-8") from None
-    except RecursionError:
-        raise bad("the request body is nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and int() of a number with too many digits
-        raise bad(f"the request body is not valid JSON ({exc})") from None
+    except strict_json.StrictJsonError as exc:
+        if exc.kind == "deep":
+            raise bad("the request body is nested too deeply") from None
+        if exc.kind == "invalid":
+            raise bad(f"the request body is not valid JSON ({exc.detail})") from None
+        raise bad(exc.detail) from None
     if not isinstance(value, dict):
         raise bad("the request body must be a JSON object")
-    if _has_surrogate(value):
+    if strict_json.has_lone_surrogate(value):
         raise bad("a string holds a lone surrogate")
     return value
 
@@ -321,18 +310,3 @@ def _number(value: Any, name: str, low: float, high: float) -> float:
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _has_surrogate(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
