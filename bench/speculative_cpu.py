@@ -3,6 +3,10 @@ input back, and whether the tokens stay the same.
 
     .venv/bin/python bench/speculative_cpu.py [--model PATH] [--modes off,lookup] [--max-tokens 192]
         [--prompts bench/prompts/quote_back.json] [--repeats 2]
+    .venv/bin/python bench/speculative_cpu.py --verify-cost
+
+`--verify-cost`: what one forward of T = 1, 2, 4, 8 tokens (a verify step) costs at position 200,
+on the one-call C layer and on the torch steps (best of 12, in this process), then exits.
 
 The embedded SmolLM2-135M Q4_1 by default, greedy, every prompt of the set through its chat
 template. Each mode runs in its own fresh process (two engines' thread pools in one process slow
@@ -71,6 +75,33 @@ def run_mode(model: str, mode: str, prompts: list[dict], max_tokens: int, repeat
         engine.close()
 
 
+def verify_cost(model: str) -> None:
+    import time
+
+    import torch
+
+    from ds4desk.engine.loader import load_model
+    from ds4desk.engine.loading.detect import read_source
+    from ds4desk.engine.models import cpu_decode
+
+    loaded = load_model(read_source(Path(model)), torch.device("cpu"), torch.float32).model
+    loaded.allocate_cache(512)
+    ids = torch.arange(100, 400) % loaded.vocab_size
+    with torch.inference_mode():
+        loaded.forward(ids[:200], 0, "none")
+        for fused, name in ((True, "one-call C layer"), (False, "torch steps")):
+            cpu_decode.enabled = fused
+            costs = []
+            for count in (1, 2, 4, 8):
+                best = float("inf")
+                for _ in range(12):
+                    start = time.perf_counter()
+                    loaded.forward(ids[200 : 200 + count], 200, "all")
+                    best = min(best, time.perf_counter() - start)
+                costs.append(f"T={count}: {best * 1e3:.1f} ms")
+            print(f"{name:17} " + ", ".join(costs))
+
+
 def in_child(model: str, mode: str, prompts_path: Path, max_tokens: int, repeats: int) -> dict:
     job = json.dumps(
         {
@@ -101,11 +132,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=HERE / "prompts" / "quote_back.json")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--verify-cost", action="store_true")
     args = parser.parse_args()
 
     from ds4desk.engine.loading.default_model import default_model_path
 
     model = args.model or str(default_model_path())
+    if args.verify_cost:
+        verify_cost(model)
+        return
     runs = [
         in_child(model, mode, args.prompts, args.max_tokens, args.repeats) for mode in args.modes.split(",")
     ]
