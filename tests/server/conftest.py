@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ class Served:
     host: str
     port: int
     model: str
+    pid: int | None = None  # the serving process, when it is one of its own
 
 
 def ds4desk(*args: str, home: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -35,8 +37,9 @@ def ds4desk(*args: str, home: Path, timeout: float = 600) -> subprocess.Complete
 
 
 @contextlib.contextmanager
-def serving(home: Path, log: Path, *extra: str) -> Iterator[Served]:
-    """`ds4desk serve --device cpu --port 0 --api-key API_KEY EXTRA...` until Ctrl+C at the end."""
+def serving(home: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """`ds4desk serve --device cpu --port 0 --api-key API_KEY EXTRA...` until Ctrl+C at the end;
+    `env`: variables added to this process's environment for it."""
     with log.open("w") as stderr:
         process = subprocess.Popen(
             [sys.executable, "-m", "ds4desk", "--data-dir", str(home), "serve", "--device", "cpu",
@@ -44,6 +47,7 @@ def serving(home: Path, log: Path, *extra: str) -> Iterator[Served]:
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
+            env={**os.environ, **env} if env else None,
         )  # fmt: skip
     assert process.stdout is not None
     ready = process.stdout.readline()  # the ready line, or "" when it died loading
@@ -54,7 +58,7 @@ def serving(home: Path, log: Path, *extra: str) -> Iterator[Served]:
     host, port = root.removeprefix("http://").rsplit(":", 1)
     model = ready.split("serving ", 1)[1].split(" at ")[0]
     try:
-        yield Served(f"{root}/v1", root, host, int(port), model)
+        yield Served(f"{root}/v1", root, host, int(port), model, process.pid)
     finally:
         process.send_signal(signal.SIGINT)
         code = process.wait(timeout=60)
