@@ -10,6 +10,7 @@ Two things differ from the Hugging Face layout and are undone per tensor while c
 - llama.cpp's converter stores a Llama model's q/k rows in the order its rope rotates them (adjacent
   pairs); `rope_heads` says to reorder them back (rows of blocks, so packed weights reorder too).
 - Gemma's converter stores RMSNorm weights as (1 + w); `shift` = -1 gives back w.
+Qwen3.5 (`qwen35`, `qwen35moe`: hybrid layers, stacked experts) maps its own way: gguf_qwen35.py.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import numpy as np
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.formats import gguf_type
 from ds4desk.engine.loading.gguf_header import GGUFHeader, GGUFTensor, read_gguf_header
+from ds4desk.engine.loading.gguf_meta import MetaReader, load_failed
+from ds4desk.engine.loading.gguf_qwen35 import QWEN35_ARCHES, qwen35_model
 from ds4desk.engine.loading.gguf_tokenizer import build_tokenizer
-from ds4desk.engine.loading.source import ModelSource, TensorEntry, TokenizerSpec
+from ds4desk.engine.loading.source import ModelSource, NameLayout, TensorEntry, TokenizerSpec
 
 # GGML types whose values are plain floats: read as floats, never kept packed.
 FLOAT_TYPE_NAMES = frozenset({"F32", "F16", "BF16"})
@@ -82,8 +85,7 @@ _GEMMA3_GLOBAL_EVERY = 6
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def _fail(path: Path, problem: str) -> EngineFailure:
-    return EngineFailure(ErrorCode.LOAD_FAILED, f"cannot load {path.name}: {problem}")
+_fail = load_failed
 
 
 def gguf_source(path: Path) -> ModelSource:
@@ -93,24 +95,35 @@ def gguf_source(path: Path) -> ModelSource:
     meta = header.metadata
     arch_name = meta.get("general.architecture")
     arch = _ARCHES.get(arch_name) if isinstance(arch_name, str) else None
-    if arch is None:
-        known = ", ".join(_ARCHES)
+    if arch is None and arch_name not in QWEN35_ARCHES:
+        known = ", ".join([*_ARCHES, *QWEN35_ARCHES])
         raise EngineFailure(
             ErrorCode.LOAD_FAILED,
             f"{path.name} is a GGUF for the '{arch_name}' architecture; ds4desk runs GGUF files of: {known}",
         )
     assert isinstance(arch_name, str)
-    read = _MetaReader(path, meta, arch_name)
-    if read.int_or("expert_count", 0):
-        raise _fail(path, "it is a mixture-of-experts model, which ds4desk does not run from GGUF")
-    config = _config(path, header, arch_name, arch, read)
-    tensors = _entries(path, header, arch, config)
+    read = MetaReader(path, meta, arch_name)
+    layout: NameLayout | None = None
+    if arch is None:  # Qwen3.5's hybrid layers map differently (gguf_qwen35.py)
+        qwen35 = qwen35_model(path, header, read)
+        config, tensors, layout, architecture = (
+            qwen35.config,
+            qwen35.tensors,
+            qwen35.layout,
+            qwen35.architecture,
+        )
+    else:
+        if read.int_or("expert_count", 0):
+            raise _fail(path, "it is a mixture-of-experts model, which ds4desk does not run from GGUF")
+        config = _config(path, header, arch_name, arch, read)
+        tensors = _entries(path, header, arch, config)
+        architecture = arch.hf_architecture
     built = build_tokenizer(meta)
     return ModelSource(
         folder=path.parent,
         origin=path,
         config=config,
-        architecture=arch.hf_architecture,
+        architecture=architecture,
         tensors=tensors,
         chat_template=_chat_template(meta),
         tokenizer=TokenizerSpec(
@@ -120,35 +133,12 @@ def gguf_source(path: Path) -> ModelSource:
             stop_ids=_stop_ids(meta),
             notes=tuple(built.notes),
         ),
+        layout=layout,
     )
 
 
-class _MetaReader:
-    """Typed reads of `<arch>.<key>` metadata, failing with the file and key named."""
-
-    def __init__(self, path: Path, meta: dict[str, object], arch: str) -> None:
-        self.path, self.meta, self.arch = path, meta, arch
-
-    def int_or(self, key: str, default: int | None) -> int:
-        full = f"{self.arch}.{key}"
-        value = self.meta.get(full, default)
-        if type(value) is not int or value < 0:
-            raise _fail(
-                self.path, f"metadata '{full}' is missing or not a non-negative integer (got {value!r})"
-            )
-        return value
-
-    def float_or(self, key: str, default: float) -> float:
-        full = f"{self.arch}.{key}"
-        value = self.meta.get(full, default)
-        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
-            raise _fail(self.path, f"metadata '{full}' is not a number (got {value!r})")
-        # GGUF stores these as float32: the shortest float32 spelling (1e-05, not 9.99999974e-06).
-        return float(str(np.float32(value)))
-
-
 def _config(
-    path: Path, header: GGUFHeader, arch_name: str, arch: _Arch, read: _MetaReader
+    path: Path, header: GGUFHeader, arch_name: str, arch: _Arch, read: MetaReader
 ) -> dict[str, object]:
     tensors = header.tensors
     layers = read.int_or("block_count", None)

@@ -5,10 +5,12 @@ prefix are dead. A model that speculation may run on says so (`supports_speculat
 three hooks: the most positions one verify may cover, a checkpoint taken before the verify forward,
 and the roll-back to the accepted length. A dense cache with a row per position needs nothing (its
 attention never reads past the length, and the next write overwrites the dead rows); a ring that
-keeps only a window (Gemma 3's local layers) must put back the rows the dead positions overwrote.
-DeepSeek-V4 (a sliding ring, compressor carries, compressed and indexer rows) and Qwen3.5 (the
-recurrent state of its Gated DeltaNet layers) have no hooks yet, so speculation stays off for them:
-the hooks are opt-in, a family without them never speculates.
+keeps only a window (Gemma 3's local layers) must put back the rows the dead positions overwrote;
+a recurrent state that holds every position at once (Qwen3.5's Gated DeltaNet layers) is copied at
+the checkpoint and, after a rejection, rebuilt from the copy over the kept positions only (the
+verify keeps what it fed each layer). DeepSeek-V4 (a sliding ring, compressor carries, compressed
+and indexer rows) has no hooks yet, so speculation stays off for it: the hooks are opt-in, a family
+without them never speculates.
 """
 
 from __future__ import annotations

@@ -44,6 +44,13 @@ MOE_VISION_LANGUAGE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
 # the published checkpoints store them). Absent: one 2-D weight per expert and projection, what
 # transformers' save_pretrained writes. The model names its parameters after the layout it loads.
 STACKED_EXPERTS_KEY = "ds4desk_stacked_experts"
+# Set (true) in the config loading/gguf_qwen35.py builds for a GGUF in llama.cpp's layout. Two things
+# then differ from a Hugging Face checkpoint, and the model follows the file rather than converting it:
+# - a linear layer stores -exp(A_log) (the decay rate itself), so its parameter is `neg_rate`;
+# - with more value heads than key heads, the value heads are stored tiled over the key heads
+#   (value head h reads key head h % key_heads) rather than grouped (h // (value / key heads)). Every
+#   per-value-head row, channel and column of the file is in that order, so the layer computes in it.
+GGUF_LAYOUT_KEY = "ds4desk_gguf_layout"
 _DEFAULT_INTERVAL = 4  # transformers' default: every fourth layer full attention
 _DEFAULT_PARTIAL_ROTARY = 0.25
 
@@ -78,6 +85,7 @@ class Qwen35Config:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     stacked_experts: bool = False  # STACKED_EXPERTS_KEY
+    gguf_layout: bool = False  # GGUF_LAYOUT_KEY: llama.cpp's tensor layout (neg_rate, tiled value heads)
     # Where the text model's weights live in the checkpoint: "model" for a text-only save,
     # "model.language_model" inside a vision-language one.
     weight_prefix: str = "model"
@@ -162,6 +170,7 @@ class Qwen35Config:
             tie_word_embeddings=bool(tie),
             max_position_embeddings=int(text.get("max_position_embeddings") or 0),
             weight_prefix=prefix,
+            gguf_layout=config.get(GGUF_LAYOUT_KEY) is True,
             **moe,
         )
 

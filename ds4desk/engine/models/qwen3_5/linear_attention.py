@@ -54,7 +54,12 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = linear(value_width, hidden, False, dtype, f"{prefix}.out_proj", packed)
         self.conv1d = _Conv(cfg.conv_channels, cfg.conv_kernel, dtype)
         self.dt_bias = nn.Parameter(torch.ones(heads, dtype=dtype), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(heads, dtype=dtype), requires_grad=False)
+        # A GGUF stores the rate -exp(A_log) itself (config.GGUF_LAYOUT_KEY): kept as stored, since
+        # taking its log and exponent again would only add rounding.
+        if cfg.gguf_layout:
+            self.neg_rate = nn.Parameter(torch.full((heads,), -1.0, dtype=dtype), requires_grad=False)
+        else:
+            self.A_log = nn.Parameter(torch.zeros(heads, dtype=dtype), requires_grad=False)
         self.norm = _HeadNorm(cfg.linear_value_dim, dtype)
 
 
@@ -74,6 +79,21 @@ class LinearPlan:
     # The layer's state, views into the model's state blocks (set by allocate_cache):
     conv_state: torch.Tensor | None = None  # the last kernel - 1 conv inputs [channels, kernel - 1]
     recurrent: torch.Tensor | None = None  # float32 [value heads, key_dim, value_dim]
+    # While a speculative verify runs (model.verify_checkpoint .. verify_rollback): what each forward
+    # fed the state, so a rejection can redo the state for the kept positions alone (roll_back).
+    written: list[Written] | None = None
+
+
+@dataclass(slots=True)
+class Written:
+    """What one forward fed a linear layer's state: per position, the convolution's input and the
+    delta rule's keys, values, log-decays and write strengths (all the state depends on)."""
+
+    conv_inputs: torch.Tensor  # [T, channels], before the convolution
+    k: torch.Tensor  # [T, value heads, key_dim] float32, normed and repeated to the value heads
+    v: torch.Tensor  # [T, value heads, value_dim] float32
+    decay: torch.Tensor  # [T, value heads] float32
+    beta: torch.Tensor  # [T, value heads] float32
 
 
 def plan_of(module: GatedDeltaNet) -> LinearPlan:
@@ -84,7 +104,7 @@ def plan_of(module: GatedDeltaNet) -> LinearPlan:
         a=projection_of(module.in_proj_a),
         out=projection_of(module.out_proj),
         conv_weight=module.conv1d.weight[:, 0, :],
-        neg_rate=-module.A_log.float().exp(),
+        neg_rate=module.neg_rate.float() if hasattr(module, "neg_rate") else -module.A_log.float().exp(),
         dt_bias=module.dt_bias.float(),
         norm_weight=module.norm.weight,
     )
@@ -96,14 +116,19 @@ def forward(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tenso
     same state. Returns [T, hidden]."""
     assert plan.conv_state is not None and plan.recurrent is not None
     count = x.shape[0]
-    mixed = _convolve(plan, plan.qkv(x))  # [T, channels]
+    conv_inputs = plan.qkv(x)
+    mixed = _convolve(plan, conv_inputs)  # [T, channels]
     key_width = cfg.linear_key_heads * cfg.linear_key_dim
     q, k, v = mixed.split([key_width, key_width, mixed.shape[1] - 2 * key_width], dim=1)
     heads, repeat = cfg.linear_value_heads, cfg.linear_value_heads // cfg.linear_key_heads
-    # Value head h reads key head h // repeat: the key heads are repeated, not the value heads.
+    # Value head h reads key head h // repeat (Hugging Face's order; h % key heads in a GGUF's): the
+    # key heads are repeated, not the value heads.
     q = delta_rule.unit_rows(q.view(count, -1, cfg.linear_key_dim)) * cfg.linear_key_dim**-0.5
     k = delta_rule.unit_rows(k.view(count, -1, cfg.linear_key_dim))
-    if repeat > 1:
+    if repeat > 1 and cfg.gguf_layout:
+        # llama.cpp's order (config.GGUF_LAYOUT_KEY): value head h reads key head h % key heads.
+        q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
+    elif repeat > 1:
         # repeat_interleave over heads, as an expand: no sizes to learn on the device (graph-safe).
         shape = (count, heads, cfg.linear_key_dim)
         q = q[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
@@ -111,6 +136,8 @@ def forward(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tenso
     v = v.reshape(count, heads, cfg.linear_value_dim).float()
     beta = torch.sigmoid(plan.b(x)).float()  # [T, heads]
     decay = plan.neg_rate * F.softplus(plan.a(x).float() + plan.dt_bias)  # log-decay, <= 0
+    if plan.written is not None:
+        plan.written.append(Written(conv_inputs, k, v, decay, beta))
     if count == 1:
         core = delta_rule.step(q[0], k[0], v[0], decay[0], beta[0], plan.recurrent)[None]
     else:
@@ -136,3 +163,29 @@ def _convolve(plan: LinearPlan, mixed: torch.Tensor) -> torch.Tensor:
         out = F.conv1d(extended[None], plan.conv_weight[:, None, :], groups=extended.shape[0])[0]
     window.copy_(extended[:, -kept:])
     return F.silu(out).t()
+
+
+def roll_back(plan: LinearPlan, window: torch.Tensor, recurrent: torch.Tensor, kept: int) -> None:
+    """A speculative verify's rejected tail undone: the state as it was before the verify (`window`,
+    `recurrent`, copies taken then), advanced over the first `kept` positions fed since (plan.written)
+    and no further. The convolution window is the last kernel - 1 of its inputs; the recurrent
+    matrix runs the delta rule over the kept positions' keys, values and gates, as the forward did."""
+    assert plan.conv_state is not None and plan.recurrent is not None
+    plan.conv_state.copy_(window)
+    plan.recurrent.copy_(recurrent)
+    written = plan.written or []
+    if kept == 0:
+        return
+    inputs, k, v, decay, beta = (
+        torch.cat([getattr(w, name) for w in written])[:kept]
+        for name in ("conv_inputs", "k", "v", "decay", "beta")
+    )
+    if k.shape[0] != kept:
+        raise ValueError(f"cannot keep {kept} positions of a verify that fed {k.shape[0]}")
+    kept_columns = plan.conv_state.shape[1]
+    plan.conv_state.copy_(torch.cat((plan.conv_state, inputs.t()), dim=1)[:, -kept_columns:])
+    if kept == 1:  # the outputs (queries) are not needed: the keys stand in for them
+        delta_rule.step(k[0], k[0], v[0], decay[0], beta[0], plan.recurrent)
+    else:
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        delta_rule.chunked(k, k, v, decay.t(), beta.t(), plan.recurrent)

@@ -276,6 +276,48 @@ class Qwen35Model(CausalLM):
         cfg = self.config
         return [k for k in KINDS if (cfg.full_layers if k == "kv" else cfg.linear_layers)]
 
+    # --- speculation (speculative/rollback.py) --------------------------------------------------
+
+    # A verify's rejected tail is undone without running the model again: the linear layers' state
+    # is copied before the verify, and what the verify fed it is kept (LinearPlan.written); a
+    # rejection restores the copy and runs the delta rule over the kept positions only. The full
+    # layers' cache rows past the kept length are never read and are overwritten next.
+    supports_speculation = True
+
+    def max_verify_tokens(self) -> int | None:
+        return None
+
+    def verify_checkpoint(self, start_pos: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Before positions start_pos.. are written (by one forward or several): every linear layer's
+        window and recurrent matrix, copied; from here its forwards record what they feed it."""
+        if start_pos != self._length:
+            raise ValueError(f"a verify from position {start_pos} of a state holding {self._length}")
+        saved = []
+        for plan in self._linear_plans():
+            assert plan.conv_state is not None and plan.recurrent is not None
+            saved.append((plan.conv_state.clone(), plan.recurrent.clone()))
+            plan.written = []
+        return saved
+
+    def verify_rollback(
+        self, saved: list[tuple[torch.Tensor, torch.Tensor]], start_pos: int, kept: int
+    ) -> None:
+        """Only positions start_pos..start_pos+kept-1 of those written since the checkpoint stay: the
+        state is rolled back to them exactly, and the model continues at start_pos + kept."""
+        plans = self._linear_plans()
+        written = self._length - start_pos
+        try:
+            if kept < written:
+                for plan, (window, recurrent) in zip(plans, saved, strict=True):
+                    linear_attention.roll_back(plan, window, recurrent, kept)
+                self._length = start_pos + kept
+        finally:
+            for plan in plans:
+                plan.written = None
+
+    def _linear_plans(self) -> list[LinearPlan]:
+        return [plan for shard in self._shards for plan in shard.linear_plans]
+
     # --- running -----------------------------------------------------------------------------
 
     def forward(
@@ -290,6 +332,8 @@ class Qwen35Model(CausalLM):
         if start_pos == 0:
             for shard in self._shards:
                 shard.reset()
+            for plan in self._linear_plans():  # a verify left unsettled (an error) is void now
+                plan.written = None
         elif start_pos != self._length:
             raise ValueError(
                 f"Qwen3.5's state holds {self._length} positions; it cannot run from position {start_pos} "
