@@ -16,7 +16,12 @@ not by the bytes. This one issues about 5:
 - A code byte becomes a float by one PRMT (PTX) that moves it under 2^23's exponent, then one
   subtraction and one fma; the scales are factored out of the sums (a group's sums are multiplied
   by its scale once), and Q4_K's minimums multiply the group's sum of inputs.
-- The input row is normed or activated once, by `input_kernel`, not by every GEMV program.
+- The input row is normed or activated once, by `input_kernel`, not by every GEMV program. For
+  Q4_K and Q6_K it also writes the row in float32 in the order the GEMV's threads read it: for each
+  step of the unrolled loop, the G values the G threads of a tile need lie side by side (one
+  128-byte line a warp), where in the row's own order they lie 64 values apart and a warp's load
+  touches 32 lines. (Profiled on an H200 with Nsight Compute, the Q4_K GEMV in row order was bound
+  by L1 wavefronts, most of them the input's; Q8_0 measured slower in read order and keeps its row.)
 
 The sums run in another order than the reference's (gguf.dequantize, then a float32 matmul):
 results agree to accumulation-order error, as the general kernel's do.
@@ -49,10 +54,40 @@ def _int8(v):
 
 
 @triton.jit
-def _in(x, col, ok):
-    """float32 [G, 1] input values at columns `col`, 0 where not ok."""
+def _in(xs, slot, G: tl.constexpr):
+    """float32 [G, 1] input values of read slot `slot` (xs: the tile's base pointers, see slot_col)."""
+    return tl.load(xs + slot * G)
+
+
+@triton.jit
+def _in_row(x, col, ok):
+    """float32 [G, 1] input values at columns `col` of a row in its own order, 0 where not ok."""
     return tl.load(x + col, mask=ok, other=0.0).to(tl.float32)
 
+
+@triton.jit
+def slot_col(d, KIND: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
+    """(column of the row, group) whose value the GEMV reads at index d of the input in read order.
+    The order is [tile][slot][thread]: a tile of G groups of V values takes G · V entries, and slot s
+    of thread i holds the value group (tile · G + i) reads at its step s, numbered as gemv1_kernel
+    reads them: Q4_K (V = 64) value 32h + 4u + k of the sub-block pair (h: high nibbles) at
+    s = 8u + 4h + k; Q6_K (V = 64) value 32q + 2u + k of the group's four runs at s = 8u + 2q + k."""
+    tile = d // (G * V)
+    s = (d // G) % V
+    group = tile * G + d % G
+    if KIND == Q4_K:
+        col = group * 64 + ((s // 4) % 2) * 32 + (s // 8) * 4 + s % 4
+    else:
+        tl.static_assert(KIND == Q6_K)
+        base = group // 4 * 256 + (group % 4) // 2 * 128 + (group % 2) * 16
+        col = base + ((s // 2) % 4) * 32 + (s // 8) * 2 + s % 2
+    return col, group
+
+
+# input_kernel's MODE
+COPY: tl.constexpr = tl.constexpr(0)
+NORM: tl.constexpr = tl.constexpr(1)
+SILU: tl.constexpr = tl.constexpr(2)
 
 # 2^23 as a float: a byte b placed in the low mantissa bits of 2^23's bit pattern is 2^23 + b.
 MAGIC: tl.constexpr = tl.constexpr(8388608.0)
@@ -133,9 +168,10 @@ def gemv1_kernel(
     [G, BLOCK_N]: a thread holds one group of every row of the program (neither axis of a tile is
     contiguous in memory, so Triton spreads the first across the threads), walks the group's code
     units one at a time (an unrolled loop), reads each unit's inputs once for all its rows and keeps
-    one running sum a row and sub-block; the rows are reduced across threads once, at the end. Rows
-    past the end read the last row again (the stores are masked), groups past the row's end the
-    last group (their inputs are 0), so the weight loads need no mask."""
+    one running sum a row and sub-block; the rows are reduced across threads once, at the end. x is
+    Q4_K's and Q6_K's float32 input in read order (slot_col, 0 past the row's end), Q8_0's row as it
+    is. Rows past the end read the last row again (the stores are masked), groups past the row's
+    end the last group (their inputs are 0), so the weight loads need no mask."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -152,8 +188,8 @@ def gemv1_kernel(
             for u in tl.static_range(16):
                 q = _int16_units(block + 2 + 2 * u) ^ 0x8080  # int8 codes + 128
                 f0, f1, _, _ = _bytes(q, 2, ASM)
-                acc += (f0 - (MAGIC + 128)) * _in(x, gi * 32 + 2 * u, ok)
-                acc += (f1 - (MAGIC + 128)) * _in(x, gi * 32 + 2 * u + 1, ok)
+                acc += (f0 - (MAGIC + 128)) * _in_row(x, gi * 32 + 2 * u, ok)
+                acc += (f1 - (MAGIC + 128)) * _in_row(x, gi * 32 + 2 * u + 1, ok)
             total += _fp16(_int16_units(block)) * acc
         elif KIND == Q4_K:  # 144-byte super-blocks: d | dmin | 12 scale bytes | 128 code bytes
             # Group = a pair of sub-blocks: 32 code bytes whose low nibbles are sub-block 2 pair's
@@ -162,7 +198,7 @@ def gemv1_kernel(
             words = (row + gc // 4 * 144).to(tl.pointer_type(tl.int32))
             head = tl.load(words)
             s0, s1, m0, m1 = _k_scales(tl.load(words + 1), tl.load(words + 2), tl.load(words + 3), pair)
-            col = gi // 4 * 256 + gi % 4 * 64
+            xs = x + g0 * 64 + tl.arange(0, G)[:, None]
             low = tl.zeros((G, BLOCK_N), dtype=tl.float32)
             high = tl.zeros((G, BLOCK_N), dtype=tl.float32)
             low_inputs = tl.zeros((G, 1), dtype=tl.float32)  # for the minimums
@@ -170,16 +206,16 @@ def gemv1_kernel(
             for u in tl.static_range(8):
                 v = tl.load(words + 4 + pair * 8 + u)
                 f0, f1, f2, f3 = _bytes(v & 0x0F0F0F0F, 4, ASM)
-                x0, x1 = _in(x, col + 4 * u, ok), _in(x, col + 4 * u + 1, ok)
-                x2, x3 = _in(x, col + 4 * u + 2, ok), _in(x, col + 4 * u + 3, ok)
+                x0, x1 = _in(xs, 8 * u, G), _in(xs, 8 * u + 1, G)
+                x2, x3 = _in(xs, 8 * u + 2, G), _in(xs, 8 * u + 3, G)
                 low += (f0 - MAGIC) * x0
                 low += (f1 - MAGIC) * x1
                 low += (f2 - MAGIC) * x2
                 low += (f3 - MAGIC) * x3
                 low_inputs += x0 + x1 + x2 + x3
                 f0, f1, f2, f3 = _bytes((v >> 4) & 0x0F0F0F0F, 4, ASM)
-                x0, x1 = _in(x, col + 4 * u + 32, ok), _in(x, col + 4 * u + 33, ok)
-                x2, x3 = _in(x, col + 4 * u + 34, ok), _in(x, col + 4 * u + 35, ok)
+                x0, x1 = _in(xs, 8 * u + 4, G), _in(xs, 8 * u + 5, G)
+                x2, x3 = _in(xs, 8 * u + 6, G), _in(xs, 8 * u + 7, G)
                 high += (f0 - MAGIC) * x0
                 high += (f1 - MAGIC) * x1
                 high += (f2 - MAGIC) * x2
@@ -200,7 +236,7 @@ def gemv1_kernel(
             block = row + gc // 4 * 210
             ql = block + half * 64 + t
             qh = block + 128 + half * 32 + t
-            col = gi // 4 * 256 + (gi % 4) // 2 * 128 + (gi % 2) * 16
+            xs = x + g0 * 64 + tl.arange(0, G)[:, None]
             acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
             acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
             acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
@@ -209,19 +245,18 @@ def gemv1_kernel(
                 lo = _int16_units(ql + 2 * u)
                 hi = _int16_units(ql + 32 + 2 * u)
                 pairs = _int16_units(qh + 2 * u)
-                c = col + 2 * u
                 f0, f1, _, _ = _bytes((lo & 0x0F0F) | ((pairs & 0x0303) << 4), 2, ASM)
-                acc0 += (f0 - (MAGIC + 32)) * _in(x, c, ok)
-                acc0 += (f1 - (MAGIC + 32)) * _in(x, c + 1, ok)
+                acc0 += (f0 - (MAGIC + 32)) * _in(xs, 8 * u, G)
+                acc0 += (f1 - (MAGIC + 32)) * _in(xs, 8 * u + 1, G)
                 f0, f1, _, _ = _bytes((hi & 0x0F0F) | ((pairs & 0x0C0C) << 2), 2, ASM)
-                acc1 += (f0 - (MAGIC + 32)) * _in(x, c + 32, ok)
-                acc1 += (f1 - (MAGIC + 32)) * _in(x, c + 33, ok)
+                acc1 += (f0 - (MAGIC + 32)) * _in(xs, 8 * u + 2, G)
+                acc1 += (f1 - (MAGIC + 32)) * _in(xs, 8 * u + 3, G)
                 f0, f1, _, _ = _bytes(((lo >> 4) & 0x0F0F) | (pairs & 0x3030), 2, ASM)
-                acc2 += (f0 - (MAGIC + 32)) * _in(x, c + 64, ok)
-                acc2 += (f1 - (MAGIC + 32)) * _in(x, c + 65, ok)
+                acc2 += (f0 - (MAGIC + 32)) * _in(xs, 8 * u + 4, G)
+                acc2 += (f1 - (MAGIC + 32)) * _in(xs, 8 * u + 5, G)
                 f0, f1, _, _ = _bytes(((hi >> 4) & 0x0F0F) | ((pairs >> 2) & 0x3030), 2, ASM)
-                acc3 += (f0 - (MAGIC + 32)) * _in(x, c + 96, ok)
-                acc3 += (f1 - (MAGIC + 32)) * _in(x, c + 97, ok)
+                acc3 += (f0 - (MAGIC + 32)) * _in(xs, 8 * u + 6, G)
+                acc3 += (f1 - (MAGIC + 32)) * _in(xs, 8 * u + 7, G)
             scales = block + 192 + half * 8
             shift = (t // 16) * 8  # the byte of each int16 word that is this run's scale
             s0 = _int8(_int16_units(scales) >> shift)
@@ -238,21 +273,52 @@ def gemv1_kernel(
 
 @triton.jit
 def input_kernel(
-    x, norm, out, eps, COLS: tl.constexpr, BLOCK: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr
+    x,
+    norm,
+    out,
+    eps,
+    COLS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MODE: tl.constexpr,
+    PDL: tl.constexpr,
+    KIND: tl.constexpr = 0,
+    G: tl.constexpr = 1,
+    V: tl.constexpr = 1,
+    N_GROUPS: tl.constexpr = 0,
+    OUT_BLOCK: tl.constexpr = 0,
 ):
-    """out = the GEMV's input row in x's dtype, as torch's normed or activated row would be:
-    RMSNorm(x) · norm, or with SILU, SiLU(gate) · up from x = gate | up. One program: a row of a few
-    KB, read once here instead of by every GEMV program."""
+    """The GEMV's input row, as torch's would be, rounded to x's dtype: MODE NORM RMSNorm(x) · norm,
+    SILU SiLU(gate) · up from x = gate | up, COPY x itself. With OUT_BLOCK 0 it is written in row
+    order in x's dtype (normed_row); otherwise in float32 in the read order of gemv1_kernel (KIND, G
+    tiles of V-value groups, slot_col), OUT_BLOCK entries, 0 past the row's groups. One program: a
+    row of a few KB, read once here instead of by every GEMV program."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    col = tl.arange(0, BLOCK)
-    ok = col < COLS
-    if SILU:
+    scale = 1.0
+    if MODE == NORM:
+        col = tl.arange(0, BLOCK)
+        v = tl.load(x + col, mask=col < COLS, other=0.0).to(tl.float32)
+        scale = tl.rsqrt(tl.sum(v * v, axis=0) / COLS + eps)
+    if OUT_BLOCK == 0:
+        col = tl.arange(0, BLOCK)
+        ok = col < COLS
+        dest = col
+    else:
+        dest = tl.arange(0, OUT_BLOCK)
+        col, group = slot_col(dest, KIND, G, V)
+        ok = group < N_GROUPS
+        col = tl.where(ok, col, 0)
+    if MODE == SILU:
         g = tl.load(x + col, mask=ok, other=0.0).to(tl.float32)
         v = g * tl.sigmoid(g) * tl.load(x + COLS + col, mask=ok, other=0.0).to(tl.float32)
     else:
         v = tl.load(x + col, mask=ok, other=0.0).to(tl.float32)
-        v = v * tl.rsqrt(tl.sum(v * v, axis=0) / COLS + eps)
-        v = v * tl.load(norm + col, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + col, cast(v, out.dtype.element_ty), mask=ok)
+        if MODE == NORM:
+            v = v * scale
+            v = v * tl.load(norm + col, mask=ok, other=0.0).to(tl.float32)
+    v = cast(v, x.dtype.element_ty)
+    if OUT_BLOCK == 0:
+        tl.store(out + dest, v, mask=ok)
+    else:
+        tl.store(out + dest, tl.where(ok, v.to(tl.float32), 0.0))

@@ -10,8 +10,9 @@ both can be captured in a CUDA graph):
   The decode step's fused forms mirror dense/gemv.py: `gemv_add_` adds into the residual in place
   (optionally reading SiLU(gate) · up from a gate/up row), `norm_gemv` reads RMSNorm(x) · norm.
   One row of x times a tall Q8_0, Q4_K or Q6_K matrix (`one_row_fits`) takes the one-row GEMV of
-  gguf_gemv1_triton.py instead, with the normed or activated input row prepared once by its own
-  kernel (`normed_row` gives it to a q/k/v group whose parts differ in type).
+  gguf_gemv1_triton.py instead, with the (normed or activated) input row prepared once by its own
+  kernel (for Q4_K and Q6_K in float32 and in the order the GEMV's threads read it; `normed_row`
+  gives the normed row to a q/k/v group whose parts differ in type).
 - longer x (prefill): the weight is dequantized into a scratch of x's dtype, a slice of rows at a
   time, and multiplied by one torch.mm (cuBLAS). The dequantize kernel keeps gguf.py's float32
   operations in order and runs without FMA contraction: its values equal the reference's bit for
@@ -46,6 +47,11 @@ SWITCH = Switch("quant.gguf_triton", "the GGUF block-type GEMV and dequantize ke
 ONE_ROW_GROUPS = {"Q8_0": 32, "Q4_K": 64, "Q6_K": 64}
 ONE_ROW_MIN_ROWS = {"Q8_0": 1024, "Q4_K": 4096, "Q6_K": 1024}
 ONE_ROW_OVERRIDE: tuple[int, int, int] | None = None
+INPUT_COPY, INPUT_NORM, INPUT_SILU = 0, 1, 2  # gguf_gemv1_triton.input_kernel's MODE
+# The one-row types whose GEMV reads its input in read order (gguf_gemv1_triton.slot_col). Q8_0 reads
+# the row as it is: on an H200 its GEMV was 1.4-1.6x slower in read order (bench/gguf_gemv.py),
+# where Q4_K's gate/up and head were 1.4-1.6x faster.
+READ_ORDER_TYPES = ("Q4_K", "Q6_K")
 # Rows of x up to which the GEMV runs; beyond, dequantize + cuBLAS, whose cost does not grow with T.
 GEMV_MAX_ROWS = 8
 # Elements of one dequantized slice of the weight (64 MB in bf16): bounds the prefill scratch.
@@ -234,7 +240,7 @@ def normed_row(x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
     kernels = _kernels()
     assert kernels is not None
     out = torch.empty_like(x)
-    kernels.prepare(x.contiguous(), norm, eps, x.shape[1], out)
+    kernels.prepare(x.contiguous(), norm, eps, x.shape[1], out, INPUT_NORM)
     return out
 
 
@@ -338,11 +344,25 @@ def _kernels() -> _Kernels | None:
         if t == 1 and one_row_fits(name, rows):
             x = x if x.stride(1) == 1 else x.contiguous()
             target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
-            if silu or with_norm:  # the input row, prepared once for every program
-                prepared = torch.empty((1, cols), device=x.device, dtype=x.dtype)
-                launch_input(x, norm, eps, cols, prepared)
+            mode = INPUT_SILU if silu else INPUT_NORM if with_norm else INPUT_COPY
+            block_n, groups, warps = one_row_config(name, rows)
+            n_groups = cols // ONE_ROW_GROUPS[name]
+            groups = min(groups, next_power_of_two(n_groups))
+            # The input row, prepared once for every program: in the order the GEMV reads it, or
+            # (Q8_0, and a plain row) as it is.
+            if name in READ_ORDER_TYPES:
+                prepared = torch.empty(
+                    next_power_of_two(-(-n_groups // groups) * groups * ONE_ROW_GROUPS[name]),
+                    device=x.device,
+                    dtype=torch.float32,
+                )
+                launch_input(x, norm, eps, cols, prepared, mode, (type_id, groups, n_groups))
                 x = prepared
-            launch_one_row(x, weight, type_id, name, cols, target, residual)
+            elif mode != INPUT_COPY:
+                prepared = torch.empty((1, cols), device=x.device, dtype=x.dtype)
+                launch_input(x, norm, eps, cols, prepared, mode)
+                x = prepared
+            launch_one_row(x, weight, type_id, (block_n, groups, warps), n_groups, target, residual)
             if target is not out:
                 out.copy_(target)
             return
@@ -386,14 +406,13 @@ def _kernels() -> _Kernels | None:
         x: torch.Tensor,
         weight: torch.Tensor,
         type_id: int,
-        name: str,
-        cols: int,
+        config: tuple[int, int, int],
+        n_groups: int,
         out: torch.Tensor,
         residual: bool,
     ) -> None:
         rows = weight.shape[0]
-        n_groups = cols // ONE_ROW_GROUPS[name]
-        block_n, groups, warps = one_row_config(name, rows)
+        block_n, groups, warps = config
         use_pdl = pdl(x)
         one_row_source.gemv1_kernel[(-(-rows // block_n),)](
             x,
@@ -402,7 +421,7 @@ def _kernels() -> _Kernels | None:
             rows,
             weight.stride(0),
             KIND=type_id,
-            G=min(groups, next_power_of_two(n_groups)),
+            G=groups,
             N_GROUPS=n_groups,
             BLOCK_N=block_n,
             RESIDUAL=residual,
@@ -413,10 +432,20 @@ def _kernels() -> _Kernels | None:
         )
 
     def launch_input(
-        x: torch.Tensor, norm: torch.Tensor | None, eps: float, cols: int, out: torch.Tensor
+        x: torch.Tensor,
+        norm: torch.Tensor | None,
+        eps: float,
+        cols: int,
+        out: torch.Tensor,
+        mode: int,
+        order: tuple[int, int, int] | None = None,
     ) -> None:
+        """order: (type id, groups a tile, groups a row) of the one-row GEMV that reads `out` (float32,
+        in its read order); None: `out` in row order and x's dtype."""
         use_pdl = pdl(x)
         block = next_power_of_two(cols)
+        kind, groups, n_groups = order if order is not None else (0, 1, 0)
+        group_values = ONE_ROW_GROUPS[gguf_type(kind).name] if order is not None else 1
         one_row_source.input_kernel[(1,)](
             x,
             norm if norm is not None else x,
@@ -424,9 +453,14 @@ def _kernels() -> _Kernels | None:
             eps,
             COLS=cols,
             BLOCK=block,
-            SILU=norm is None,
+            MODE=mode,
             PDL=use_pdl,
-            num_warps=min(16, max(4, block // 512)),
+            KIND=kind,
+            G=groups,
+            V=group_values,
+            N_GROUPS=n_groups,
+            OUT_BLOCK=out.numel() if order is not None else 0,
+            num_warps=min(16, max(4, max(block, out.numel() if order is not None else 0) // 512)),
             launch_pdl=use_pdl,
         )
 

@@ -458,11 +458,14 @@ def test_the_one_row_kernel_compiles_for_an_h200(name: str, rows: int, cols: int
 
     kind = BY_NAME[name]
     block_n, groups, warps = gguf_triton.one_row_config(name, rows)
-    args = {"x": "*bf16", "w": "*u8", "out": "*bf16", "rows": "i32", "row_bytes": "i32"}
+    read_order = name in gguf_triton.READ_ORDER_TYPES
+    x_type = "*fp32" if read_order else "*bf16"
+    args = {"x": x_type, "w": "*u8", "out": "*bf16", "rows": "i32", "row_bytes": "i32"}
+    n_groups = cols // gguf_triton.ONE_ROW_GROUPS[name]
     constants = {
         "KIND": kind.type_id,
         "G": groups,
-        "N_GROUPS": cols // gguf_triton.ONE_ROW_GROUPS[name],
+        "N_GROUPS": n_groups,
         "BLOCK_N": block_n,
         "RESIDUAL": True,
         "PDL": True,
@@ -472,13 +475,17 @@ def test_the_one_row_kernel_compiles_for_an_h200(name: str, rows: int, cols: int
     aligned = {"x", "w", "out"} | ({"row_bytes"} if row_bytes % 16 == 0 else set())
     gemv = _compile_for_hopper(source.gemv1_kernel, args, constants, aligned, {"num_warps": warps})
     assert _stack_bytes(gemv, tmp_path) in (None, 0), (name, "one-row gemv spills")
-    args = {"x": "*bf16", "norm": "*bf16", "out": "*bf16", "eps": "fp32"}
-    for silu in (False, True):
-        constants = {"COLS": cols, "BLOCK": cols, "SILU": silu, "PDL": True}
-        kernel = _compile_for_hopper(
-            source.input_kernel, args, constants, {"x", "norm", "out"}, {"num_warps": 16}
-        )
-        assert _stack_bytes(kernel, tmp_path) in (None, 0), (name, "input kernel spills", silu)
+    order = {"KIND": kind.type_id, "G": groups, "V": gguf_triton.ONE_ROW_GROUPS[name], "N_GROUPS": n_groups}
+    for mode in (gguf_triton.INPUT_COPY, gguf_triton.INPUT_NORM, gguf_triton.INPUT_SILU):
+        for ordered in (False, True) if read_order else (False,):
+            out = "*fp32" if ordered else "*bf16"
+            args = {"x": "*bf16", "norm": "*bf16", "out": out, "eps": "fp32"}
+            constants = {"COLS": cols, "BLOCK": cols, "MODE": mode, "PDL": True}
+            constants |= order | {"OUT_BLOCK": cols if ordered else 0}
+            kernel = _compile_for_hopper(
+                source.input_kernel, args, constants, {"x", "norm", "out"}, {"num_warps": 16}
+            )
+            assert _stack_bytes(kernel, tmp_path) in (None, 0), (name, "input kernel spills", mode, ordered)
 
 
 # --- on an NVIDIA GPU (the lead runs these on the H200) ---------------------------------------------
