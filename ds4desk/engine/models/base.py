@@ -79,6 +79,19 @@ def hand_over(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device, non_blocking=False, copy=True)
 
 
+def later_chunk_mask(count: int, end: int, device: torch.device) -> Any:
+    """SDPA's mask for queries at end - count .. end - 1 over keys 0 .. end - 1 (a prefill chunk after
+    earlier ones). On CUDA torch's lower-right causal bias lets SDPA pick a flash kernel without a
+    [T, L] tensor; it is imported here, because importing it imports torch._dynamo (about 1 s of every
+    start). Elsewhere SDPA builds that tensor from the bias anyway: the bool mask is the same work and
+    gives the same result bit for bit."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(count, end)
+    return torch.ones(count, end, dtype=torch.bool, device=device).tril(diagonal=end - count)
+
+
 class CenteredNorm(nn.Module):
     """Holds an RMSNorm weight stored centred on 0, applied as 1 + weight (Gemma 3, Qwen3.5)."""
 

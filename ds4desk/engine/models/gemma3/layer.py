@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.kernels.quant import gguf_cpu
 from ds4desk.engine.models import cpu_decode
+from ds4desk.engine.models.base import later_chunk_mask
 from ds4desk.engine.models.gemma3.config import Gemma3Config
 from ds4desk.engine.models.packed import Projection
 
@@ -243,7 +243,7 @@ class PrefillSteps(LayerSteps):
             values = values.repeat_interleave(group, dim=1)
             if plan.window is None:
                 # Aligned to the last key when a chunk follows earlier ones.
-                causal = causal_lower_right(self.count, self.end) if self.start else None
+                causal = later_chunk_mask(self.count, self.end, q.device) if self.start else None
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=causal, is_causal=causal is None, scale=self.scale
                 )

@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.kernels.dense import gemv as kernels
 from ds4desk.engine.kernels.dense.silu_mul import silu_mul
 from ds4desk.engine.kernels.quant import gguf_cpu, gguf_triton
 from ds4desk.engine.models import cpu_decode
+from ds4desk.engine.models.base import later_chunk_mask
 from ds4desk.engine.models.packed import Projection
 
 if TYPE_CHECKING:
@@ -512,7 +512,8 @@ def _causal_attention(
     if start == 0:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
     else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(count, end))
+        mask = later_chunk_mask(count, end, q.device)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     return out[0].transpose(0, 1).reshape(count, -1)
 
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
-from ds4desk.engine.models.base import CenteredNorm
+from ds4desk.engine.models.base import CenteredNorm, later_chunk_mask
 from ds4desk.engine.models.packed import Projection, linear, projection_of
 from ds4desk.engine.models.qwen3_5.config import Qwen35Config
 from ds4desk.engine.models.qwen3_5.ops import centered_rms_norm, rotate_leading
@@ -113,7 +112,7 @@ def forward(
         start = at.keys - count
         # From position 0 the causal flag lets the kernel skip the blocks above the diagonal; a later
         # chunk's queries sit at the end of the keys (the bias aligns the diagonal there).
-        causal = causal_lower_right(count, at.keys) if start else None
+        causal = later_chunk_mask(count, at.keys, query.device) if start else None
         attended = F.scaled_dot_product_attention(
             query[None], keys[None], values[None], attn_mask=causal, is_causal=causal is None, scale=dim**-0.5
         )[0]
