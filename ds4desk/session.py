@@ -384,7 +384,12 @@ def run_session(
     try:
         try:
             loaded = engine.load(load)
-            ready: Json = {"op": "load", "ok": loaded.ok, "seconds": round(loaded.seconds, 3)}
+            ready: Json = {
+                "op": "load",
+                "ok": loaded.ok,
+                "seconds": round(loaded.seconds, 3),  # the warm-up included
+                "warm_up_seconds": round(loaded.warm_up_seconds, 3),
+            }
             if loaded.info:
                 ready["model"] = asdict(loaded.info)
             if loaded.error:

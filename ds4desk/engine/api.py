@@ -234,6 +234,9 @@ class LoadRequest:
     draft: str | None = None
     # The default of every request's GenerateRequest.speculative (one of SPECULATIVE_MODES).
     speculative: str = "auto"
+    # Run what the first request would otherwise pay for (graph capture, kernel compilation, first
+    # calls) as the load's last stage, so the first answer is as fast as the next (engine/warm_up.py).
+    warm_up: bool = True
 
 
 # Speculative decoding: "auto" is the draft model when one is loaded, else prompt lookup, and off
@@ -291,7 +294,8 @@ class ModelInfo:
 class LoadResult:
     info: ModelInfo | None = None
     error: EngineError | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole load, its warm-up included
+    warm_up_seconds: float = 0.0  # of which the warm-up stage (0 when it did not run)
     # The previous model was let go before this load (memory held only one): it could not keep
     # answering meanwhile, and after a failure it is reloaded (or left parked).
     dropped_previous: bool = False
@@ -301,8 +305,10 @@ class LoadResult:
         return self.error is None and self.info is not None
 
 
-# Called on the engine thread while a model loads: (done, total, unit), unit "tensors"; total 0 while
-# the amount of work is not known yet (a GGUF being converted).
+# Called on the engine thread while a model loads: (done, total, unit), unit "tensors" while the weights
+# are read (total 0 while the amount of work is not known yet: a GGUF being converted), then
+# WARM_UP_UNIT while the warm-up stage runs (LoadRequest.warm_up).
+WARM_UP_UNIT = "warm-up steps"
 ProgressCallback = Callable[[int, int, str], None]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ds4desk.engine.api import (
+    WARM_UP_UNIT,
     WEIGHT_MODES,
     EngineError,
     EngineFailure,
@@ -108,6 +109,9 @@ class Engine(Parking):
         self._model_devices: list[
             Any
         ] = []  # the devices of the last loaded model (a layer split has several)
+        # Set while a request unparks its model: that request is the warm-up (a warm-up first would
+        # only add its own steps to the answer's wait).
+        self._unparking_for_request = False
         self._thread = threading.Thread(target=self._serve, name="ds4desk-engine", daemon=True)
         self._thread.start()
 
@@ -311,6 +315,7 @@ class Engine(Parking):
         from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
         from ds4desk.engine.speculative.mode import check_mode
         from ds4desk.engine.tokenizer import ChatTokenizer
+        from ds4desk.engine.warm_up import warm_up
 
         if self._load_cancelled(seq):
             raise EngineFailure(ErrorCode.CANCELLED, "the load was cancelled before it started")
@@ -378,12 +383,28 @@ class Engine(Parking):
             if keep:
                 self._serve_during_load()
 
+        def warm_up_tick(done: int, total: int) -> None:
+            stop_if_cancelled()
+            if on_progress is not None:
+                on_progress(done, total, WARM_UP_UNIT)
+            if keep:
+                self._serve_during_load()
+
+        warm = request.warm_up and not self._unparking_for_request
         failure: BaseException | None = None
         try:
-            loaded, runtime = fill_and_start(plan, request, tick, stop_if_cancelled)
+            loaded, runtime = fill_and_start(plan, request, tick, stop_if_cancelled, defer_graphs=warm)
             if draft_plan is not None:
                 # Its tensors are not counted in the progress (the bar would start over).
                 runtime.draft = start_draft(draft_plan, runtime, lambda _done, _total: stop_if_cancelled())
+            if warm:
+                # The last stage, with the model complete (its draft too): what the first request
+                # would pay for is paid here, inside the load's time and its cancel.
+                report = warm_up(
+                    runtime, request.speculative, lambda: self._load_cancelled(seq), warm_up_tick
+                )
+                if result is not None:
+                    result.warm_up_seconds = report.seconds
         except BaseException as exc:
             failure = exc
         if failure is not None:
@@ -524,7 +545,11 @@ class Engine(Parking):
             if self._loaded is None and self._parked is not None:
                 if not self._unpark_on_generate:
                     raise EngineFailure(ErrorCode.MODEL_PARKED, "the model is parked; unpark it first")
-                unparked = self._unpark("target")
+                self._unparking_for_request = True
+                try:
+                    unparked = self._unpark("target")
+                finally:
+                    self._unparking_for_request = False
                 if unparked.error is not None:
                     raise EngineFailure(unparked.error.code, f"unparking failed: {unparked.error.detail}")
             loaded = self._loaded

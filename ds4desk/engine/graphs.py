@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,10 @@ class GraphedDecode:
     copied into the next one's static inputs; copies between devices are ordered after the source
     device's stream and before the destination's, so no shard reads a buffer still being written."""
 
-    def __init__(self, model: CausalLM, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, device: torch.device, on_captured: Callable[[], None] | None = None
+    ) -> None:
+        """`on_captured` runs after each span's capture (the load's progress; it may raise to stop)."""
         self.model = model
         self.device = device
         self.token = torch.zeros(1, dtype=torch.long, device=device)
@@ -85,6 +89,8 @@ class GraphedDecode:
         with torch.inference_mode():
             for span in self.spans:
                 self._captured.append(self._capture(span))
+                if on_captured is not None:
+                    on_captured()
         self._next_pos: int | None = None  # what `pos` holds on the device after the last replay
 
     def step(self, token: torch.Tensor | None, pos: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,8 +22,10 @@ def fill_and_start(
     request: LoadRequest,
     tick: Callable[[int, int], None],
     stop_if_cancelled: Callable[[], None],
+    defer_graphs: bool = False,
 ) -> tuple[LoadedModel, Runtime]:
-    """The planned model filled from its files, and the runtime (and CUDA graphs) around it."""
+    """The planned model filled from its files, and the runtime around it; its CUDA graphs are
+    captured here, or by the warm-up stage when `defer_graphs` (see warm_up.py)."""
     from ds4desk.engine.graphs import graphs_wanted
     from ds4desk.engine.loader import fill
     from ds4desk.engine.runtime import Runtime
@@ -33,7 +35,10 @@ def fill_and_start(
     device = plan.device
     graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)
     chunk = request.chunk or auto_chunk(device.type)
-    return loaded, Runtime(loaded.model, device, context=plan.context, chunk=chunk, graphs=graphs)
+    runtime = Runtime(
+        loaded.model, device, context=plan.context, chunk=chunk, graphs=graphs, defer_graphs=defer_graphs
+    )
+    return loaded, runtime
 
 
 def plan_draft(

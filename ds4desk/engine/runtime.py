@@ -54,8 +54,16 @@ class Runtime:
     state carries over from one request to the next."""
 
     def __init__(
-        self, model: CausalLM, device: torch.device, context: int, chunk: int = 512, graphs: bool = False
+        self,
+        model: CausalLM,
+        device: torch.device,
+        context: int,
+        chunk: int = 512,
+        graphs: bool = False,
+        defer_graphs: bool = False,
     ) -> None:
+        """`graphs`: decode through captured CUDA graphs, captured here, or by `capture_graphs` when
+        `defer_graphs` (the load's warm-up stage does, with its progress)."""
         if context <= 0 or chunk <= 0:
             raise EngineFailure(
                 ErrorCode.BAD_REQUEST, f"context ({context}) and chunk ({chunk}) must be positive"
@@ -78,12 +86,21 @@ class Runtime:
         self.draft: DraftModel | None = None
         self.max_draft_tokens = DEFAULT_MAX_K
         self.graphs: GraphedDecode | None = None
-        if graphs:
-            try:
-                self.graphs = GraphedDecode(model, device)
-            except Exception:
-                # Out of memory, or an op the capture refuses: either way eager decode still works.
-                log.exception("could not capture decode graphs; decoding eagerly")
+        self.graphs_pending = graphs and defer_graphs  # wanted, not captured yet
+        if graphs and not defer_graphs:
+            self.capture_graphs()
+
+    def capture_graphs(self, on_captured: Callable[[], None] | None = None) -> None:
+        """Capture the decode graphs (see GraphedDecode); `on_captured` runs after each span and may
+        raise EngineFailure to stop (a cancelled load), which propagates."""
+        self.graphs_pending = False
+        try:
+            self.graphs = GraphedDecode(self.model, self.device, on_captured)
+        except EngineFailure:
+            raise
+        except Exception:
+            # Out of memory, or an op the capture refuses: either way eager decode still works.
+            log.exception("could not capture decode graphs; decoding eagerly")
 
     def close(self) -> None:
         """Free the cache and graphs (the weights belong to whoever loaded the model)."""
@@ -105,15 +122,18 @@ class Runtime:
         assert logits is not None
         return logits, None
 
-    def prefill_logits(self, ids: list[int]) -> torch.Tensor:
-        """Prefill `ids` from position 0 in chunks and return the last position's float32 logits [V]."""
+    def prefill_logits(self, ids: list[int], split_at: int | None = None) -> torch.Tensor:
+        """Prefill `ids` from position 0 in chunks and return the last position's float32 logits [V].
+        `split_at`: a chunk also ends there (the warm-up's prompt in two chunks)."""
         if not ids:
             raise EngineFailure(ErrorCode.BAD_REQUEST, "the prompt is empty")
         if len(ids) > self.context:
             raise EngineFailure(
                 ErrorCode.CONTEXT_OVERFLOW, f"{len(ids)} prompt tokens do not fit a context of {self.context}"
             )
-        logits = self._prefill(ids, 0, lambda: False)
+        if split_at is not None and not 0 < split_at < len(ids):
+            split_at = None
+        logits = self._prefill(ids, 0, lambda: False, split_at)
         assert logits is not None
         return logits
 

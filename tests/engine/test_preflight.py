@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ds4desk.engine import Engine, EngineClient, ErrorCode, GenerateRequest, LoadRequest, ModelPreview
+from ds4desk.engine.api import WARM_UP_UNIT
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.preflight import preview_model
@@ -205,8 +206,10 @@ def test_progress_counts_every_tensor_and_cancel_keeps_the_previous_model(
             LoadRequest(path=str(dense_b), context=64, chunk=8), lambda *p: progress.append(p)
         )
         assert second.ok and engine.model_info.path == str(dense_b)
-        total = progress[-1][1]
-        assert [p[0] for p in progress] == list(range(total + 1))
+        tensors = [p for p in progress if p[2] == "tensors"]
+        total = tensors[-1][1]
+        assert [p[0] for p in tensors] == list(range(total + 1))
+        assert {p[2] for p in progress[len(tensors) :]} == {WARM_UP_UNIT}  # then the warm-up stage
         assert total == len(dict(engine._loaded.runtime.model.named_parameters()))  # type: ignore[union-attr]
         other = engine.generate(GenerateRequest(prompt_tokens=PROMPT, max_new_tokens=6))
         assert other.ok and other.tokens != before.tokens  # really the other weights
@@ -225,6 +228,8 @@ def test_the_previous_model_answers_while_the_next_one_loads(
         answered_during_load: list[bool] = []
 
         def on_progress(done: int, total: int, unit: str) -> None:
+            if unit != "tensors":  # the warm-up stage after them
+                return
             if done == 1:  # sent while the load runs, like a message typed meanwhile
                 asked.append(engine.submit_generate(GenerateRequest(prompt_tokens=PROMPT, max_new_tokens=5)))
             if done == total and total:
@@ -286,7 +291,8 @@ def test_a_gguf_load_reports_progress_per_tensor_and_can_be_cancelled(dense: Pat
         progress: list[tuple[int, int, str]] = []
         loaded = engine.load(LoadRequest(path=gguf, context=64), lambda *p: progress.append(p))
         assert loaded.ok and loaded.info is not None and loaded.info.name.startswith("SmolLM2")
-        assert [p[0] for p in progress] == list(range(273)) and progress[-1][1] == 272
+        tensors = [p for p in progress if p[2] == "tensors"]
+        assert [p[0] for p in tensors] == list(range(273)) and tensors[-1][1] == 272
     finally:
         engine.close()
 

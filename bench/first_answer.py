@@ -1,0 +1,307 @@
+"""Time to first token of a fresh process's first request, against the same request again.
+
+    .venv/bin/python bench/first_answer.py [--model PATH | --synthetic dense|v4|dense-small|v4-tiny]
+        [--device cpu|cuda] [--dtype bfloat16] [--tokens 3000] [--new-tokens 16] [--repeats 3]
+        [--cache user|fresh] [--out DIR]
+
+Each run is a FRESH Python process (this script with --child): it imports the engine, loads the
+model (with the load's warm-up stage, or with --no-warm-up semantics), then sends one request (a
+prompt of --tokens token ids, greedy, --new-tokens new tokens, no snapshot reuse) twice. The first
+is what a user waits for after a start; the second is the warm figure it should match. Runs with
+and without warm-up alternate, --repeats each, and the medians are compared.
+
+Per variant: `load_s` (the load as reported, its warm-up included), `warm_up_s`, `first_ttft_s` and
+`second_ttft_s` (GenerateStats.time_to_first_token_s: prefill and the first sample), their ratio,
+and `start_to_first_token_s`, the wall time from the process's spawn to the first token (imports,
+load, warm-up and the first request: what the person at the keyboard waits).
+
+`--cache user` keeps Triton's and inductor's caches in the user's data directory (as `ds4desk`
+does); one unmeasured run primes it first. `--cache fresh` gives every run an empty cache: the cost
+of a first start ever.
+
+Synthetic models (random weights, a byte-level tokenizer), written once to --work:
+`dense` Qwen3-0.6B's shapes (28 layers, hidden 1024, bf16), `v4` bench/gpu_deepseek_v4.py's
+DeepSeek-V4-Flash-shaped model, `dense-small` and `v4-tiny` small ones for a CPU smoke run.
+Prints one JSON line; --out also writes it under that folder.
+"""
+
+from __future__ import annotations
+
+import time
+
+SPAWNED = time.time()  # as early as this process can see: a child's imports come after
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from datetime import UTC, datetime  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+DENSE_06B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "bfloat16",
+}
+DENSE_SMALL = {**DENSE_06B, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512}
+DENSE_SMALL |= {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+SYNTHETIC = ("dense", "v4", "dense-small", "v4-tiny")
+
+
+# --- the synthetic models ---------------------------------------------------------------------------
+
+
+def write_dense(folder: Path, config: dict[str, Any]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from ds4desk.engine.make_tiny import write_tokenizer
+
+    hidden, ffn, head = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_width, kv_width = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    gen = torch.Generator().manual_seed(0)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def ones(width: int) -> torch.Tensor:
+        return torch.ones(width, dtype=torch.bfloat16)
+
+    state = {
+        "model.embed_tokens.weight": normal(config["vocab_size"], hidden),
+        "model.norm.weight": ones(hidden),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        state |= {
+            p + "input_layernorm.weight": ones(hidden),
+            p + "post_attention_layernorm.weight": ones(hidden),
+            p + "self_attn.q_proj.weight": normal(q_width, hidden),
+            p + "self_attn.k_proj.weight": normal(kv_width, hidden),
+            p + "self_attn.v_proj.weight": normal(kv_width, hidden),
+            p + "self_attn.o_proj.weight": normal(hidden, q_width),
+            p + "self_attn.q_norm.weight": ones(head),
+            p + "self_attn.k_norm.weight": ones(head),
+            p + "mlp.gate_proj.weight": normal(ffn, hidden),
+            p + "mlp.up_proj.weight": normal(ffn, hidden),
+            p + "mlp.down_proj.weight": normal(hidden, ffn),
+        }
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"), {"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    write_tokenizer(folder, config["vocab_size"])
+
+
+def synthetic_folder(kind: str, work: Path) -> Path:
+    """The synthetic model's folder under `work`, written on first use."""
+    folder = work / f"first-answer-{kind}"
+    if (folder / "config.json").is_file():
+        return folder
+    if kind in ("dense", "dense-small"):
+        write_dense(folder, DENSE_06B if kind == "dense" else DENSE_SMALL)
+    elif kind == "v4":
+        from gpu_deepseek_v4 import write_model
+
+        write_model(folder)
+    else:
+        from ds4desk.engine.make_tiny import make_tiny
+
+        make_tiny("deepseek_v4", folder, seed=0)
+    return folder
+
+
+# --- one fresh process --------------------------------------------------------------------------
+
+
+def child(config: dict[str, Any]) -> None:
+    """Load, then the same request twice; one JSON line on stdout."""
+    if config["cache_dir"]:
+        os.environ["TRITON_CACHE_DIR"] = str(Path(config["cache_dir"]) / "triton")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(config["cache_dir"]) / "torchinductor")
+    from ds4desk.engine import Engine, GenerateRequest, LoadRequest
+
+    imported = time.time()
+    engine = Engine()
+    try:
+        request = LoadRequest(
+            path=config["model"],
+            device=config["device"],
+            dtype=config["dtype"],
+            context=config["tokens"] + config["new_tokens"] + 64,
+            warm_up=config["warm_up"],
+        )
+        loaded = engine.load(request)
+        if not loaded.ok:
+            raise SystemExit(f"load failed: {loaded.error}")
+        assert loaded.info is not None
+        vocab = config["vocab"]
+        ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(config["tokens"])]
+        runs = []
+        for _ in range(2):
+            started = time.time()
+            result = engine.generate(
+                GenerateRequest(
+                    prompt_tokens=ids,
+                    max_new_tokens=config["new_tokens"],
+                    stop_tokens=[],
+                    use_snapshots=False,
+                )
+            )
+            if not result.ok:
+                raise SystemExit(f"generate failed: {result.error}")
+            runs.append((started, result))
+    finally:
+        engine.close()
+    (first_at, first), (_, second) = runs
+    print(
+        json.dumps(
+            {
+                "import_s": imported - config["spawned_at"],
+                "load_s": loaded.seconds,
+                "warm_up_s": loaded.warm_up_seconds,
+                "first_ttft_s": first.stats.time_to_first_token_s,
+                "second_ttft_s": second.stats.time_to_first_token_s,
+                "first_decode_tok_s": first.stats.decode_tok_s,
+                "second_decode_tok_s": second.stats.decode_tok_s,
+                "start_to_first_token_s": first_at + first.stats.time_to_first_token_s - config["spawned_at"],
+                "same_tokens": first.tokens == second.tokens,
+                "model": loaded.info.name,
+                "device": loaded.info.device,
+                "dtype": loaded.info.dtype,
+            }
+        )
+    )
+
+
+def spawn(config: dict[str, Any]) -> dict[str, Any]:
+    config = {**config, "spawned_at": time.time()}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(config)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"a run failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --- the comparison ---------------------------------------------------------------------------------
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("import_s", "load_s", "warm_up_s", "first_ttft_s", "second_ttft_s", "start_to_first_token_s")
+    out: dict[str, Any] = {key: round(statistics.median(r[key] for r in runs), 4) for key in keys}
+    out["first_over_second"] = round(out["first_ttft_s"] / max(out["second_ttft_s"], 1e-9), 2)
+    out["same_tokens"] = all(r["same_tokens"] for r in runs)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="a model folder or .gguf (default: the embedded SmolLM2)")
+    source.add_argument("--synthetic", choices=SYNTHETIC, help="a synthetic model, written once to --work")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--tokens", type=int, default=3000, help="prompt tokens (default 3000)")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per variant")
+    parser.add_argument("--cache", choices=("user", "fresh"), default="user")
+    parser.add_argument("--work", type=Path, help="where synthetic models go (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, help="also write the JSON under this folder")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child({**json.loads(args.child)})
+        return
+
+    with tempfile.TemporaryDirectory(prefix="ds4desk-first-answer-") as scratch:
+        work = args.work or Path(scratch)
+        model = str(synthetic_folder(args.synthetic, work)) if args.synthetic else args.model
+        vocab = _vocab_of(model)
+        base = {
+            "model": model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "tokens": args.tokens,
+            "new_tokens": args.new_tokens,
+            "vocab": vocab,
+        }
+
+        def cache_dir(tag: str) -> str:
+            if args.cache == "user":
+                from ds4desk.paths import resolve_data_dirs
+
+                return str(resolve_data_dirs(None).create().cache)
+            folder = Path(scratch) / f"cache-{tag}"
+            folder.mkdir()
+            return str(folder)
+
+        if args.cache == "user":  # compiled kernels on disk first, as after any earlier start
+            spawn({**base, "warm_up": False, "cache_dir": cache_dir("prime")})
+        runs: dict[str, list[dict[str, Any]]] = {"warm_up": [], "no_warm_up": []}
+        for repeat in range(args.repeats):
+            for warm in (True, False):
+                config = {**base, "warm_up": warm, "cache_dir": cache_dir(f"{repeat}-{warm}")}
+                runs["warm_up" if warm else "no_warm_up"].append(spawn(config))
+
+    first = runs["warm_up"][0]
+    report = {
+        "bench": "first_answer",
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "model": first["model"],
+        "synthetic": args.synthetic,
+        "device": first["device"],
+        "dtype": first["dtype"],
+        "prompt_tokens": args.tokens,
+        "new_tokens": args.new_tokens,
+        "cache": args.cache,
+        "repeats": args.repeats,
+        "with_warm_up": summary(runs["warm_up"]),
+        "without_warm_up": summary(runs["no_warm_up"]),
+        "runs": runs,
+    }
+    line = json.dumps(report)
+    print(line)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"first_answer_{args.synthetic or 'model'}_{args.device.replace(':', '')}.json"
+        (args.out / name).write_text(line + "\n")
+
+
+def _vocab_of(model: str | None) -> int:
+    """The vocabulary size, for prompt ids inside it (from the headers: no weights are read)."""
+    from ds4desk.engine.loading.default_model import default_model_path
+    from ds4desk.engine.loading.detect import read_source
+
+    config = read_source(Path(model) if model else default_model_path()).config
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(size)
+
+
+if __name__ == "__main__":
+    main()
