@@ -34,6 +34,7 @@ from ds4desk.engine.api import (
     ErrorCode,
     GenerateRequest,
     GenerateResult,
+    GenerateStats,
     LoadRequest,
     LoadResult,
     MemoryStats,
@@ -49,6 +50,7 @@ from ds4desk.settings import Settings
 from ds4desk.ui.backend import ChatBackend
 from ds4desk.ui.device_choice import DeviceLister
 from ds4desk.ui.main_window import MainWindow
+from ds4desk.ui.serve_control import LocalServer
 from ds4desk.ui.theme import apply_theme
 
 log = logging.getLogger(__name__)
@@ -241,6 +243,41 @@ def engine_backend_factory(dirs: DataDirs, settings: Settings | None = None) -> 
     return make
 
 
+class WindowServer:
+    """Settings > "Serve the loaded model on localhost": ds4desk.server.background.BackgroundServer
+    over the window's own engine, imported at the first start (Starlette and uvicorn cost start-up
+    time a window that never serves should not pay)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._server: Any = None
+
+    @property
+    def url(self) -> str | None:
+        return self._server.url if self._server is not None else None
+
+    def start(self, port: int, on_served: Callable[[str, GenerateStats], None] | None = None) -> str:
+        if self._server is None:
+            from ds4desk.server.background import BackgroundServer
+
+            self._server = BackgroundServer(self._engine)
+        return str(self._server.start(port, on_served))
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+
+def local_server_for(backend: object) -> LocalServer | None:
+    """A server over the backend's local engine (a SwitchingBackend's local side); None for a
+    backend with no engine of ours (the stand-in of an engine that did not start, the tests' fakes)."""
+    from ds4desk.engine.engine import Engine  # torch-free; the backend factory imported it already
+
+    local = getattr(backend, "local", backend)
+    engine = getattr(local, "engine", None)
+    return WindowServer(engine) if isinstance(engine, Engine) else None
+
+
 async def engine_devices() -> list[DeviceChoice]:
     """Settings > Device's list, from the engine side: it imports torch, so it runs on a worker
     thread (while the first load imports it on the engine thread, this costs no extra time)."""
@@ -341,6 +378,7 @@ def _run(
         backend = UnavailableBackend(f"the engine did not start: {type(exc).__name__}: {exc}")
 
     settings_path = dirs.settings_file if opened.writable else None  # never overwrite what was not read
+    server = local_server_for(backend)
     window = MainWindow(
         backend,
         history,
@@ -348,6 +386,7 @@ def _run(
         settings_path=settings_path,
         device_override=device,
         list_devices=list_devices,
+        local_server=server,
     )
     window.setWindowTitle(APP_NAME)
     crash.notify = window.report_exception
@@ -364,7 +403,7 @@ def _run(
     restore_sigint = _quit_on_sigint(window.close)
     try:
         code = loop.run_forever()  # qasync returns QApplication.exec()'s code
-        _shut_down(loop, backend)
+        _shut_down(loop, backend, server)
     finally:
         restore_sigint()
         crash.notify = None
@@ -375,8 +414,14 @@ def _run(
     return int(code or 0)
 
 
-def _shut_down(loop: qasync.QEventLoop, backend: ChatBackend) -> None:
-    """Cancel what still runs (closeEvent already saved a streaming answer), then stop the engine."""
+def _shut_down(loop: qasync.QEventLoop, backend: ChatBackend, server: LocalServer | None = None) -> None:
+    """Stop serving (its open requests are cut and so cancelled), cancel what still runs
+    (closeEvent already saved a streaming answer), then stop the engine."""
+    if server is not None:
+        try:
+            server.stop()  # waits for a stop closeEvent began: no served request outlives the engine
+        except Exception:
+            log.exception("stopping the local server failed")
     pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
     for task in pending:
         task.cancel()

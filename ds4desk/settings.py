@@ -40,6 +40,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "snapshot_memory_mb": (1, 1_048_576),
     "top_k": (0, 1_000_000),
     "thinking_budget_tokens": (0, 1_048_576),
+    "serve_port": (0, 65_535),
 }
 MAX_IDLE_PARK_MINUTES = 10_000.0
 MAX_DEVICES = 64
@@ -48,6 +49,10 @@ MAX_DEVICES = 64
 MAX_WINDOW_STATE_CHARS = 64 * 1024
 _BASE64 = re.compile(r"^[A-Za-z0-9+/]*={0,2}$")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What Settings > Speculative decoding offers (the engine's SPECULATIVE_MODES but "mtp", which it
+# refuses for now): the default of every answer and of every load.
+SPECULATIVE_CHOICES = ("auto", "off", "draft", "lookup")
+DEFAULT_SERVE_PORT = 8000
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
@@ -60,6 +65,9 @@ class Settings:
     cuda_graphs: str = "auto"  # "auto" (on for CUDA, off for HIP) | "on" | "off"
     # "as-stored" | "q8" | "q4": a 16-bit model's linear weights quantized at load (Q8_0 / Q4_K).
     weights: str = "as-stored"
+    # Speculative decoding (SPECULATIVE_CHOICES): auto is the draft model when one is loaded (File >
+    # Load draft model…), else prompt lookup; off for models whose cache cannot roll back.
+    speculative: str = "auto"
     # A layer split: the devices the shards run on, in order (empty: every layer on `device`), and
     # the layers per device (empty: planned from each device's free memory).
     devices: list[str] = field(default_factory=list)
@@ -82,6 +90,10 @@ class Settings:
     # The last server of File > Connect to a server… (never its API key).
     remote_url: str = ""
     remote_model: str = ""
+    # Settings > "Serve the loaded model on localhost": the OpenAI API on 127.0.0.1:serve_port
+    # (0: any free port) while the window runs.
+    serve_on_localhost: bool = False
+    serve_port: int = DEFAULT_SERVE_PORT
     # The window as it was closed (base64 of Qt's own blobs; "" or a damaged value: the defaults).
     window_geometry: str = ""
     window_state: str = ""  # the docks: which are open, where, how wide
@@ -99,9 +111,12 @@ class Settings:
             return None
         return ThinkingBudget(max_tokens=self.thinking_budget_tokens, close_tokens=[])
 
-    def load_request(self, path: str | None = None, device: str | None = None) -> LoadRequest:
+    def load_request(
+        self, path: str | None = None, device: str | None = None, draft: str | None = None
+    ) -> LoadRequest:
         """`path`/`device` override the stored ones for this load only (the CLI's flags);
-        BUILT_IN_MODEL asks for the embedded model whatever was loaded last."""
+        BUILT_IN_MODEL asks for the embedded model whatever was loaded last. `draft`: a draft model
+        loaded beside it (File > Load draft model…): never stored, it belongs to this target."""
         chosen = path if path is not None else self.last_model
         return LoadRequest(
             path=None if chosen == BUILT_IN_MODEL else chosen,
@@ -114,6 +129,8 @@ class Settings:
             devices=tuple(self.devices) if self.devices and not device else None,
             layer_split=tuple(self.layer_split) if self.devices and self.layer_split and not device else None,
             weights=self.weights,
+            draft=draft,
+            speculative=self.speculative,
         )
 
     def engine_options(self) -> dict[str, Any]:
@@ -278,7 +295,9 @@ def _validated(name: str, value: Any) -> Any:
                 and len(value) <= MAX_DEVICES
                 and all(_is_int(v) and 0 < v <= 1_000_000 for v in value)
             )
-        case "unpark_on_generate" | "park_cancels_running" | "thinking":
+        case "speculative":
+            ok = value in SPECULATIVE_CHOICES
+        case "unpark_on_generate" | "park_cancels_running" | "thinking" | "serve_on_localhost":
             ok = isinstance(value, bool)
         case "idle_park_minutes":
             ok = _is_number(value) and 0 <= value <= MAX_IDLE_PARK_MINUTES
@@ -286,7 +305,7 @@ def _validated(name: str, value: Any) -> Any:
         case "context" | "chunk" | "max_new_tokens" | "snapshot_slots" | "snapshot_memory_mb":
             low, high = INT_RANGES[name]
             ok = _is_int(value) and low <= value <= high
-        case "top_k" | "thinking_budget_tokens":
+        case "top_k" | "thinking_budget_tokens" | "serve_port":
             low, high = INT_RANGES[name]
             ok = _is_int(value) and low <= value <= high
         case "temperature":

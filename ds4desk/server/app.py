@@ -25,10 +25,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import ds4desk.server.shapes as shapes
-from ds4desk.engine.api import PARK_SELECTORS, FinishReason, GenerateRequest, ModelInfo
+from ds4desk.engine.api import PARK_SELECTORS, FinishReason, GenerateRequest, GenerateStats, ModelInfo
 from ds4desk.engine.client import EngineClient
 from ds4desk.server.generation import Generation, chat_request, completion_request
-from ds4desk.server.metrics import CONTENT_TYPE, Metrics
+from ds4desk.server.metrics import CONTENT_TYPE, Metrics, ServedAnswer
 from ds4desk.server.protocol import (
     ApiError,
     ChatParams,
@@ -65,6 +65,8 @@ class _Server:
         self.limits = limits
         self.slot_dir = slot_dir
         self.metrics = Metrics()
+        # Per generation in flight: the model it was accepted for, and its arrival-to-first-token time.
+        self._served: dict[str, tuple[str, float | None]] = {}
 
     @property
     def info(self) -> ModelInfo:
@@ -193,7 +195,7 @@ class _Server:
         if self.metrics.in_flight >= self.limits.max_requests:
             raise ApiError(429, "too many requests are waiting; try again later", code="server_busy")
         self.metrics.in_flight += 1
-        return Generation(
+        generation = Generation(
             self.client,
             engine_request,
             params,
@@ -203,6 +205,8 @@ class _Server:
             on_first_token=self._first_token,
             prefix=prefix,
         )
+        self._served.setdefault(generation.id, (info.name, None))
+        return generation
 
     async def _answer(
         self,
@@ -234,6 +238,8 @@ class _Server:
         ttft = time.monotonic() - generation.accepted_at
         self.metrics.ttft.observe(ttft)
         self.metrics.last_ttft_s = ttft
+        model, _ = self._served.get(generation.id, ("", None))
+        self._served[generation.id] = (model, ttft)
 
     def _finished(self, generation: Generation) -> None:
         """The engine is done with `generation` (answered, cancelled or failed), on the loop."""
@@ -242,15 +248,22 @@ class _Server:
         result = generation.result
         if result is None or (result.error is not None and result.finish_reason != FinishReason.CANCELLED):
             metrics.failed += 1
+            outcome = "failed"
         elif generation.left:
             metrics.cancelled += 1
+            outcome = "cancelled"
         else:
             metrics.answers += 1
+            outcome = "answered"
         if result is not None:
             metrics.generated_tokens += result.stats.generated_tokens
             metrics.prompt_tokens += result.stats.prompt_tokens
             if result.stats.decode_tok_s > 0:
                 metrics.last_decode_tok_s = result.stats.decode_tok_s
+        model, waited = self._served.pop(generation.id, ("", None))
+        if metrics.listeners:
+            stats = result.stats if result is not None else GenerateStats()
+            metrics.served(ServedAnswer(model, stats, outcome, waited))
 
     def _chat_events(
         self, generation: Generation, model: str, params: ChatParams
@@ -411,7 +424,7 @@ def build_app(
 ) -> Starlette:
     """`slot_dir`: the only folder slot files are saved to and restored from (None: slot files off)."""
     server = _Server(client, api_key, limits or ServerLimits(), slot_dir)
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics_text, methods=["GET"]),
@@ -426,3 +439,6 @@ def build_app(
         middleware=[Middleware(_CountRequests, metrics=server.metrics)],
         exception_handlers={ApiError: _on_api_error, HTTPException: _on_http_error, Exception: _on_bug},
     )
+    # Where a host of the server (the window's background server) adds its ServedAnswer listeners.
+    app.state.metrics = server.metrics
+    return app

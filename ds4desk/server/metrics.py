@@ -7,12 +7,16 @@ there, so nothing needs a lock.
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds4desk.engine.api import MemoryStats, ModelInfo
+from ds4desk.engine.api import GenerateStats, MemoryStats, ModelInfo
+
+log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -57,6 +61,21 @@ class Histogram:
         self.count += 1
 
 
+@dataclass(slots=True, frozen=True)
+class ServedAnswer:
+    """One generation the server ended (answered, cancelled or failed), for whoever listens: the
+    window's live chart marks these beside its own answers."""
+
+    model: str  # the model the request was accepted for
+    stats: GenerateStats  # the engine's own figures (tokens, TTFT, decode tok/s, speculation)
+    outcome: str  # "answered", "cancelled" or "failed"
+    waited_s: float | None = None  # arrival to first token, queue wait included (None: no token)
+
+
+# Called on the server's event loop thread: it must return quickly and never block on the caller's.
+ServedListener = Callable[[ServedAnswer], None]
+
+
 @dataclass(slots=True)
 class Metrics:
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)  # (endpoint, status)
@@ -69,6 +88,15 @@ class Metrics:
     last_decode_tok_s: float = 0.0
     last_ttft_s: float = 0.0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    listeners: list[ServedListener] = field(default_factory=list)
+
+    def served(self, answer: ServedAnswer) -> None:
+        """Tell the listeners; one that fails is logged, never the request's problem."""
+        for listener in list(self.listeners):
+            try:
+                listener(answer)
+            except Exception:
+                log.exception("a served-request listener failed")
 
     def counted(self, path: str, status: int) -> None:
         self.requests[(endpoint_of(path), status)] += 1

@@ -15,7 +15,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QPointF, QRectF, QSize, Qt
-from PySide6.QtGui import QColor, QFont, QFontMetricsF, QMouseEvent, QPainter, QPaintEvent, QPalette, QPen
+from PySide6.QtGui import (
+    QBrush,
+    QColor,
+    QFont,
+    QFontMetricsF,
+    QMouseEvent,
+    QPainter,
+    QPaintEvent,
+    QPalette,
+    QPen,
+)
 from PySide6.QtWidgets import QToolTip, QWidget
 
 HEADROOM = 1.1  # the top tick is at least 10% above the peak: the peak never sits on the border
@@ -61,6 +71,7 @@ class Bar:
     number: int  # the request's number in this session (1, 2, ...)
     value: float
     model: str | None
+    served: bool = False  # a request another program sent to the window's server, not the window's own
 
 
 @dataclass(slots=True)
@@ -231,8 +242,14 @@ class Chart(QWidget):
         painter.drawLine(plot.bottomLeft(), plot.bottomRight())
         painter.drawLine(plot.bottomLeft(), plot.topLeft())
 
-        for rect, _bar in out.bars:
-            painter.fillRect(rect, self.color)
+        for rect, bar in out.bars:
+            if bar.served:  # hatched and outlined: a served request, not one of the window's answers
+                painter.fillRect(rect, QBrush(self.color, Qt.BrushStyle.BDiagPattern))
+                painter.setPen(QPen(self.color, 1.2))
+                painter.setBrush(Qt.BrushStyle.NoBrush)
+                painter.drawRect(rect)
+            else:
+                painter.fillRect(rect, self.color)
         if out.live_bar is not None:
             painter.setPen(QPen(self.color, 1.2, Qt.PenStyle.DashLine))
             painter.setBrush(Qt.BrushStyle.NoBrush)
@@ -292,8 +309,8 @@ class RequestChart(Chart):
     def values(self) -> list[float]:
         return [bar.value for bar in self.bars]
 
-    def add(self, number: int, value: float, model: str | None) -> None:
-        self.bars.append(Bar(number, value, model))
+    def add(self, number: int, value: float, model: str | None, *, served: bool = False) -> None:
+        self.bars.append(Bar(number, value, model, served))
         self.mark_dirty()
 
     def set_live(self, value: float | None) -> None:
@@ -350,7 +367,8 @@ class RequestChart(Chart):
         if 0 <= index < len(self.bars):
             bar = self.bars[index]
             model = f"{bar.model}: " if bar.model else ""
-            return f"answer {bar.number}: {model}{self.value_text(bar.value)}"
+            what = "served request" if bar.served else "answer"
+            return f"{what} {bar.number}: {model}{self.value_text(bar.value)}"
         if index == len(self.bars) and self.live is not None:
             return f"this answer so far: {self.value_text(self.live)} (estimate)"
         return None

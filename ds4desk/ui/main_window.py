@@ -46,6 +46,7 @@ from ds4desk.engine.api import (
     ThinkingFormat,
 )
 from ds4desk.history import LEAF, History
+from ds4desk.remote import is_remote
 from ds4desk.settings import BUILT_IN_MODEL, Settings
 from ds4desk.ui.backend import ChatBackend
 from ds4desk.ui.banners import (
@@ -68,6 +69,7 @@ from ds4desk.ui.model_picker import ModelPicker
 from ds4desk.ui.park_controls import ParkControls, ParkHooks
 from ds4desk.ui.perf_panel import PerfPanel
 from ds4desk.ui.remote_actions import RemoteActions, RemoteHooks
+from ds4desk.ui.serve_control import LocalServer, ServeControl, ServeHooks
 from ds4desk.ui.sidebar import UNTITLED, Sidebar
 from ds4desk.ui.slot_panel import SlotPanel
 from ds4desk.ui.stats_format import status_speed
@@ -82,6 +84,7 @@ SEND_HELP = "Send (Enter or Ctrl+Enter)"
 EMPTY_CHAT = "Ask anything. Answers stream in here."
 # One short line: QTextBrowser draws its placeholder unwrapped; the bar above says the rest.
 NO_MODEL_CHAT = "No model is loaded: load one with the buttons above."
+SERVE_FAILED = "serve-failed"  # the notice of a local server that could not start
 DEFAULT_SIZE = (1100, 750)
 # The conversation keeps at least this width when docks open beside it: the park row, the chat
 # options and the composer's buttons need it.
@@ -100,12 +103,14 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
         settings_path: Path | None = None,
         device_override: str | None = None,
         list_devices: DeviceLister | None = None,
+        local_server: LocalServer | None = None,
         parent: QWidget | None = None,
     ) -> None:
         """`settings_path`: where to save settings the window changes (None: don't save).
         `device_override`: the --device flag, used for this session's loads only.
         `list_devices`: asks the engine side which devices this torch sees (None: not known, the
-        device is not checked before a load)."""
+        device is not checked before a load). `local_server`: serves the window's engine over the
+        OpenAI API when Settings say so (None: the option is greyed out)."""
         super().__init__(parent)
         self.backend = backend
         self.history = history
@@ -152,11 +157,28 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
             device_override=device_override,
         )
         self.model_loader.loading_changed.connect(self._update_send)
+        self.model_loader.loading_changed.connect(self._update_draft_action)
+        self.serve_control = ServeControl(
+            local_server,
+            settings,
+            ServeHooks(
+                say=self.set_status,
+                warn=self._serve_failed,
+                started=lambda: self.notice_bar.remove(SERVE_FAILED),
+                served=self.perf_panel.add_served,
+                closed=lambda: self._closed,
+            ),
+            self,
+        )
+        # The first permanent widget, after the one status line: the URL before the speed and model.
+        self.statusBar().insertPermanentWidget(1, self.serve_control.label)
         self.restore_window_state()
         self._follow_theme()
         self._refresh_sidebar()
         self._show_model(backend.model_info)
         self.composer.setFocus()  # given the focus once the window is shown and active
+        if settings.serve_on_localhost and self.serve_control.available:
+            self.serve_control.apply()  # before a model is there: requests get 503 until it is
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -322,6 +344,7 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
     def _panel_tasks(self) -> list[asyncio.Future[Any]]:
         """The docks' background reads, so wait_idle (and a clean shutdown) waits for them too."""
         tasks = [self._memory_task, self.slot_panel._task, self.perf_panel._memory_task, self._device_task]
+        tasks.append(self.serve_control.task if hasattr(self, "serve_control") else None)
         tasks.append(getattr(self.model_picker, "task", None))  # a Python attribute: there after deletion
         return [t for t in tasks if t is not None]
 
@@ -343,6 +366,12 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
             "The built-in model, recent models and those in your models folder, with their sizes"
         )
         self.choose_model_action.triggered.connect(self.open_model_picker)
+        self.load_draft_action = QAction("Load &draft model…", self)
+        self.load_draft_action.setStatusTip(
+            "A small model with the same vocabulary, loaded beside this one for speculative decoding"
+        )
+        self.load_draft_action.triggered.connect(self.choose_draft_model)
+        self.load_draft_action.setEnabled(False)
         self.new_chat_action = QAction("&New chat", self)
         self.new_chat_action.setShortcut(QKeySequence("Ctrl+N"))
         self.new_chat_action.triggered.connect(self.new_chat)
@@ -395,6 +424,7 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction(self.open_model_action)
         file_menu.addAction(self.choose_model_action)
+        file_menu.addAction(self.load_draft_action)
         file_menu.addAction(self.remote.connect_action)
         file_menu.addAction(self.remote.disconnect_action)
         file_menu.addAction(self.new_chat_action)
@@ -457,6 +487,10 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
             self.status_label.style().unpolish(self.status_label)
             self.status_label.style().polish(self.status_label)
 
+    def _serve_failed(self, text: str) -> None:
+        """A port already taken (or the like): a notice that stays, the window goes on unserved."""
+        self.show_notice(f"{text}. Choose another port in Settings > Local server.", key=SERVE_FAILED)
+
     def report_exception(self, summary: str) -> None:
         """The crash hooks land here: say it in the status bar, keep running."""
         if not self._closed:
@@ -468,16 +502,20 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
             self.remote.apply_state()
         self.perf_panel.set_model(info.name if info is not None else None)  # marks a model switch
         self._update_send()
+        self._update_draft_action()
         self.chat_options.offer_thinking(info is None or info.thinking.switch)
         if info is None:
             self.model_label.setText("No model loaded")
             self.model_label.setToolTip("")
             return
         parked = "  (parked)" if self.backend.parked else ""
-        self.model_label.setText(f"{info.name}  ·  {info.device}  ·  {info.dtype}{parked}")
+        draft = getattr(info, "draft", "")
+        with_draft = f"  ·  draft {Path(draft).name or draft}" if draft else ""
+        self.model_label.setText(f"{info.name}  ·  {info.device}  ·  {info.dtype}{with_draft}{parked}")
         self.model_label.setToolTip(
             f"{info.architecture}, {info.parameters / 1e9:.2f} B parameters\n"
             f"context {info.context}, tokenizer {info.tokenizer}\n{info.path}"
+            + (f"\ndraft model: {draft}" if draft else "")
         )
 
     # ---- sending and streaming ------------------------------------------------------------
@@ -576,12 +614,14 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
         chat_format = info.thinking if info is not None else ThinkingFormat()
         thinking = self.settings.thinking and chat_format.switch
         until = answer_parent if text is None else None  # regenerate: the question, not the old answer
+        speculative, speculative_note = self._speculative_for(info)
         request = GenerateRequest(
             messages=conversation(self.history, chat_id, self.settings.system_prompt, until=until),
             sampling=self.settings.sampling(),
             max_new_tokens=self.settings.max_new_tokens,
             thinking=thinking,
             thinking_budget=self.settings.thinking_budget() if thinking else None,
+            speculative=speculative,
             # The next turn's prompt starts with this one and its answer: keep the state there, so
             # a follow-up prefills only the new message.
             save_snapshot=SaveSnapshot(tag=str(chat_id)),  # the slot panel shows whose it is
@@ -595,7 +635,7 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
                 self.open_chat(chat_id)  # shows the new, still empty answer with its switcher
             else:
                 self.chat_view.begin_stream(message_id=row.id)
-        self.set_status("Answering…")
+        self.set_status("Answering…" + speculative_note)
         self.perf_panel.begin_answer()
         self.park_readout.stop()  # the engine does not count idle time while it answers
 
@@ -680,6 +720,17 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
             self.speed_label.setText(speed_text)
             self.speed_label.setToolTip(speed_tip)
 
+    def _speculative_for(self, info: ModelInfo | None) -> tuple[str | None, str]:
+        """The answer's speculative mode from Settings, and what to say of it. A remote model gets
+        none (its server decides); "draft" without a draft model loaded answers with "auto" and says
+        so, rather than failing the answer."""
+        if info is None or is_remote(info):
+            return None, ""
+        mode = self.settings.speculative
+        if mode == "draft" and not getattr(info, "draft", ""):
+            return "auto", " (no draft model is loaded: File > Load draft model…; speculating with auto)"
+        return mode, ""
+
     def _set_busy(self, busy: bool) -> None:
         # Set before the answer's task exists, and cleared while it still runs: `busy` cannot say.
         self._answering = busy
@@ -732,6 +783,7 @@ class MainWindow(ModelLoading, ChatNavigation, QMainWindow):
         s.splitter_state = _base64(self.splitter.saveState())
 
     def closeEvent(self, event: QCloseEvent) -> None:
+        self.serve_control.shut_down()  # its requests are cut (so cancelled) before the engine stops
         self.remember_window_state()
         self._save_settings()
         self.sidebar.purge_pending()  # the undo window ends with the window

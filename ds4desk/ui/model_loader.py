@@ -182,17 +182,17 @@ class ModelLoader(QObject):
         return await self._hooks.load(path)
 
     def _on_open_model(self) -> None:
-        path = self._choose_model_path()
+        path = self.choose_path("Open model")
         if path:
             self.open_path(path)
 
-    def _choose_model_path(self) -> str | None:
+    def choose_path(self, title: str) -> str | None:
         """One dialog for both kinds: a .gguf file, or any file of a model folder (its folder is
-        used). The engine decides whether it is a model."""
+        used). The engine decides whether it is a model. (File > Open model, File > Load draft model.)"""
         start = self._settings.last_model or str(Path.home())
         path, _ = QFileDialog.getOpenFileName(
             self._window,
-            "Open model",
+            title,
             str(Path(start).parent if Path(start).is_file() else start),
             "Models (*.gguf config.json *.safetensors);;All files (*)",
         )

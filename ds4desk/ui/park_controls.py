@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QPushButton, QWidget
 
-from ds4desk.engine.api import EngineError, ErrorCode, MemoryStats, ParkResult
+from ds4desk.engine.api import EngineError, ErrorCode, MemoryStats, ModelInfo, ParkResult
 from ds4desk.ui.backend import ChatBackend
 from ds4desk.ui.park_readout import ParkReadout
 from ds4desk.ui.stats_format import format_bytes
@@ -49,6 +49,11 @@ class ParkControls(QWidget):
             self.park_selector.addItem(label, selector)
         self.park_selector.setToolTip("Which model Park and Unpark act on")
         self.park_selector.setAccessibleName("Model to park")
+        self.park_selector.currentIndexChanged.connect(lambda _index: self.update_buttons())
+        # The draft model (File > Load draft model…) parks on its own: whether it is parked now. A
+        # new ModelInfo (a load, the target's unpark) brings the draft back with its target.
+        self.draft_parked = False
+        self._info_seen: ModelInfo | None = None
         self.park_button = QPushButton("Park", objectName="ParkButton")
         self.park_button.setToolTip("Free the model's memory; the next answer loads it back")
         self.park_button.setAccessibleName("Park")
@@ -74,12 +79,40 @@ class ParkControls(QWidget):
     def parking(self) -> bool:
         return self.task is not None and not self.task.done()
 
+    @property
+    def has_draft(self) -> bool:
+        info = self._backend.model_info
+        return info is not None and bool(getattr(info, "draft", ""))
+
     def update_buttons(self) -> None:
-        """Park only what is loaded, unpark only what is parked, and one action at a time."""
-        has_model = self._backend.model_info is not None
+        """Park only what is loaded, unpark only what is parked, and one action at a time; the
+        "Draft model" choice only while a draft model is loaded beside the model."""
+        info = self._backend.model_info
+        if info is not self._info_seen:
+            self._info_seen = info
+            self.draft_parked = False
+        has_model = info is not None
         parked = self._backend.parked
+        has_draft = self.has_draft
+        self._offer_draft(has_draft)
+        if self.park_selector.currentData() == "draft":
+            # A parked target has no draft to free; its unpark brings the draft back.
+            self.park_button.setEnabled(
+                has_draft and not parked and not self.draft_parked and not self.parking
+            )
+            self.unpark_button.setEnabled(has_draft and not parked and self.draft_parked and not self.parking)
+            return
         self.park_button.setEnabled(has_model and not parked and not self.parking)
         self.unpark_button.setEnabled(has_model and parked and not self.parking)
+
+    def _offer_draft(self, has_draft: bool) -> None:
+        index = self.park_selector.findData("draft")
+        item = self.park_selector.model().item(index)  # type: ignore[attr-defined]
+        if item is not None and item.isEnabled() != has_draft:
+            item.setEnabled(has_draft)
+            item.setToolTip("" if has_draft else "No draft model is loaded (File > Load draft model…)")
+        if not has_draft and self.park_selector.currentIndex() == index:
+            self.park_selector.setCurrentIndex(self.park_selector.findData("all"))
 
     def restart_idle_countdown(self) -> None:
         """After an answer, load or unpark: the engine counts its idle time from there."""
@@ -114,6 +147,8 @@ class ParkControls(QWidget):
         if self._hooks.closed():
             return result
         self.task = None  # done: the buttons below must not count it as running
+        if selector == "draft" and result.error is None and self.has_draft:
+            self.draft_parked = park
         self._hooks.model_changed()
         if result.error is None:
             self.restart_idle_countdown()

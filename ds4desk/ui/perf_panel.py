@@ -1,5 +1,7 @@
 """Live speed: decode tok/s, prefill tok/s and time to first token per answer (bars, one per request,
-a marker where the model changed), and the model's memory over the last two minutes.
+a marker where the model changed), the share of drafted tokens accepted where speculative decoding
+ran, and the model's memory over the last two minutes. Requests other programs sent to the window's
+local server (Settings > "Serve the loaded model on localhost") are bars too, hatched.
 
 Every per-answer figure is the engine's own measurement read through `AnswerSpeed.of`, the same as
 the answer's footer and the status bar show. While an answer streams, the decode chart shows the UI's
@@ -30,6 +32,7 @@ from ds4desk.ui.stats_format import (
     AnswerSpeed,
     format_bytes,
     format_decode,
+    format_percent,
     format_prefill,
     format_seconds,
     memory_others,
@@ -66,6 +69,11 @@ class PerfPanel(QWidget):
         self.decode_chart = RequestChart("decode", fixed_unit("tok/s"), format_decode, "#059669", capacity)
         self.prefill_chart = RequestChart("prefill", fixed_unit("tok/s"), format_prefill, "#7c3aed", capacity)
         self.ttft_chart = RequestChart("first token", fixed_unit("s"), format_seconds, "#2563eb", capacity)
+        # Only answers that speculated have a bar; the chart shows once the first one does.
+        self.acceptance_chart = RequestChart(
+            "draft acceptance", fixed_unit("%"), format_percent, "#d97706", capacity
+        )
+        self.acceptance_chart.setVisible(False)
         self.memory_chart = TimeChart(
             "model memory", byte_scale, lambda v: format_bytes(int(v)), "#dc2626", capacity
         )
@@ -74,21 +82,29 @@ class PerfPanel(QWidget):
         self.memory_label.setWordWrap(True)
         # Its text changes every second: it must never resize the dock (and so relayout the chat).
         self.memory_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        # The charts every answer adds to; the acceptance chart (answers that speculated) comes apart.
         self.charts: tuple[Chart, ...] = (
             self.decode_chart,
             self.prefill_chart,
             self.ttft_chart,
             self.memory_chart,
         )
+        self._drawn: tuple[Chart, ...] = (*self.charts[:3], self.acceptance_chart, self.memory_chart)
         column = QVBoxLayout(self)
         column.setContentsMargins(4, 4, 4, 4)
         column.setSpacing(4)
-        for chart in self.charts:
+        for chart in self._drawn:
             column.addWidget(chart, 1)
         column.addWidget(self.memory_label)
+        self.served_label = QLabel("", objectName="PerfServedLabel")
+        self.served_label.setWordWrap(True)
+        self.served_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.served_label.hide()
+        column.addWidget(self.served_label)
 
         self.model: str | None = None  # the model the next answer's bars belong to
-        self.answers = 0  # answers measured this session: the bars' numbers
+        self.answers = 0  # answers measured this session (the window's and served ones): the bars' numbers
+        self.served = 0  # of them, requests the local server answered
         self.ticks = 0  # timer ticks that found something to draw
         self._tick = QTimer(self)
         self._tick.setSingleShot(True)
@@ -150,15 +166,34 @@ class PerfPanel(QWidget):
         self._pending_tokens = 0
         self._recent.clear()
         self.decode_chart.set_live(None)
-        speed = AnswerSpeed.of(stats)
-        if speed.generated_tokens:
-            self.answers += 1
-            if speed.decode_tok_s > 0:
-                self.decode_chart.add(self.answers, speed.decode_tok_s, self.model)
-            if speed.prefill_tok_s > 0:
-                self.prefill_chart.add(self.answers, speed.prefill_tok_s, self.model)
-            self.ttft_chart.add(self.answers, speed.first_token_s, self.model)
+        self._add_bars(AnswerSpeed.of(stats), self.model, served=False)
         self._schedule()
+
+    def add_served(self, model: str | None, stats: GenerateStats) -> None:
+        """A request the window's local server answered: hatched bars among the window's own. The
+        answer the window is writing (if any) keeps its estimate: the engine ran the two in turn."""
+        if self._add_bars(AnswerSpeed.of(stats), model or self.model, served=True):
+            self.served += 1
+            self.served_label.setText(
+                f"{self.served:,} request{'s' * (self.served != 1)} served over the OpenAI API (hatched bars)"
+            )
+            self.served_label.show()
+        self._schedule()
+
+    def _add_bars(self, speed: AnswerSpeed, model: str | None, *, served: bool) -> bool:
+        if not speed.generated_tokens:
+            return False
+        self.answers += 1
+        number = self.answers
+        if speed.decode_tok_s > 0:
+            self.decode_chart.add(number, speed.decode_tok_s, model, served=served)
+        if speed.prefill_tok_s > 0:
+            self.prefill_chart.add(number, speed.prefill_tok_s, model, served=served)
+        self.ttft_chart.add(number, speed.first_token_s, model, served=served)
+        if speed.speculated:
+            self.acceptance_chart.add(number, speed.acceptance_percent, model, served=served)
+            self.acceptance_chart.setVisible(True)
+        return True
 
     # ---- memory ---------------------------------------------------------------------------
 
@@ -217,6 +252,6 @@ class PerfPanel(QWidget):
             rate = self.live_rate()
             if rate > 0:
                 self.decode_chart.set_live(rate)
-        drew = [chart.flush() for chart in self.charts]
+        drew = [chart.flush() for chart in self._drawn]
         if any(drew):
             self.ticks += 1

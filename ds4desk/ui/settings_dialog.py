@@ -1,9 +1,10 @@
-"""Settings (Ctrl+,): model loading, snapshots, thinking, parking and sampling.
+"""Settings (Ctrl+,): model loading, speculative decoding, snapshots, thinking, parking, sampling,
+and serving the loaded model on localhost.
 
 OK checks the values the way a settings file is checked (Settings.from_json), writes them into the
 window's Settings and emits `accepted`; the window saves them. Nothing here touches the engine:
 load options apply at the next model load, engine options when ds4desk starts next, and the
-dialog says so.
+dialog says so. Serving starts or stops as soon as OK is pressed (the window does it).
 """
 
 from __future__ import annotations
@@ -34,10 +35,24 @@ WEIGHTS = (("As stored", "as-stored"), ("8-bit (Q8_0)", "q8"), ("4-bit (Q4_K)", 
 WEIGHTS_HELP = (
     "Quantizes a 16-bit model's weights while it loads (8-bit Q8_0 or 4-bit Q4_K), so it fits a smaller GPU"
 )
+SPECULATIVE = (
+    ("Auto (the draft model if loaded, else prompt lookup)", "auto"),
+    ("Off", "off"),
+    ("Draft model (File > Load draft model…)", "draft"),
+    ("Prompt lookup", "lookup"),
+)
+SPECULATIVE_HELP = (
+    "Speculative decoding: a draft model or n-grams of the conversation propose tokens that the model "
+    "checks in one step; the answer is the same, only faster when they agree"
+)
+SERVE_HELP = (
+    "Other programs on this computer can use the loaded model through the OpenAI API at "
+    "http://127.0.0.1:PORT/v1 (no API key needed)"
+)
 APPLY_NOTE = (
     "Device, data type, weights, context, chunk and CUDA graphs apply at the next model load (File > Open "
     "model, or the next start). Snapshot and park options apply when ds4desk starts next. "
-    "Thinking and sampling apply to the next answer."
+    "Speculative decoding, thinking and sampling apply to the next answer; serving, at once."
 )
 
 
@@ -68,8 +83,13 @@ class SettingsDialog(QDialog):
         parent: QWidget | None = None,
         *,
         devices: Sequence[DeviceChoice] | None = None,
+        can_serve: bool = True,
+        can_speculate: bool = True,
+        serving_url: str | None = None,
     ) -> None:
-        """`devices`: what the engine side lists (None: not known yet; set_devices fills them in)."""
+        """`devices`: what the engine side lists (None: not known yet; set_devices fills them in).
+        `can_serve`/`can_speculate`: False greys the option out (no local engine to serve, a remote
+        model). `serving_url`: where the model is served now, shown under the option."""
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self.setObjectName("SettingsDialog")
@@ -94,6 +114,27 @@ class SettingsDialog(QDialog):
         for label, value in WEIGHTS:
             self.weights.addItem(label, value)
         self.weights.setCurrentIndex(max(0, self.weights.findData(s.weights)))
+        self.speculative = QComboBox(objectName="SpeculativeSetting")
+        for label, value in SPECULATIVE:
+            self.speculative.addItem(label, value)
+        self.speculative.setCurrentIndex(max(0, self.speculative.findData(s.speculative)))
+        self.speculative.setEnabled(can_speculate)
+
+        self.serve = QCheckBox("Serve the loaded model on localhost", objectName="ServeSetting")
+        self.serve.setChecked(s.serve_on_localhost)
+        self.serve_port = _spin("ServePortSetting", 0, 65_535, s.serve_port)
+        self.serve_port.setSpecialValueText("any free port")  # shown for 0
+        self.serve_port.setEnabled(s.serve_on_localhost)
+        self.serve.toggled.connect(self.serve_port.setEnabled)
+        self.serve_status = QLabel(objectName="ServeStatus")
+        self.serve_status.setWordWrap(True)
+        if not can_serve:
+            self.serve.setEnabled(False)
+            self.serve_port.setEnabled(False)
+            self.serve_status.setText("Not available: no local engine is running.")
+        elif serving_url:
+            self.serve_status.setText(f"Serving at {serving_url}")
+        self.serve_status.setVisible(bool(self.serve_status.text()))
 
         self.snapshot_slots = _spin("SnapshotSlotsSetting", 1, 1024, s.snapshot_slots)
         self.snapshot_memory = _spin(
@@ -129,6 +170,7 @@ class SettingsDialog(QDialog):
         self._row(model, "Context", self.context, "The longest conversation the model keeps, in tokens")
         self._row(model, "Prefill chunk", self.chunk, "Prompt tokens computed per step")
         self._row(model, "CUDA graphs", self.cuda_graphs, "Replay decode steps from a captured graph")
+        self._row(model, "Speculative decoding", self.speculative, SPECULATIVE_HELP)
         self._model_form = model
         self._show_gpu_options(devices)
         memory = QFormLayout()
@@ -143,6 +185,10 @@ class SettingsDialog(QDialog):
         self._row(sampling, "Top-p", self.top_p, "Sample from the smallest set with this probability")
         self._row(sampling, "Top-k", self.top_k, "Sample from the k most likely tokens (Off: all)")
         self._row(sampling, "Max new tokens", self.max_new_tokens, "The longest answer, in tokens")
+        serving = QFormLayout()
+        self._row(serving, "", self.serve, SERVE_HELP)
+        self._row(serving, "Port", self.serve_port, "The port on 127.0.0.1 (a taken port is reported)")
+        serving.addRow(self.serve_status)
 
         self.note = QLabel(APPLY_NOTE, objectName="SettingsNote")
         self.note.setWordWrap(True)
@@ -164,6 +210,7 @@ class SettingsDialog(QDialog):
             ("Model", model),
             ("Memory, thinking and parking", memory),
             ("Sampling", sampling),
+            ("Local server", serving),
         ):
             group = QGroupBox(title)
             group.setLayout(form)
@@ -215,6 +262,7 @@ class SettingsDialog(QDialog):
             "context": self.context.value(),
             "chunk": self.chunk.value(),
             "cuda_graphs": self.cuda_graphs.currentData(),
+            "speculative": self.speculative.currentData(),
             "snapshot_slots": self.snapshot_slots.value(),
             "snapshot_memory_mb": self.snapshot_memory.value(),
             "thinking_budget_tokens": self.thinking_budget.value(),
@@ -225,6 +273,8 @@ class SettingsDialog(QDialog):
             "top_p": self.top_p.value(),
             "top_k": self.top_k.value(),
             "max_new_tokens": self.max_new_tokens.value(),
+            "serve_on_localhost": self.serve.isChecked(),
+            "serve_port": self.serve_port.value(),
         }
 
     def accept(self) -> None:

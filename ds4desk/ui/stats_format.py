@@ -41,6 +41,10 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
+def format_percent(percent: float) -> str:
+    return f"{percent:.0f}%"
+
+
 def _number(stats: Mapping[str, Any], key: str) -> float:
     """Missing or malformed values read as 0: rows written by older versions lack some keys."""
     value = stats.get(key)
@@ -57,6 +61,19 @@ class AnswerSpeed:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    # Speculative decoding: the drafter that ran ("off" when none did), tokens drafted and accepted.
+    speculative: str = "off"
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_percent(self) -> float:
+        """Accepted of drafted, in percent (0 when nothing was drafted)."""
+        return 100.0 * self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def speculated(self) -> bool:
+        return self.speculative != "off" and self.drafted_tokens > 0
 
     @classmethod
     def of(cls, stats: GenerateStats | Mapping[str, Any] | None) -> AnswerSpeed:
@@ -70,12 +87,31 @@ class AnswerSpeed:
             generated_tokens=int(_number(values, "generated_tokens")),
             prompt_tokens=int(_number(values, "prompt_tokens")),
             reused_tokens=int(_number(values, "reused_tokens")),
+            speculative=_word(values, "speculative"),
+            drafted_tokens=int(_number(values, "drafted_tokens")),
+            accepted_tokens=int(_number(values, "accepted_tokens")),
         )
+
+
+def _word(stats: Mapping[str, Any], key: str) -> str:
+    value = stats.get(key)
+    return value if isinstance(value, str) and value.isalpha() and len(value) <= 16 else "off"
+
+
+def speculation_text(speed: AnswerSpeed) -> str | None:
+    """E.g. "draft: 34 of 40 drafted tokens accepted (85%)"; None when no speculation ran."""
+    if not speed.speculated:
+        return None
+    return (
+        f"{speed.speculative}: {speed.accepted_tokens:,} of {speed.drafted_tokens:,} drafted tokens "
+        f"accepted ({format_percent(speed.acceptance_percent)})"
+    )
 
 
 def stats_footer(stats: GenerateStats | Mapping[str, Any] | None) -> str | None:
     """E.g. "first token 0.21 s · prefill 812 tok/s · decode 31.4 tok/s · reused 1,812 of 1,840
-    prompt tokens"; parts that were not measured are left out, None when nothing was."""
+    prompt tokens · lookup: 34 of 40 drafted tokens accepted (85%)"; parts that were not measured are
+    left out, None when nothing was."""
     speed = AnswerSpeed.of(stats)
     parts: list[str] = []
     if speed.first_token_s > 0:
@@ -86,6 +122,8 @@ def stats_footer(stats: GenerateStats | Mapping[str, Any] | None) -> str | None:
         parts.append(f"decode {format_decode(speed.decode_tok_s)}")
     if speed.reused_tokens > 0:
         parts.append(f"reused {speed.reused_tokens:,} of {speed.prompt_tokens:,} prompt tokens")
+    if (speculated := speculation_text(speed)) is not None:
+        parts.append(speculated)
     return "  ·  ".join(parts) or None
 
 
@@ -101,6 +139,8 @@ def status_speed(stats: GenerateStats | Mapping[str, Any] | None) -> tuple[str, 
         f"first token after {format_seconds(speed.first_token_s)}, "
         f"decode {format_decode(speed.decode_tok_s)}"
     )
+    if (speculated := speculation_text(speed)) is not None:
+        tip += f"\nspeculative {speculated}"
     return text, tip
 
 

@@ -18,6 +18,7 @@ from ds4desk.engine.api import (
     LoadRequest,
     LoadResult,
 )
+from ds4desk.remote import is_remote
 from ds4desk.settings import BUILT_IN_MODEL
 from ds4desk.ui.banners import (
     DEVICE_FALLBACK,
@@ -46,29 +47,39 @@ class ModelLoading:
         return self.model_loader.track(asyncio.ensure_future(load))
 
     async def load_model(
-        self, path: str | None = None, *, remember: bool = False, recent: bool = False
+        self,
+        path: str | None = None,
+        *,
+        remember: bool = False,
+        recent: bool = False,
+        draft: str | None = None,
     ) -> LoadResult:
         """`remember`: a successful load becomes the model to load next time (and first in File >
-        Open recent); `recent`: only first in Open recent (a model given on the command line)."""
+        Open recent); `recent`: only first in Open recent (a model given on the command line).
+        `draft`: a draft model loaded beside it, for speculative decoding (File > Load draft model…)."""
         wanted = self.settings.load_request(path)
         label = Path(wanted.path).name if wanted.path else "the built-in model (SmolLM2)"
         status = f"Loading {label}…" if wanted.path else BUILT_IN_LOADING
+        if draft is not None:
+            status = f"Loading {label} with the draft model {Path(draft).name or draft}…"
         self.set_status(status + (FIRST_START_NOTE if self._loads_done == 0 else ""))
         self.model_label.setText("Loading…")
         self.open_model_action.setEnabled(False)
         self._loads_running += 1
         self._update_send()  # a message may be typed and sent now: it waits for the load
         try:
-            return await self._load_model(path, label, remember=remember, recent=recent)
+            return await self._load_model(path, label, remember=remember, recent=recent, draft=draft)
         finally:
             self._loads_running -= 1
             self._update_send()
 
-    async def _load_model(self, path: str | None, label: str, *, remember: bool, recent: bool) -> LoadResult:
+    async def _load_model(
+        self, path: str | None, label: str, *, remember: bool, recent: bool, draft: str | None = None
+    ) -> LoadResult:
         await self._check_device()  # the first time, the engine side is asked which devices exist
         if self._closed:
             return LoadResult(error=EngineError(ErrorCode.CANCELLED, "the window closed"))
-        request = self.settings.load_request(path, self.model_loader.device_override)
+        request = self.settings.load_request(path, self.model_loader.device_override, draft)
         started = time.monotonic()
         result = await self._backend_load(request)
         if self._gpu_failed(request, result) and not self._closed:
@@ -85,7 +96,11 @@ class ModelLoading:
                 self.slot_panel.refresh()
             seconds = result.seconds or time.monotonic() - started
             unloaded = " (the previous model was unloaded first: memory holds one)" * result.dropped_previous
-            self.set_status(f"Model {result.info.name} loaded in {seconds:.1f} s{unloaded}")
+            if draft is not None:
+                name = Path(draft).name or draft
+                self.set_status(f"Draft model {name} loaded beside {result.info.name} in {seconds:.1f} s")
+            else:
+                self.set_status(f"Model {result.info.name} loaded in {seconds:.1f} s{unloaded}")
             self.notice_bar.remove(LOAD_FAILED)  # an earlier failure is over
             chosen = path if path is not None else request.path
             self.current_model_path = chosen or BUILT_IN_MODEL
@@ -102,6 +117,8 @@ class ModelLoading:
             detail = result.error.detail if result.error else "the engine gave no reason"
             kept = self.backend.model_info
             still = f" {kept.name} is still loaded." if kept else ""
+            if draft is not None:
+                label = f"the draft model {Path(draft).name or draft} beside {label}"
             # A notice above the chat, not a line in it: a failed load belongs to no conversation.
             self.show_notice(f"Could not load {label}: {detail.rstrip('.')}.{still}", key=LOAD_FAILED)
             self.set_status(f"Could not load the model: {detail}", error=True)
@@ -173,9 +190,47 @@ class ModelLoading:
             self.show_notice(fallback.why, key=DEVICE_FALLBACK)
         self.device_fallback = fallback
 
+    # ---- the draft model ----------------------------------------------------------------------
+
+    def choose_draft_model(self) -> asyncio.Task[LoadResult] | None:
+        """File > Load draft model…: a file dialog like File > Open, then load_draft."""
+        path = self.model_loader.choose_path("Load draft model")
+        return self.load_draft(path) if path else None
+
+    def load_draft(self, path: str) -> asyncio.Task[LoadResult] | None:
+        """Load `path` as the draft model beside the loaded one. The engine takes a draft with a load
+        of its target, so the target is loaded again with it (its snapshots start over); a draft
+        that cannot draft for it (another vocabulary) is refused and the model stays as it was."""
+        info = self.backend.model_info
+        if info is None or is_remote(info) or self.current_model_path is None:
+            self.set_status("Load a local model first: a draft model drafts for it.", error=True)
+            return None
+        if self.model_loader.loading:
+            self.set_status("A model is still loading: wait for it (or cancel it) first.", error=True)
+            return None
+        load = self.load_model(self.current_model_path, draft=path)
+        return self.model_loader.track(asyncio.ensure_future(load))
+
+    def _update_draft_action(self) -> None:
+        """A draft needs a local model loaded, and no load running."""
+        if self._closed or not hasattr(self, "load_draft_action"):
+            return
+        info = self.backend.model_info
+        self.load_draft_action.setEnabled(
+            info is not None and not is_remote(info) and not self.model_loader.loading
+        )
+
     def open_settings(self) -> SettingsDialog:
         """Settings (Ctrl+,): window-modal, not blocking; OK saves them."""
-        dialog = SettingsDialog(self.settings, self, devices=self.device_choices)
+        info = self.backend.model_info
+        dialog = SettingsDialog(
+            self.settings,
+            self,
+            devices=self.device_choices,
+            can_serve=self.serve_control.available,
+            can_speculate=not is_remote(info),
+            serving_url=self.serve_control.url,
+        )
         if self.device_choices is None and self._list_devices is not None:
             self._device_task = asyncio.ensure_future(self._list_devices_into(dialog))
         dialog.accepted.connect(self._on_settings_accepted)
@@ -194,6 +249,7 @@ class ModelLoading:
         self._save_settings()
         self.chat_options.sync()
         self.set_status("Settings saved. Model options apply at the next model load.")
+        self.serve_control.apply()  # serving starts, stops or moves now; it says so when it does
 
     def _save_settings(self) -> None:
         if self._settings_path is None:

@@ -44,7 +44,9 @@ TWO_GPUS = [
 ]
 
 
-def fake_info(path: str | None, device: str, thinking: ThinkingFormat = PROMPT_OPENS_THINKING) -> ModelInfo:
+def fake_info(
+    path: str | None, device: str, thinking: ThinkingFormat = PROMPT_OPENS_THINKING, draft: str | None = None
+) -> ModelInfo:
     return ModelInfo(
         name="fake-llama-1b",
         family="llama",
@@ -58,7 +60,12 @@ def fake_info(path: str | None, device: str, thinking: ThinkingFormat = PROMPT_O
         tokenizer="BPE, 32000 tokens",
         has_chat_template=True,
         thinking=thinking,
+        draft=draft or "",
+        draft_weight_bytes=DRAFT_BYTES if draft else 0,
     )
+
+
+DRAFT_BYTES = 270_000_000  # what a fake draft model frees when parked
 
 
 @dataclass
@@ -80,6 +87,7 @@ class FakeBackend:
     prompt_tokens: int = 12
     reused_tokens: int = 0  # reported as taken from a snapshot
     thinking: ThinkingFormat = PROMPT_OPENS_THINKING  # what the loaded model's chat format does
+    speculation: tuple[str, int, int] | None = None  # (drafter, drafted, accepted) every answer reports
     devices: list[DeviceChoice] = field(default_factory=lambda: list(CPU_ONLY))  # what list_devices says
 
     # What the window did.
@@ -92,6 +100,7 @@ class FakeBackend:
     _info: ModelInfo | None = None
     _progress: asyncio.Event | None = None
     _parked: bool = False
+    _draft_parked: bool = False
 
     @property
     def model_info(self) -> ModelInfo | None:
@@ -108,7 +117,12 @@ class FakeBackend:
             raise self.raise_on_park
         if self.fail_park is not None:
             return ParkResult(selector, self._parked, error=self.fail_park)
-        if self._info is None or self._parked or selector == "draft":  # like the engine: no draft yet
+        if selector == "draft":  # like the engine: frees a loaded draft, else nothing to do
+            if self._info is None or self._parked or not self._info.draft or self._draft_parked:
+                return ParkResult(selector, self._parked)
+            self._draft_parked = True
+            return ParkResult(selector, False, bytes=DRAFT_BYTES, seconds=0.01)
+        if self._info is None or self._parked:
             return ParkResult(selector, self._parked)
         self._parked = True
         return ParkResult(selector, True, bytes=self.park_bytes, seconds=0.02, memory=self._memory_now())
@@ -118,7 +132,12 @@ class FakeBackend:
         await asyncio.sleep(self.delay_s)
         if self.fail_unpark is not None:
             return ParkResult(selector, self._parked, error=self.fail_unpark)
-        if not self._parked or selector == "draft":
+        if selector == "draft":
+            if self._info is None or self._parked or not self._info.draft or not self._draft_parked:
+                return ParkResult(selector, self._parked)
+            self._draft_parked = False
+            return ParkResult(selector, False, bytes=DRAFT_BYTES, seconds=0.01)
+        if not self._parked:
             return ParkResult(selector, self._parked)
         self._parked = False
         return ParkResult(selector, False, bytes=self.park_bytes, seconds=0.5, memory=self._memory_now())
@@ -137,8 +156,9 @@ class FakeBackend:
             detail = f"CUDA error: no kernel image is available for execution on {request.device}"
             result = LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, detail), seconds=0.01)
         else:
-            self._info = fake_info(request.path, request.device, self.thinking)
+            self._info = fake_info(request.path, request.device, self.thinking, request.draft)
             self._parked = False  # a new model replaces a parked one
+            self._draft_parked = False
             result = LoadResult(info=self._info, seconds=0.25)
         if self.on_load is not None:
             self.on_load(result)
@@ -200,6 +220,8 @@ class FakeBackend:
             prefill_s=0.05,
             decode_s=0.1,
         )
+        if self.speculation is not None:
+            stats.speculative, stats.drafted_tokens, stats.accepted_tokens = self.speculation
         return GenerateResult(rid, tokens=list(range(tokens)), text=text, finish_reason=reason, stats=stats)
 
     # ---- snapshot slots and memory: like the engine's, kept in a list ---------------------------
