@@ -18,7 +18,7 @@ from PySide6.QtCore import QEvent, QMimeData, QObject, Signal
 from PySide6.QtGui import QAction, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QFileDialog, QMainWindow, QMenu, QProgressBar, QPushButton, QWidget
 
-from ds4desk.engine.api import EngineError, ErrorCode, LoadRequest, LoadResult, ModelPreview
+from ds4desk.engine.api import WARM_UP_UNIT, EngineError, ErrorCode, LoadRequest, LoadResult, ModelPreview
 from ds4desk.settings import BUILT_IN_LABEL, BUILT_IN_MODEL, MAX_RECENT_MODELS, Settings
 from ds4desk.ui.backend import ChatBackend
 
@@ -237,7 +237,8 @@ class ModelLoader(QObject):
             return
         bar.setRange(0, total)
         bar.setValue(min(done, total))
-        bar.setFormat(f"%v / %m {unit}")
+        # The load's last stage runs what a first answer would otherwise pay for (kernels, graphs).
+        bar.setFormat("Warming up… %v / %m" if unit == WARM_UP_UNIT else f"%v / %m {unit}")
 
     def cancel(self) -> None:
         if not self.loading:

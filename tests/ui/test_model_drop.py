@@ -16,7 +16,7 @@ from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication, QWidget
 
-from ds4desk.engine.api import EngineError, ErrorCode, ModelPreview
+from ds4desk.engine.api import WARM_UP_UNIT, EngineError, ErrorCode, ModelPreview
 from ds4desk.history import History
 from ds4desk.settings import MAX_RECENT_MODELS, Settings
 from ds4desk.ui.main_window import MainWindow
@@ -345,3 +345,12 @@ def test_real_drops_corrupt_files_keep_the_model_and_a_good_folder_loads(
     assert window.model_loader.progress_bar.maximum() > 0  # the last update counted real tensors
     assert window.settings.recent_models == [str(tiny_folder)]
     assert window.backend.model_info.path == str(tiny_folder)
+
+
+def test_the_warm_up_stage_reads_as_warming_up(make_window: Any) -> None:
+    loader = make_window(FakeBackend(), load=False).model_loader
+    loader._on_progress(7, 272, "tensors")
+    assert loader.progress_bar.format() == "%v / %m tensors"
+    loader._on_progress(2, 5, WARM_UP_UNIT)  # what the engine reports after the tensors
+    assert loader.progress_bar.format() == "Warming up… %v / %m"
+    assert (loader.progress_bar.value(), loader.progress_bar.maximum()) == (2, 5)

@@ -28,7 +28,7 @@ def check_draft_pair(target: CausalLM, draft: CausalLM, draft_name: str) -> None
         raise EngineFailure(
             ErrorCode.LOAD_FAILED,
             f"the draft model {draft_name} cannot roll its cache back; a draft must be a Llama, "
-            "Mistral, Qwen2, Qwen3 or Gemma 3 model",
+            "Mistral, Qwen2, Qwen3, Gemma 3 or Qwen3.5 model",
         )
     if draft.vocab_size != target.vocab_size:
         raise EngineFailure(
