@@ -394,6 +394,8 @@ class Engine(Parking):
         failure: BaseException | None = None
         try:
             loaded, runtime = fill_and_start(plan, request, tick, stop_if_cancelled, defer_graphs=warm)
+            # Learned from the state at position 0, before the warm-up's requests move the cache.
+            layout, vocab = state_check(runtime.model, context)
             if draft_plan is not None:
                 # Its tensors are not counted in the progress (the bar would start over).
                 runtime.draft = start_draft(draft_plan, runtime, lambda _done, _total: stop_if_cancelled())
@@ -444,7 +446,6 @@ class Engine(Parking):
         if parked is not None and parked.request == request:
             snapshots = parked.snapshots  # unparking: the same model, its snapshots still apply
         else:
-            layout, vocab = state_check(runtime.model, context)
             identity = ModelIdentity(fingerprint(source), info.dtype, context, layout, vocab)
             snapshots = SnapshotStore(identity, self._snapshot_slots, self._snapshot_budget_bytes)
         if keep:
