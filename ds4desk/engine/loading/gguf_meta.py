@@ -1,13 +1,21 @@
-"""Typed reads of a GGUF file's `<arch>.<key>` metadata, shared by every architecture's mapping."""
+"""What every architecture's GGUF mapping shares: typed reads of the file's `<arch>.<key>` metadata,
+the tensors no model reads, and a tensor's type and entry."""
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.formats import GgufType, gguf_type
+from ds4desk.engine.loading.gguf_header import GGUFTensor
+from ds4desk.engine.loading.source import TensorEntry
+
+# Tensors llama.cpp's converters store that the models here compute themselves (rope frequencies).
+IGNORED_TENSORS = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?)$")
 
 
 def load_failed(path: Path, problem: str) -> EngineFailure:
@@ -40,3 +48,35 @@ class MetaReader:
 
     def get(self, key: str) -> object:
         return self.meta.get(f"{self.arch}.{key}")
+
+
+def stored_type(path: Path, tensor: GGUFTensor) -> GgufType:
+    """The tensor's block type; LOAD_FAILED naming the tensor for a type ds4desk does not read."""
+    try:
+        return gguf_type(int(tensor.qtype))
+    except ValueError as exc:
+        raise load_failed(path, f"tensor '{tensor.name}': {exc}") from None
+
+
+def gguf_entry(
+    path: Path,
+    kind: GgufType,
+    shape: tuple[int, ...],
+    begin: int,
+    nbytes: int,
+    *,
+    shift: float = 0.0,
+    rope_heads: int = 0,
+) -> TensorEntry:
+    """Where a parameter's bytes are in the file, in their stored block type."""
+    return TensorEntry(
+        file=path,
+        dtype=kind.name,
+        shape=tuple(shape),
+        begin=begin,
+        end=begin + nbytes,
+        encoding="gguf",
+        gguf_type=kind.type_id,
+        rope_heads=rope_heads,
+        shift=shift,
+    )

@@ -23,9 +23,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds4desk.engine.formats import GgufType, gguf_type
+from ds4desk.engine.formats import GgufType
 from ds4desk.engine.loading.gguf_header import GGUFHeader, GGUFTensor
-from ds4desk.engine.loading.gguf_meta import MetaReader, load_failed
+from ds4desk.engine.loading.gguf_meta import IGNORED_TENSORS, MetaReader, gguf_entry, load_failed, stored_type
 from ds4desk.engine.loading.source import NameLayout, TensorEntry
 
 # llama.cpp's architecture -> the Hugging Face architecture the model registry knows.
@@ -39,7 +39,6 @@ _SOFTMAX_GATING = 1  # gguf's ExpertGatingFuncType.SOFTMAX
 
 _ANY_LAYER = re.compile(r"^blk\.(\d+)\.")
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")
-_IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?)$")
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -264,16 +263,13 @@ def _entries(
     tensors of the multi-token-prediction layers after them are skipped, any other stray refused."""
     entries: dict[str, TensorEntry] = {}
     for name, t in header.tensors.items():
-        if _IGNORED.match(name):
+        if IGNORED_TENSORS.match(name):
             continue
-        try:
-            kind = gguf_type(int(t.qtype))
-        except ValueError as exc:
-            raise load_failed(path, f"tensor '{name}': {exc}") from None
+        kind = stored_type(path, t)
         model_name = _GLOBAL.get(name)
         if model_name is not None:
             shift = -1.0 if name == "output_norm.weight" else 0.0
-            entries[model_name] = _entry(path, kind, t.shape, t.offset, t.nbytes, shift)
+            entries[model_name] = gguf_entry(path, kind, t.shape, t.offset, t.nbytes, shift=shift)
             continue
         in_layer = _ANY_LAYER.match(name)
         if in_layer is not None and len(layer_types) <= int(in_layer.group(1)) < stored_layers:
@@ -296,7 +292,7 @@ def _entries(
         is_parameter = (part, suffix) in _LINEAR_PARAMETERS
         full_name = f"{prefix}.{module}" if is_parameter else f"{prefix}.{module}.{suffix}"
         shift = -1.0 if part in _SHIFTED else 0.0
-        entries[full_name] = _entry(path, kind, shape, t.offset, t.nbytes, shift)
+        entries[full_name] = gguf_entry(path, kind, shape, t.offset, t.nbytes, shift=shift)
     return entries
 
 
@@ -348,23 +344,8 @@ def _expert_entries(
         for index, projection in enumerate(projections):
             begin = t.offset + expert * per_expert + index * part_bytes
             name = f"{prefix}.mlp.experts.{expert}.{projection}.weight"
-            out[name] = _entry(path, kind, (part_rows, cols), begin, part_bytes, 0.0)
+            out[name] = gguf_entry(path, kind, (part_rows, cols), begin, part_bytes)
     return out
-
-
-def _entry(
-    path: Path, kind: GgufType, shape: tuple[int, ...], begin: int, nbytes: int, shift: float
-) -> TensorEntry:
-    return TensorEntry(
-        file=path,
-        dtype=kind.name,
-        shape=tuple(shape),
-        begin=begin,
-        end=begin + nbytes,
-        encoding="gguf",
-        gguf_type=kind.type_id,
-        shift=shift,
-    )
 
 
 # --- names back ------------------------------------------------------------------------------------

@@ -23,9 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
-from ds4desk.engine.formats import gguf_type
 from ds4desk.engine.loading.gguf_header import GGUFHeader, GGUFTensor, read_gguf_header
-from ds4desk.engine.loading.gguf_meta import MetaReader, load_failed
+from ds4desk.engine.loading.gguf_meta import IGNORED_TENSORS, MetaReader, gguf_entry, load_failed, stored_type
 from ds4desk.engine.loading.gguf_qwen35 import QWEN35_ARCHES, qwen35_model
 from ds4desk.engine.loading.gguf_tokenizer import build_tokenizer
 from ds4desk.engine.loading.source import ModelSource, NameLayout, TensorEntry, TokenizerSpec
@@ -36,7 +35,6 @@ FLOAT_TYPE_NAMES = frozenset({"F32", "F16", "BF16"})
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 # Tensors some GGUFs carry that hold nothing the model needs: precomputed rope tables, and
 # rope_freqs (Llama 3 frequency factors, turned into config rope_scaling instead).
-_IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd(\.weight)?)$")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -269,12 +267,9 @@ def _entries(
     assert isinstance(head_dim, int)
     entries: dict[str, TensorEntry] = {}
     for name, t in header.tensors.items():
-        if _IGNORED.match(name):
+        if IGNORED_TENSORS.match(name):
             continue
-        try:
-            kind = gguf_type(int(t.qtype))
-        except ValueError as exc:
-            raise _fail(path, f"tensor '{name}': {exc}") from None
+        kind = stored_type(path, t)
         hf_name = _GLOBAL_NAMES.get(name)
         rope_heads, shift = 0, 0.0
         if hf_name is None:
@@ -293,16 +288,8 @@ def _entries(
                 shift = arch.norm_shift
         elif name == "output_norm.weight":
             shift = arch.norm_shift
-        entries[hf_name] = TensorEntry(
-            file=path,
-            dtype=kind.name,
-            shape=tuple(t.shape),
-            begin=t.offset,
-            end=t.offset + t.nbytes,
-            encoding="gguf",
-            gguf_type=kind.type_id,
-            rope_heads=rope_heads,
-            shift=shift,
+        entries[hf_name] = gguf_entry(
+            path, kind, t.shape, t.offset, t.nbytes, shift=shift, rope_heads=rope_heads
         )
     return entries
 
