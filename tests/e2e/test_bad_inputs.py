@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from PySide6.QtCore import Qt
 from safetensors.torch import load_file, save_file
 
 from ds4desk.cli import main as cli_main
-from ds4desk.engine import Engine, EngineClient
+from ds4desk.engine import EngineClient
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.make_tiny import make_tiny
@@ -144,13 +144,6 @@ def test_generate_says_why(
     answer = json.loads(out.out.strip().splitlines()[-1])
     assert answer["error"]["code"] == "load_failed" and expected in answer["error"]["detail"]
     assert "Traceback" not in out.err
-
-
-@pytest.fixture(scope="module")
-def client() -> Iterator[EngineClient]:
-    engine = Engine()
-    yield EngineClient(engine)
-    engine.close()
 
 
 def test_the_window_shows_why_and_goes_on(

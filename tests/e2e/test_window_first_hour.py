@@ -41,13 +41,6 @@ SETTINGS = Settings(
 )
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[EngineClient]:
-    engine = Engine()
-    yield EngineClient(engine)
-    engine.close()
-
-
 def test_the_engine_lists_only_the_devices_this_torch_sees(run: Any) -> None:
     gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     names = [d.name for d in visible_devices()]

@@ -11,19 +11,12 @@ import pytest
 import shiboken6
 from PySide6.QtCore import Qt
 
-from ds4desk.engine import Engine, EngineClient, GenerateRequest, SamplingParams
+from ds4desk.engine import EngineClient, GenerateRequest, SamplingParams
 from ds4desk.history import History
 from ds4desk.settings import Settings
 from ds4desk.ui.main_window import MainWindow
 
 SETTINGS = Settings(temperature=0.0, max_new_tokens=20, context=1024, chunk=64, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def client() -> Iterator[EngineClient]:
-    engine = Engine()
-    yield EngineClient(engine)
-    engine.close()
 
 
 @pytest.fixture

@@ -33,13 +33,6 @@ SETTINGS = Settings(
 )
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[EngineClient]:
-    engine = Engine()
-    yield EngineClient(engine)
-    engine.close()
-
-
 @pytest.fixture
 def open_window(qtbot: Any, loop: Any, client: EngineClient, tmp_path: Path) -> Iterator[Any]:
     made: list[tuple[MainWindow, History]] = []

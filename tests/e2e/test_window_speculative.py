@@ -12,7 +12,7 @@ import pytest
 import shiboken6
 from PySide6.QtCore import Qt
 
-from ds4desk.engine import Engine, EngineClient
+from ds4desk.engine import EngineClient
 from ds4desk.engine.loading.default_model import default_model_path
 from ds4desk.history import History, Message
 from ds4desk.settings import Settings
@@ -20,13 +20,6 @@ from ds4desk.ui.main_window import MainWindow
 
 LIST = "apples, bananas, cherries, dates, elderberries, figs, grapes"
 PROMPT = f"Repeat this list exactly: {LIST}."
-
-
-@pytest.fixture(scope="module")
-def client() -> Iterator[EngineClient]:
-    engine = Engine()
-    yield EngineClient(engine)
-    engine.close()
 
 
 @pytest.fixture
