@@ -27,8 +27,8 @@ from ds4desk.engine.api import FinishReason, GenerateRequest
 from ds4desk.engine.client import EngineClient
 from ds4desk.remote import RemoteConfig, RemoteEngine
 from ds4desk.remote.switch import SwitchingBackend
-from ds4desk.settings import Settings
 from tests.real_models import smollm2_gguf
+from tests.remote.test_window_remote import greedy_settings, last_answer
 from tests.ui.conftest import WindowFactory
 from tests.ui.fake_backend import FakeBackend
 
@@ -192,16 +192,9 @@ def test_the_server_dying_mid_answer_is_a_clear_error_that_keeps_the_text(tmp_pa
 def window_on(server: LlamaServer, make_window: WindowFactory, max_new_tokens: int) -> Any:
     """The window switched to `server`, as File > Connect to a server… leaves it."""
     switch = SwitchingBackend(FakeBackend(), EngineClient)
-    settings = Settings()
-    settings.temperature = 0.0
-    settings.max_new_tokens = max_new_tokens
-    window = make_window(switch, settings=settings)
+    window = make_window(switch, settings=greedy_settings(max_new_tokens))
     switch.use_remote(connected(server))
     return window
-
-
-def last_answer(window: Any) -> Any:
-    return [m for m in window.history.messages(window.current_chat_id) if m.role == "assistant"][-1]
 
 
 async def act_at_first_text(window: Any, act: Callable[[], None]) -> Any:
@@ -224,14 +217,14 @@ def test_the_window_answers_from_llama_cpp_and_stop_keeps_the_text(
     result = run(window.send_message(PROMPT))
     assert result.ok, result.error
     assert result.text == reference
-    stored = last_answer(window)
+    stored = last_answer(window.history, window.current_chat_id)
     assert stored.content == reference and stored.finished
     assert reference.split()[0] in window.chat_view.toPlainText()
 
     window.settings.max_new_tokens = LONG
     stopped = run(act_at_first_text(window, window.stop))
     assert stopped.finish_reason == FinishReason.CANCELLED and stopped.error is None
-    stored = last_answer(window)
+    stored = last_answer(window.history, window.current_chat_id)
     assert stored.content and stored.content == stopped.text
     assert stored.stats["finish_reason"] == "cancelled"
 
@@ -243,7 +236,7 @@ def test_the_window_keeps_the_text_when_the_server_dies(
         window = window_on(server, make_window, LONG)
         result = run(act_at_first_text(window, server.process.kill))
     assert result.error is not None and "closed the connection mid-answer" in result.error.detail
-    stored = last_answer(window)
+    stored = last_answer(window.history, window.current_chat_id)
     assert stored.content and stored.content == result.text  # what was written is kept
     shown = window.statusBar().currentMessage() + window.status_label.text() + window.chat_view.toPlainText()
     assert "closed the connection mid-answer" in shown

@@ -460,7 +460,7 @@ def _kernels() -> _Kernels | None:
             V=group_values,
             N_GROUPS=n_groups,
             OUT_BLOCK=out.numel() if order is not None else 0,
-            num_warps=min(16, max(4, max(block, out.numel() if order is not None else 0) // 512)),
+            num_warps=min(16, max(4, max(block, out.numel()) // 512)),  # out: the row, or more in read order
             launch_pdl=use_pdl,
         )
 
