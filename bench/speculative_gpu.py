@@ -6,10 +6,11 @@ decode step, the tokens/s that gives at a chosen acceptance, and greedy identity
 `--vocab`: the tokenizer folder `bench/gpu_speed.py prepare` writes.
 
 On the dense 1.07B model of bench/gpu_speed.py (random bf16 weights, written here). A plain step
-replays the captured CUDA graph (as `ds4desk generate` decodes); a verify step is the eager
-forward of k + 1 tokens that speculative/decode.py runs (not captured yet). Both are timed at
-position 512 with CUDA events, the median of 50 after a warm-up. From the two: tokens/s at an
-acceptance a, k drafts a step = (1 + a·k) / verify(k), against 1 / plain.
+replays the captured CUDA graph (as `ds4desk generate` decodes); a verify step of k + 1 tokens
+replays its own captured graph (graphs.GraphedDecode.verify, as speculative/decode.py runs it), and
+is also timed as the eager forward it replaces. All are timed at position 512 with CUDA events, the
+median of 50 after a warm-up. From plain and graphed verify: tokens/s at an acceptance a, k drafts
+a step = (1 + a·k) / verify(k), against 1 / plain.
 
 Then three answers of 256 tokens to a prompt that repeats itself: speculation off, prompt lookup and
 the model as its own draft (every draft accepted: the ceiling), with their tokens compared; a
@@ -64,12 +65,16 @@ def step_costs(folder: Path) -> dict:
         model.forward(ids[:512], 0, "none")
         token = ids[512:513]
         plain = timed(lambda: runtime._decode(token, 512))
-        verify = {}
+        graphs = runtime.graphs
+        assert graphs is not None
+        verify, eager = {}, {}
         for k in range(1, 9):
             block = ids[512 : 512 + k + 1]
-            verify[k] = timed(lambda block=block: model.forward(block, 512, "all"))
+            eager[k] = timed(lambda block=block: model.forward(block, 512, "all"))
+            verify[k] = timed(lambda block=block: graphs.verify(block, 512))
+        assert len(graphs._verify_graphs) == 8, "a verify step did not run from a captured graph"
     runtime.close()
-    return {"plain_s": plain, "verify_s": verify}
+    return {"plain_s": plain, "verify_s": verify, "verify_eager_s": eager}
 
 
 def answers(folder: Path) -> dict:
@@ -134,7 +139,8 @@ def main() -> None:
     for k, seconds in costs["verify_s"].items():
         rates[k] = {a: (1 + a * k) / seconds for a in (0.6, 0.8, 1.0)}
         print(
-            f"verify k={k}: {seconds * 1e6:8.1f} us = {seconds / plain:5.2f}x a plain step; tok/s at "
+            f"verify k={k}: {seconds * 1e6:8.1f} us = {seconds / plain:5.2f}x a plain step "
+            f"(eager {costs['verify_eager_s'][k] * 1e6:8.1f} us); tok/s at "
             + ", ".join(f"a={a}: {r:7.1f} ({r * plain:4.2f}x)" for a, r in rates[k].items())
         )
     runs = answers(folder)
@@ -157,7 +163,7 @@ def main() -> None:
     for run in runs.values():
         run.pop("margins", None)
     path.write_text(
-        json.dumps({**meta, "plain_s": plain, "verify_s": costs["verify_s"], "rates": rates, "runs": runs})
+        json.dumps({**meta, **costs, "rates": rates, "runs": runs})
     )
     print(f"wrote {path}")
 

@@ -27,6 +27,9 @@ from ds4desk.engine.models.base import CausalLM
 log = logging.getLogger(__name__)
 
 SMALLEST_SPAN = 256
+# The most tokens one graphed verify step takes: the drafts of speculative/adaptive.DEFAULT_MAX_K and
+# the token before them, with room for a larger --max-draft-tokens.
+MAX_VERIFY_TOKENS = 16
 
 
 def graphs_wanted(setting: bool | None, device: torch.device, model: CausalLM) -> bool:
@@ -92,6 +95,13 @@ class GraphedDecode:
                 if on_captured is not None:
                     on_captured()
         self._next_pos: int | None = None  # what `pos` holds on the device after the last replay
+        # Verify steps of speculative decoding (one device only), captured on first use per
+        # (tokens, span) in a pool of their own: their outputs never alias a decode graph's buffers.
+        self._verifies = len(self.devices) == 1
+        self._verify_tokens = torch.zeros(MAX_VERIFY_TOKENS, dtype=torch.long, device=device)
+        self._verify_pos = torch.zeros(1, dtype=torch.long, device=device)
+        self._verify_pool = torch.cuda.graph_pool_handle() if self._verifies else None
+        self._verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def step(self, token: torch.Tensor | None, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `token` (a tensor of one element on any device) at position `pos`; None: the greedy
@@ -122,8 +132,50 @@ class GraphedDecode:
         """Whether step(None, pos) may run: the last replay was at pos - 1 and left its pick in place."""
         return self._chained and self._next_pos == pos
 
+    def verify(self, tokens: torch.Tensor, pos: int) -> torch.Tensor | None:
+        """Logits [T, V] after each of `tokens` (int64 [T] on the device) fed at pos..pos+T-1, from
+        the graph of (T, the smallest span that holds them), in a buffer the next verify of that
+        size overwrites; None where the model has no graphable verify (then forward runs it).
+
+        A (T, span) seen for the first time is captured here, inside the request: the warm-up run
+        that precedes a capture feeds these very tokens at these positions, so what it writes to
+        the cache is what the replay writes again."""
+        count = tokens.shape[0]
+        if not self._verifies or not 1 <= count <= MAX_VERIFY_TOKENS:
+            return None
+        span = self.spans[bisect.bisect_left(self.spans, pos + count)]
+        self._verify_tokens[:count].copy_(tokens)
+        self._verify_pos.fill_(pos)
+        captured = self._verify_graphs.get((count, span))
+        if captured is None:
+            captured = self._capture_verify(count, span)
+            if captured is None:
+                self._verifies = False
+                return None
+        graph, logits = captured
+        graph.replay()
+        self._next_pos = None  # `token` and `pos` no longer hold the decode chain's next input
+        self.model.set_length(pos + count)
+        return logits
+
     def close(self) -> None:
         self._captured.clear()
+        self._verify_graphs.clear()
+
+    def _capture_verify(self, count: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        tokens = self._verify_tokens[:count]
+        side = self._streams[self.device]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(side):
+            if self.model.verify_graphable(tokens, self._verify_pos, span) is None:
+                return None
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._verify_pool, stream=side):
+            logits = self.model.verify_graphable(tokens, self._verify_pos, span)
+        assert logits is not None
+        self._verify_graphs[(count, span)] = (graph, logits)
+        return graph, logits
 
     def _run(self, shard: int, span: int) -> tuple[torch.Tensor, ...]:
         if len(self.devices) == 1:

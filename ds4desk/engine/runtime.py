@@ -309,6 +309,7 @@ class Runtime:
         loop = SpeculativeDecode(
             self.model, hooks, drafter, sampling, generator, gate, emit.out.stats, emit, plain_step,
             max_new_tokens, AdaptiveK(k_max=self.max_draft_tokens),
+            self.graphs.verify if self.graphs is not None else None,
         )  # fmt: skip
         try:
             return loop.run(seq, logits, pos)

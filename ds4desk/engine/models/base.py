@@ -249,6 +249,14 @@ class CausalLM(nn.Module, ABC):
         logits = carry[0]
         return logits if logits.device == token.device else logits.to(token.device)
 
+    def verify_graphable(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor | None:
+        """A speculative verify step whose shapes depend on `span` and len(tokens) only, so a CUDA
+        graph can replay it: tokens (int64 [T] on the device) at positions pos..pos+T-1 (`pos`: int64
+        [1]), attention over the first `span` cache positions (pos + T <= span). Writes the cache
+        entries as forward(tokens, pos, "all") does and returns float32 logits [T, V]. None: this
+        model (or its split) has no such step, and verifies run eagerly through forward."""
+        return None
+
     @abstractmethod
     def decode_devices(self) -> list[torch.device]:
         """The device of every shard a decode step runs through, in order (one when unsplit)."""

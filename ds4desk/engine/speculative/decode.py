@@ -31,6 +31,9 @@ from ds4desk.engine.speculative.rollback import Rollback
 Emit = Callable[[int, float], bool]
 # step(token, pos) -> the target's logits after feeding `token` at `pos` (the plain decode step).
 PlainStep = Callable[[torch.Tensor, int], torch.Tensor]
+# verify(ids, pos) -> logits [T, V] after each of ids fed at pos.. from a captured graph, or None
+# where there is none for them (graphs.GraphedDecode.verify); then the model's forward runs it.
+GraphedVerify = Callable[[torch.Tensor, int], torch.Tensor | None]
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class SpeculativeDecode:
     plain_step: PlainStep
     max_new_tokens: int
     adaptive: AdaptiveK = field(default_factory=AdaptiveK)
+    graphed_verify: GraphedVerify | None = None
 
     def run(self, seq: list[int], logits: torch.Tensor, pos: int) -> tuple[int, torch.Tensor]:
         """Decode from `logits` at `pos` (seq: the prompt, extended in place with what is emitted)
@@ -104,7 +108,9 @@ class SpeculativeDecode:
         device = self.model.device
         ids = torch.tensor([token, *drafts], dtype=torch.long, device=device)
         saved = self.hooks.verify_checkpoint(pos, count + 1)
-        scored = self.model.forward(ids, pos, "all")  # [count + 1, V]
+        scored = self.graphed_verify(ids, pos) if self.graphed_verify is not None else None
+        if scored is None:
+            scored = self.model.forward(ids, pos, "all")  # [count + 1, V]
         assert scored is not None
         rows = scored[:count]
         drafted = ids[1:].to(rows.device)

@@ -43,6 +43,7 @@ from ds4desk.engine.models.llama.layer import (
     norm_project,
     rms_norm,
 )
+from ds4desk.engine.models.llama.verify import VerifySteps
 from ds4desk.engine.models.packed import Fused, embedding, fuse_group, group_projection, linear, projection_of
 from ds4desk.engine.models.packed import embed as packed_embed
 from ds4desk.engine.split import materialize_parameters
@@ -323,6 +324,20 @@ class DenseModel(CausalLM):
 
     def decode_devices(self) -> list[torch.device]:
         return [shard.device for shard in self._shards]
+
+    def verify_graphable(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor | None:
+        """See CausalLM.verify_graphable: one shard only (a split verifies eagerly)."""
+        if len(self._shards) != 1:
+            return None
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        cfg, shard = self.config, self._shards[0]
+        x = packed_embed(self.model.embed_tokens, tokens)  # [T, hidden]
+        steps = VerifySteps(cfg, self.one_pass_norm, shard, pos, span, tokens.shape[0])
+        for plan in shard.plans:
+            x = steps.layer(x, plan)
+        x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.one_pass_norm)
+        return self.logits_from(x, "all", x)
 
     def decode_shard(
         self, index: int, inputs: tuple[torch.Tensor, ...], span: int

@@ -1,0 +1,81 @@
+"""The graphable verify step (models/llama/verify.py, graphs.GraphedDecode.verify): the same logits
+and cache writes as forward(ids, pos, "all"); on a GPU, speculation through captured verify graphs
+gives the tokens of speculation off.
+
+On the CPU the step runs eagerly (nothing to capture), which checks its math with device positions
+and a fixed span; the GPU tests capture and replay it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4desk.engine.api import SamplingParams
+from ds4desk.engine.loader import load_model
+from ds4desk.engine.runtime import Runtime
+from tests.engine.speculative.tiny_pairs import REPEATING
+from tests.engine.tiny_dense import TINY_CONFIGS, save_tiny
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("verify-tiny")
+    return {family: save_tiny(family, root / family)[1] for family in TINY_CONFIGS}
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_graphable_verify_equals_forward(sources, family: str) -> None:
+    """After the same prompt, verify steps of 1..8 tokens at positions that run past the sliding
+    window give forward's logits at every span that holds them, and write the same cache rows."""
+    device = torch.device("cpu")
+    eager = load_model(sources[family], device, torch.float32).model
+    graphable = load_model(sources[family], device, torch.float32).model
+    for model in (eager, graphable):
+        model.allocate_cache(CONTEXT)
+    ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(7))
+    pos_buf = torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode():
+        for model in (eager, graphable):
+            model.forward(ids[:9], 0, "none")
+        pos = 9
+        for count in (1, 3, 8, 2, 5, 4, 7, 6):
+            chunk = ids[pos : pos + count]
+            expected = eager.forward(chunk, pos, "all")
+            pos_buf.fill_(pos)
+            for span in sorted({pos + count, CONTEXT}):
+                got = graphable.verify_graphable(chunk, pos_buf, span)
+                assert got is not None and got.shape == (count, eager.vocab_size)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            pos += count
+    assert eager._cache is not None and graphable._cache is not None
+    torch.testing.assert_close(graphable._cache[:, :, :, :pos], eager._cache[:, :, :, :pos])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_speculation_through_verify_graphs_keeps_the_tokens(tmp_path: Path, family: str) -> None:
+    """On a GPU with decode graphs, prompt lookup verifies through captured graphs (one per size
+    and span seen) and answers with the tokens of speculation off, in float32."""
+    source = save_tiny(family, tmp_path / family, max_position_embeddings=1024)[1]
+    device = torch.device("cuda")
+    runtime = Runtime(load_model(source, device, torch.float32).model, device, context=1024, graphs=True)
+    assert runtime.graphs is not None
+    prompt = REPEATING * 4
+
+    def answer(mode: str):
+        return runtime.generate(
+            prompt, SamplingParams(), 300, set(), lambda _t: None, lambda: False, speculative=mode
+        )
+
+    off, on = answer("off"), answer("lookup")
+    assert on.tokens == off.tokens
+    assert on.logprobs == pytest.approx(off.logprobs, abs=1e-3)
+    assert on.stats.drafted_tokens > 0 and on.stats.accepted_tokens > 0
+    captured = runtime.graphs._verify_graphs
+    assert captured, "no verify step ran through a graph"
+    assert all(count <= 8 and span in runtime.graphs.spans for count, span in captured)
+    runtime.close()
