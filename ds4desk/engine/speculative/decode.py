@@ -116,7 +116,11 @@ class SpeculativeDecode:
         drafted = ids[1:].to(rows.device)
         if probs is not None:
             probs = probs.to(rows.device)
-        flags = accept_flags(probabilities(rows, self.sampling), drafted, probs, self.generator)
+        if probs is None and self.sampling.greedy:
+            # What the one-hot test of accept_flags decides, without building k one-hot rows of V.
+            flags = rows.argmax(-1) == drafted
+        else:
+            flags = accept_flags(probabilities(rows, self.sampling), drafted, probs, self.generator)
         logprobs = rows.gather(1, drafted.view(-1, 1)).squeeze(1) - torch.logsumexp(rows, dim=1)
         host = torch.cat((flags.double(), logprobs.double())).tolist()  # one sync for the step
         passed, logprob_of = host[:count], host[count:]
