@@ -14,11 +14,15 @@ start and S0 the state before it, the writes u_t depend on the earlier writes of
 
     u_t + Σ_{s<t} beta_t exp(γ_t - γ_s) (k_t·k_s) u_s = beta_t v_t - beta_t exp(γ_t) S0ᵀ k_t,
 
-a unit lower-triangular system (I + A) U = B V - (B e^γ K) S0, solved once per chunk for both
-right-hand parts (the S0-free part batched over every chunk). Then
+a unit lower-triangular system (I + A) U = B V - (B e^γ K) S0, solved for both right-hand parts
+batched over every chunk (U = W_free - W_S S0). Then
 
     o_t = exp(γ_t) S0ᵀ q_t + Σ_{s<=t} exp(γ_t - γ_s) (q_t·k_s) u_s
     S_C = exp(γ_C) S0 + Σ_s exp(γ_C - γ_s) k_s u_sᵀ.
+
+So each chunk's end state is an affine map of its start state, built for every chunk at once; only
+applying those maps in order is sequential (one batched matmul a chunk), and the outputs and writes
+of every chunk then follow from the start states in two batched products.
 
 Everything runs in float32 whatever the model's dtype: the state is a long running sum.
 Shapes: heads first, [H, T, d], batch dropped.
@@ -102,14 +106,23 @@ def chunked(
 
     scores = (q @ k.transpose(-1, -2)) * decay  # [H, N, C, C], zero above the diagonal
     q_decayed = q * gamma.exp()[..., None]
-    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    k_to_end = (k * (gamma[..., -1:] - gamma).exp()[..., None]).transpose(-1, -2)  # [H, N, dk, C]
     chunk_decay = gamma[..., -1].exp()  # [H, N]
 
-    out = torch.empty(heads, chunks, chunk, dv, dtype=torch.float32, device=q.device)
-    current = state.float()
+    # From chunk to chunk the state is affine in the state before: S_{n+1} = A_n S_n + B_n, with
+    # A_n = exp(γ_C) I - K̃ᵀ W_S and B_n = K̃ᵀ W_free (K̃ the keys decayed to the chunk's end, W_S and
+    # W_free the writes' parts above). Both are batched over every chunk here, so the one thing left
+    # sequential is a single batched matmul a chunk (on a GPU: one launch a chunk, not a dozen).
+    step_matrix = -(k_to_end @ writes_per_state)  # [H, N, dk, dk]
+    step_matrix.diagonal(dim1=-2, dim2=-1).add_(chunk_decay[..., None])
+    step_offset = k_to_end @ writes_free  # [H, N, dk, dv]
+    step_matrix, step_offset = (t.transpose(0, 1).contiguous() for t in (step_matrix, step_offset))
+    states = torch.empty(chunks + 1, heads, k.shape[-1], dv, dtype=torch.float32, device=q.device)
+    states[0] = state
     for n in range(chunks):
-        writes = writes_free[:, n] - writes_per_state[:, n] @ current  # [H, C, dv]
-        out[:, n] = q_decayed[:, n] @ current + scores[:, n] @ writes
-        current = current * chunk_decay[:, n, None, None] + k_to_end[:, n].transpose(-1, -2) @ writes
-    state.copy_(current)
+        torch.baddbmm(step_offset[n], step_matrix[n], states[n], out=states[n + 1])
+    before = states[:-1].transpose(0, 1)  # [H, N, dk, dv]: the state each chunk starts from
+    writes = writes_free - writes_per_state @ before  # [H, N, C, dv]
+    out = q_decayed @ before + scores @ writes
+    state.copy_(states[-1])
     return out.reshape(heads, chunks * chunk, dv)[:, :length]

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4desk.engine.kernels.dense import gemv as dense_gemv
+from ds4desk.engine.kernels.qwen3_5 import gated_norm, linear_decode
 from ds4desk.engine.models.packed import Projection, linear, projection_of
 from ds4desk.engine.models.qwen3_5 import delta_rule
 from ds4desk.engine.models.qwen3_5.config import Qwen35Config
@@ -116,6 +118,8 @@ def forward(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tenso
     same state. Returns [T, hidden]."""
     assert plan.conv_state is not None and plan.recurrent is not None
     count = x.shape[0]
+    if count == 1 and plan.written is None and linear_decode.enabled(x):
+        return _fused_step(cfg, plan, x)
     conv_inputs = plan.qkv(x)
     mixed = _convolve(plan, conv_inputs)  # [T, channels]
     key_width = cfg.linear_key_heads * cfg.linear_key_dim
@@ -145,8 +149,35 @@ def forward(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tenso
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), decay.t(), beta.t(), plan.recurrent
         ).transpose(0, 1)
     z = plan.z(x).view(count, heads, cfg.linear_value_dim)
-    normed = gated_rms_norm(core.to(x.dtype), z, plan.norm_weight, cfg.rms_norm_eps)
+    if gated_norm.enabled(x):  # one kernel for the prefill's rows (the float32 core rounded inside)
+        normed = gated_norm.gated_rms_norm(core, z, plan.norm_weight, cfg.rms_norm_eps)
+    else:
+        normed = gated_rms_norm(core.to(x.dtype), z, plan.norm_weight, cfg.rms_norm_eps)
     return plan.out(normed.reshape(count, -1))
+
+
+def _fused_step(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tensor:
+    """The one-token forward with everything between the projections in one op (three Triton kernels
+    on a GPU: kernels/qwen3_5/linear_decode.py), the same math as the eager path. Not while a
+    speculative verify records what it feeds the state (plan.written): that needs the keys, values
+    and gates the op keeps to itself."""
+    assert plan.conv_state is not None and plan.recurrent is not None
+    core = linear_decode.linear_decode(
+        plan.qkv(x)[0],
+        plan.conv_state,
+        plan.conv_weight,
+        plan.b(x)[0],
+        plan.a(x)[0],
+        plan.neg_rate,
+        plan.dt_bias,
+        plan.recurrent,
+        plan.z(x)[0],
+        plan.norm_weight,
+        cfg.linear_key_heads,
+        cfg.rms_norm_eps,
+        cfg.gguf_layout,
+    )
+    return plan.out(core[None])
 
 
 def _convolve(plan: LinearPlan, mixed: torch.Tensor) -> torch.Tensor:
@@ -189,3 +220,42 @@ def roll_back(plan: LinearPlan, window: torch.Tensor, recurrent: torch.Tensor, k
     else:
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         delta_rule.chunked(k, k, v, decay.t(), beta.t(), plan.recurrent)
+
+
+def fits_one_row_kernels(plan: LinearPlan) -> bool:
+    """Whether every projection of the layer is a float weight the one-row GEMV kernels take."""
+    projections = (plan.qkv, plan.z, plan.b, plan.a, plan.out)
+    return all(p.weight_t is not None and dense_gemv.fits(p.weight_t.t()) for p in projections)
+
+
+def decode_on_kernels(
+    cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor, scale: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The graphable decode step's mixer on the GPU kernels, residual included: x [1, hidden] (the
+    layer's input, updated in place) += out_proj(mixer(RMSNorm(x) * scale)). Each input projection
+    folds the norm in (kernels/dense/gemv.norm_gemv), the state update is the fused op, and the
+    output projection adds into x (gemv_add_): seven launches where the eager step has ~20."""
+    assert plan.conv_state is not None and plan.recurrent is not None
+
+    def project(projection: Projection) -> torch.Tensor:
+        assert projection.weight_t is not None
+        out = x.new_empty((1, projection.rows))
+        return dense_gemv.norm_gemv(x, scale, projection.weight_t.t(), None, eps, out)[0]
+
+    core = linear_decode.linear_decode(
+        project(plan.qkv),
+        plan.conv_state,
+        plan.conv_weight,
+        project(plan.b),
+        project(plan.a),
+        plan.neg_rate,
+        plan.dt_bias,
+        plan.recurrent,
+        project(plan.z),
+        plan.norm_weight,
+        cfg.linear_key_heads,
+        cfg.rms_norm_eps,
+        cfg.gguf_layout,
+    )
+    assert plan.out.weight_t is not None
+    return dense_gemv.gemv_add_(x, core[None], plan.out.weight_t.t(), None, silu=False)

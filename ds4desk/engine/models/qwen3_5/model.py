@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4desk.engine.kernels.dense import gemv as dense_gemv
+from ds4desk.engine.kernels.qwen3_5 import linear_decode
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
 from ds4desk.engine.models.base import CausalLM, CenteredNorm, LogitsMode, load_failure
 from ds4desk.engine.models.packed import Projection, embed, embedding, linear, projection_of
@@ -185,6 +187,13 @@ class Qwen35Model(CausalLM):
             plan.gate = projection_of(layer.mlp.gate_proj)
             plan.up = projection_of(layer.mlp.up_proj)
             plan.down = projection_of(layer.mlp.down_proj)
+            plan.mlp_fits = all(
+                p.weight_t is not None and dense_gemv.fits(p.weight_t.t())
+                for p in (plan.gate, plan.up, plan.down)
+            )
+        plan.input_scale = 1.0 + plan.input_norm.float()
+        plan.post_scale = 1.0 + plan.post_norm.float()
+        plan.mixer_fits = isinstance(mixer, LinearPlan) and linear_attention.fits_one_row_kernels(mixer)
         return plan
 
     # --- the state ---------------------------------------------------------------------------
@@ -376,6 +385,13 @@ class Qwen35Model(CausalLM):
         x = self._layers(shard, x, shard.tables.positions(here.view(1), span), prefill=False, graphable=True)
         if index + 1 < len(self._shards):
             return x, here
+        assert self._head is not None
+        head = self._head.weight_t
+        if dense_gemv.enabled(x) and head is not None and dense_gemv.fits(head.t()) and x.dtype == head.dtype:
+            # The final norm folded into the head's GEMV, float32 logits straight out of it.
+            logits = x.new_empty((1, head.shape[1]), dtype=torch.float32)
+            scale = 1.0 + self.model.norm.weight.float()
+            return (dense_gemv.norm_gemv(x, scale, head.t(), None, self.config.rms_norm_eps, logits)[0],)
         return (self._logits(x)[0],)
 
     def _layers(
@@ -386,12 +402,40 @@ class Qwen35Model(CausalLM):
         cfg = self.config
         eps = cfg.rms_norm_eps
         fused = prefill and self.fused_attention
+        # The graphable step on the GPU's one-row kernels: norms folded into the GEMVs that read them,
+        # the residual added in place by the GEMVs that write it (so x must be this step's own tensor,
+        # not a graph input a later shard was handed).
+        kernels = graphable and x.shape[0] == 1 and dense_gemv.enabled(x)
+        if kernels and not shard.first:
+            x = x.clone()
         for plan in shard.plans:
-            normed = centered_rms_norm(x, plan.input_norm, eps)
-            if isinstance(plan.mixer, LinearPlan):
-                x = x + linear_attention.forward(cfg, plan.mixer, normed)
+            mixer = plan.mixer
+            if (
+                kernels
+                and plan.mixer_fits
+                and isinstance(mixer, LinearPlan)
+                and mixer.written is None
+                and linear_decode.enabled(x)
+            ):
+                assert plan.input_scale is not None
+                x = linear_attention.decode_on_kernels(cfg, mixer, x, plan.input_scale, eps)
+            elif isinstance(mixer, LinearPlan):
+                x = x + linear_attention.forward(cfg, mixer, centered_rms_norm(x, plan.input_norm, eps))
             else:
-                x = x + attention.forward(cfg, plan.mixer, normed, at, fused)
+                x = x + attention.forward(cfg, mixer, centered_rms_norm(x, plan.input_norm, eps), at, fused)
+            if kernels and plan.mlp_fits:
+                assert plan.gate is not None and plan.up is not None and plan.down is not None
+                assert plan.post_scale is not None
+                width = plan.gate.rows
+                gate_up = x.new_empty((1, 2 * width))
+                for part, columns in ((plan.gate, slice(0, width)), (plan.up, slice(width, 2 * width))):
+                    assert part.weight_t is not None
+                    dense_gemv.norm_gemv(
+                        x, plan.post_scale, part.weight_t.t(), None, eps, gate_up[:, columns]
+                    )
+                assert plan.down.weight_t is not None  # silu(gate) * up is the GEMV's input
+                x = dense_gemv.gemv_add_(x, gate_up, plan.down.weight_t.t(), None, silu=True)
+                continue
             normed = centered_rms_norm(x, plan.post_norm, eps)
             if plan.moe is not None:
                 # Eager forwards (prefill and decode alike) group their tokens by expert with one

@@ -38,6 +38,13 @@ class LayerPlan:
     up: Projection | None = None
     down: Projection | None = None
     moe: MoePlan | None = None
+    # For the graphable decode step on the fused one-row GEMV kernels (kernels/dense/gemv.py, see
+    # model._layers): both norms' float32 scales 1 + w, and whether the mixer's (a linear layer's) and
+    # the dense MLP's projections are float weights those kernels take.
+    input_scale: torch.Tensor | None = None
+    post_scale: torch.Tensor | None = None
+    mixer_fits: bool = False
+    mlp_fits: bool = False
 
 
 @dataclass(slots=True)
