@@ -91,8 +91,8 @@ def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--speculative", choices=SPECULATIVE_MODES, default="auto",
-        help="speculative decoding: auto (the default: the draft model when one is loaded, else prompt "
-        "lookup; off for DeepSeek-V4), draft, lookup, off (mtp: not supported yet)",
+        help="speculative decoding: auto (the default: the draft model when one is loaded, else the "
+        "model's own MTP block when it has one (DeepSeek-V4), else prompt lookup), draft, mtp, lookup, off",
     )  # fmt: skip
 
 

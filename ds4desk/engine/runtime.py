@@ -30,6 +30,7 @@ from ds4desk.engine.speculative.decode import SpeculativeDecode
 from ds4desk.engine.speculative.draft_model import DraftModel
 from ds4desk.engine.speculative.drafter import Drafter, LookupDrafter
 from ds4desk.engine.speculative.mode import resolve_mode
+from ds4desk.engine.speculative.mtp import MtpDrafter, mtp_available, track_mtp
 from ds4desk.engine.speculative.rollback import rollback_of
 
 log = logging.getLogger(__name__)
@@ -178,9 +179,17 @@ class Runtime:
             )
         check_sampling(sampling)
         can_roll_back = rollback_of(self.model) is not None
-        mode = resolve_mode(speculative, can_roll_back, self.draft is not None, self.graphs is not None)
+        mode = resolve_mode(
+            speculative,
+            can_roll_back,
+            self.draft is not None,
+            self.graphs is not None,
+            has_mtp=mtp_available(self.model),
+        )
         if top_logprobs is not None:
             mode = "off"
+        # Before the prefill (and any snapshot restore): the MTP block follows the target's forwards.
+        track_mtp(self.model, mode == "mtp")
         gate = ThinkingGate(thinking, vocab) if thinking is not None else None
 
         out = RunOutcome()
@@ -198,7 +207,7 @@ class Runtime:
 
         def keep(at: int, at_logits: torch.Tensor) -> None:
             assert snapshots is not None and save is not None
-            state = self.model.export_state(at)
+            state = self._host_state(at)
             out.snapshot_slot = snapshots.put(prompt_ids[:at], state, at_logits, save.slot).slot
 
         if save_at is not None and save_at == start and restored is not None:
@@ -230,7 +239,7 @@ class Runtime:
             # logits are the ones after the last of them. The next turn starts with these tokens.
             assert snapshots is not None
             seq = [*prompt_ids, *out.tokens][:pos]
-            out.snapshot_slot = snapshots.put(seq, self.model.export_state(pos), logits, save.slot).slot
+            out.snapshot_slot = snapshots.put(seq, self._host_state(pos), logits, save.slot).slot
         return out
 
     def _decode_plain(
@@ -300,10 +309,16 @@ class Runtime:
         if mode == "draft":
             assert self.draft is not None
             drafter = self.draft
+        elif mode == "mtp":
+            drafter = MtpDrafter(self.model)
         else:
             drafter = LookupDrafter()
 
         def plain_step(token: torch.Tensor, at: int) -> torch.Tensor:
+            if mode == "mtp":  # eagerly: a captured step does not feed the MTP block
+                out = self.model.forward(token.view(1), at, "last")
+                assert out is not None
+                return out
             return self._decode(token, at)[0]
 
         loop = SpeculativeDecode(
@@ -319,6 +334,15 @@ class Runtime:
             if isinstance(drafter, DraftModel):
                 drafter.forget()
             raise _failure(exc, ErrorCode.DECODE_FAILED) from exc
+
+    def _host_state(self, length: int) -> dict[str, torch.Tensor]:
+        """The model's state for a snapshot; for a CUDA model in page-locked memory, so restoring it
+        (the follow-up turn's first step) copies at the bus's speed rather than through a staging
+        buffer. Pinning costs one host copy here, after the answer, not before the next one."""
+        state = self.model.export_state(length)
+        if self.device.type != "cuda":
+            return state
+        return {k: v.pin_memory() for k, v in state.items()}
 
     @staticmethod
     def _check_save(
@@ -348,7 +372,9 @@ class Runtime:
             return 0, None
         length = len(snap.tokens)
         with torch.inference_mode():
-            self.model.import_state({k: v.to(self.device) for k, v in snap.state.items()}, length)
+            # From page-locked memory the copies are DMA transfers that need no staging on the host.
+            on_device = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in snap.state.items()}
+            self.model.import_state(on_device, length)
         return length, snap.logits.to(self.device)
 
     def _prefill(

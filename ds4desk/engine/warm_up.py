@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from ds4desk.engine.api import EngineFailure, ErrorCode, SamplingParams
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.speculative.mode import resolve_mode
+from ds4desk.engine.speculative.mtp import mtp_available
 from ds4desk.engine.speculative.rollback import rollback_of
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,13 @@ def _mode(runtime: Runtime, wanted: str) -> str:
     """The load's speculative mode when this model can run it, else "auto" (what it can)."""
     can_roll_back = rollback_of(runtime.model) is not None
     try:
-        resolve_mode(wanted, can_roll_back, runtime.draft is not None, runtime.graphs is not None)
+        resolve_mode(
+            wanted,
+            can_roll_back,
+            runtime.draft is not None,
+            runtime.graphs is not None,
+            has_mtp=mtp_available(runtime.model),
+        )
     except EngineFailure:
         return "auto"
     return wanted

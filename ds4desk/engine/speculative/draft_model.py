@@ -28,7 +28,7 @@ def check_draft_pair(target: CausalLM, draft: CausalLM, draft_name: str) -> None
         raise EngineFailure(
             ErrorCode.LOAD_FAILED,
             f"the draft model {draft_name} cannot roll its cache back; a draft must be a Llama, "
-            "Mistral, Qwen2, Qwen3, Gemma 3 or Qwen3.5 model",
+            "Mistral, Qwen2, Qwen3, Gemma 3, Qwen3.5 or DeepSeek-V4 model",
         )
     if draft.vocab_size != target.vocab_size:
         raise EngineFailure(
@@ -90,6 +90,8 @@ class DraftModel:
         if fed > len(seq) or list(seq[:fed]) != self.fed:
             fed = 0  # not a prefix: rows past the common part may have overwritten ring rows
         fed = min(fed, len(seq) - 1)  # the last token is fed again for the logits after it
+        if fed < len(self.fed) and not getattr(model, "rewinds", True):
+            fed = 0  # a model that only continues (DeepSeek-V4's compressors) cannot feed it again
         ids = torch.tensor(list(seq[fed:]), dtype=torch.long, device=device)
         logits: torch.Tensor | None = None
         for begin in range(0, ids.shape[0], self.chunk):

@@ -14,23 +14,32 @@ def check_mode(mode: str) -> None:
         )
 
 
-def resolve_mode(mode: str, can_roll_back: bool, has_draft: bool, graphed: bool = False) -> str:
-    """The drafter ("off", "lookup" or "draft") for a request asking `mode` of a model whose cache
-    can (or cannot) roll back and that has (or has not) a draft model loaded. "auto" picks what
-    pays: the draft when there is one, else prompt lookup, except where decode steps replay from
-    CUDA graphs (`graphed`): the verify forward is not captured yet, and an eager verify there costs
-    more than lookup saves on ordinary text. Off where the cache cannot roll back. An explicit mode
-    the model cannot run is a BAD_REQUEST that says why."""
+def resolve_mode(
+    mode: str, can_roll_back: bool, has_draft: bool, graphed: bool = False, has_mtp: bool = False
+) -> str:
+    """The drafter ("off", "lookup", "draft" or "mtp") for a request asking `mode` of a model whose
+    cache can (or cannot) roll back, that has (or has not) a draft model loaded, and that has (or has
+    not) an MTP block of its own that can draft (`has_mtp`, speculative/mtp.mtp_available). "auto"
+    picks what pays: the draft when there is one, else the model's MTP block (its drafts come from
+    the target's own hidden state: far more of them are kept than prompt lookup's on ordinary
+    text), else prompt lookup, except where decode steps replay from CUDA graphs (`graphed`): the
+    verify forward is not captured yet, and an eager verify there costs more than lookup saves on
+    ordinary text. Off where the cache cannot roll back. An explicit mode the model cannot run is a
+    BAD_REQUEST that says why."""
     check_mode(mode)
     if mode == "off":
         return "off"
     if mode == "auto":
         if not can_roll_back:
             return "off"
-        return "draft" if has_draft else "off" if graphed else "lookup"
-    if mode == "mtp":
+        if has_draft:
+            return "draft"
+        return "off" if graphed else "mtp" if has_mtp else "lookup"
+    if mode == "mtp" and not has_mtp:
         raise EngineFailure(
-            ErrorCode.BAD_REQUEST, "speculative mtp (a model's own MTP layer) is not supported for this model"
+            ErrorCode.BAD_REQUEST,
+            "speculative mtp is not supported for this model: it has no MTP block of its own (a "
+            "DeepSeek-V4 checkpoint that keeps its mtp.0.* tensors has one)",
         )
     if not can_roll_back:
         raise EngineFailure(

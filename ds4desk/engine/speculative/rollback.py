@@ -9,8 +9,9 @@ keeps only a window (Gemma 3's local layers) must put back the rows the dead pos
 a recurrent state that holds every position at once (Qwen3.5's Gated DeltaNet layers) is copied at
 the checkpoint and, after a rejection, rebuilt from the copy over the kept positions only (the
 verify keeps what it fed each layer). DeepSeek-V4 (a sliding ring, compressor carries, compressed
-and indexer rows) has no hooks yet, so speculation stays off for it: the hooks are opt-in, a family
-without them never speculates.
+and indexer rows, and its MTP block's own cache) puts back what the verify overwrote and feeds the
+kept tokens' inputs to its compressors again (models/deepseek_v4/verify.py). The hooks are opt-in:
+a family without them never speculates.
 """
 
 from __future__ import annotations

@@ -143,23 +143,25 @@ def test_a_bad_speculative_word_is_refused(engine: Engine, folders: dict[str, Pa
     assert "not supported for this model" in mtp.error.detail
 
 
-def test_deepseek_v4_runs_without_speculation(tmp_path: Path) -> None:
-    """Its sliding ring and compressor state have no roll-back yet: auto is off, a drafter is refused."""
+def test_deepseek_v4_speculates(tmp_path: Path) -> None:
+    """Its ring and compressor state roll back: auto drafts by prompt lookup (make_tiny's V4 has no
+    MTP block), with the tokens of speculation off; a draft or MTP it does not have is refused."""
     make_tiny("deepseek_v4", tmp_path, seed=2)
     model = load_model(inspect_folder(tmp_path), torch.device("cpu"), torch.float32).model
     rt = Runtime(model, torch.device("cpu"), context=64, chunk=8)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8]
-    auto = rt.generate(prompt, GREEDY, 6, set(), lambda _t: None, lambda: False, speculative="auto")
-    assert auto.stats.speculative == "off" and auto.stats.drafted_tokens == 0
-    assert auto.tokens == rt.generate(prompt, GREEDY, 6, set(), lambda _t: None, lambda: False).tokens
-    for mode in ("lookup", "draft", "mtp"):
+    off = rt.generate(prompt, GREEDY, 6, set(), lambda _t: None, lambda: False).tokens
+    for mode in ("auto", "lookup"):
+        on = rt.generate(prompt, GREEDY, 6, set(), lambda _t: None, lambda: False, speculative=mode)
+        assert on.stats.speculative == "lookup" and on.tokens == off
+    for mode, why in (("draft", "needs a draft model"), ("mtp", "not supported for this model")):
         with pytest.raises(EngineFailure) as failure:
             rt.generate(prompt, GREEDY, 6, set(), lambda _t: None, lambda: False, speculative=mode)
         assert failure.value.error.code == ErrorCode.BAD_REQUEST
-        assert "not supported for this model" in failure.value.error.detail
+        assert why in failure.value.error.detail
 
 
-def test_deepseek_v4_with_a_draft_is_refused_at_load(
+def test_deepseek_v4_with_a_draft_of_another_vocabulary_is_refused_at_load(
     engine: Engine, folders: dict[str, Path], tmp_path: Path
 ) -> None:
     make_tiny("deepseek_v4", tmp_path, seed=2)
@@ -167,4 +169,4 @@ def test_deepseek_v4_with_a_draft_is_refused_at_load(
         LoadRequest(path=str(tmp_path), device="cpu", context=64, draft=str(folders["draft"]))
     )
     assert not refused.ok and refused.error is not None and refused.error.code == ErrorCode.LOAD_FAILED
-    assert "not supported for this model" in refused.error.detail
+    assert "vocabulary" in refused.error.detail

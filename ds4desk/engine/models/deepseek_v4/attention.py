@@ -29,12 +29,25 @@ class PrefillAttention:
     config: DeepseekV4Config
     _cache: V4Cache | None
     _tables: RopeTables
+    # Every compressed layer's inputs while a verify's checkpoint is open (verify.py), else None.
+    _verify_inputs: dict[int, list[torch.Tensor]] | None = None
 
-    def _attention(self, index: int, attn: Attention, x: torch.Tensor, start: int) -> torch.Tensor:
+    def _attention(
+        self,
+        index: int,
+        attn: Attention,
+        x: torch.Tensor,
+        start: int,
+        own: tuple[LayerState, str] | None = None,
+    ) -> torch.Tensor:
+        """Layer `index`'s attention over the chunk x at start.. (`own`: the state and kind of a
+        block outside the main stack, the MTP block, whose inputs are stashed under `index`)."""
         cfg, cache = self.config, self._cache
         assert cache is not None
-        state = cache.layers[index]
-        layer_type = cfg.layer_types[index]
+        state, layer_type = own if own is not None else (cache.layers[index], cfg.layer_types[index])
+        if self._verify_inputs is not None and attn.compressor is not None:
+            # An open verify (verify.py): a roll-back feeds the kept rows to the compressor again.
+            self._verify_inputs.setdefault(index, []).append(x)
         count = x.shape[0]
         heads, dim, window = cfg.num_heads, cfg.head_dim, cfg.sliding_window
         eps = cfg.rms_norm_eps

@@ -55,6 +55,8 @@ class GraphableDecode:
     _tables: RopeTables
     _steps: torch.Tensor | None
     _boundaries: dict[int, torch.device]
+    _mtp_length: int
+    _mtp_pending: torch.Tensor | None
 
     def decode_devices(self) -> list[torch.device]:
         """The device of every shard a decode step runs through, in order (one when unsplit)."""
@@ -139,6 +141,8 @@ class GraphableDecode:
         if not 0 < length <= self._context:
             raise ValueError(f"length must be in 1..{self._context}, got {length}")
         cache.length = length
+        # A graphable step does not feed the MTP block (mtp.py): it is out of step from here.
+        self._mtp_length, self._mtp_pending = -1, None
 
     def _decode_attention(
         self,

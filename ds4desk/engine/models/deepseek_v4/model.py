@@ -42,10 +42,16 @@ from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
-from ds4desk.engine.models.base import CausalLM, LogitsMode, load_failure
+from ds4desk.engine.models.base import CausalLM, LogitsMode
 from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.attention import PrefillAttention
-from ds4desk.engine.models.deepseek_v4.cache import RopeTables, V4Cache, layer_cache_bytes, new_layer_state
+from ds4desk.engine.models.deepseek_v4.cache import (
+    LayerState,
+    RopeTables,
+    V4Cache,
+    layer_cache_bytes,
+    new_layer_state,
+)
 from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.decode import GraphableDecode
 from ds4desk.engine.models.deepseek_v4.hyper import HyperConnectionSites
@@ -58,26 +64,42 @@ from ds4desk.engine.models.deepseek_v4.modules import (
     check_hash_table,
 )
 from ds4desk.engine.models.deepseek_v4.moe import MixtureOfExperts
+from ds4desk.engine.models.deepseek_v4.mtp import MtpTracking
+from ds4desk.engine.models.deepseek_v4.verify import VerifyRollback
 from ds4desk.engine.split import materialize_parameters
 
 
-class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, GraphableDecode, CausalLM):
+class DeepseekV4Model(
+    HyperConnectionSites,
+    PrefillAttention,
+    MixtureOfExperts,
+    GraphableDecode,
+    VerifyRollback,
+    MtpTracking,
+    CausalLM,
+):
     """The CausalLM of the DeepSeek-V4 family; the mixins before CausalLM hold the layer math and
     read the state this class keeps: the cache, the rope tables and steps of the current device, and
     the shard boundaries of a split."""
 
     def __init__(
-        self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, quantized: bool = False
+        self,
+        config: DeepseekV4Config,
+        dtype: torch.dtype = torch.float32,
+        quantized: bool = False,
+        packed: Mapping[str, int] | None = None,
     ) -> None:
         """`quantized`: the linears the official checkpoint stores in FP8 stay FP8 (Fp8Weight) and
-        the routed experts packed FP4; everything else, and all activations, in `dtype`."""
+        the routed experts packed FP4; everything else, and all activations, in `dtype`. `packed`:
+        the GGUF block type of each routed-expert weight a GGUF file keeps in blocks."""
         super().__init__(config, dtype)
         self.quantized = quantized
-        self.model = Backbone(config, dtype, quantized)
+        self.model = Backbone(config, dtype, quantized, packed)
         if not config.tie_word_embeddings:  # else None (base): the embedding is the head
             self.lm_head = Weight((config.vocab_size, config.hidden_size), dtype)
         # The checkpoint's MTP blocks (`mtp.K.*`, none unless it holds some): loaded and kept, in the
-        # weight bytes and on the last shard of a split, for speculative decoding; not run.
+        # weight bytes and on the last shard of a split; the speculative MTP drafter runs the first
+        # (mtp.py).
         self.mtp = nn.ModuleList(
             MtpBlock(config, k, dtype, quantized) for k in range(len(config.mtp_layer_types))
         )
@@ -90,6 +112,10 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
         # and per device the rope tables and steps its layers read (copies of the first device's).
         self._boundaries: dict[int, torch.device] = {}
         self._per_device: dict[torch.device, tuple[RopeTables, torch.Tensor]] = {}
+        # Speculative decoding (verify.py, mtp.py): an open verify's stashed compressor inputs, and
+        # the MTP block's cache while it follows the target.
+        self._verify_inputs: dict[int, list[torch.Tensor]] | None = None
+        self._mtp_state = None
 
     @property
     def cache(self) -> V4Cache | None:
@@ -166,6 +192,8 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
 
     def free_cache(self) -> None:
         self._cache = None
+        self._verify_inputs = None
+        self.set_mtp_tracking(False)  # its cache was sized for this context: asked for again per request
         self._tables = {}
         self._per_device = {}
         self._context = 0
@@ -177,7 +205,11 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
         self._tables, self._steps = self._per_device[device]
 
     def cache_bytes(self) -> int:
-        return 0 if self._cache is None else self._cache.nbytes()
+        if self._cache is None:
+            return 0
+        mtp = self._mtp_state  # the MTP block's own cache while it follows the target (mtp.py)
+        extra = 0 if mtp is None else sum(t.numel() * t.element_size() for t in mtp.tensors())
+        return self._cache.nbytes() + extra
 
     def layer_cache_bytes_for(self, context: int) -> list[int]:
         """cache_bytes_for per layer (a split plan places each with its layer)."""
@@ -185,7 +217,8 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
 
     def export_state(self, length: int) -> dict[str, torch.Tensor]:
         """The state after positions 0..length-1, as host tensors: the raw window in logical order
-        (oldest position first), the closed compressed and indexer rows, the compressors' carry.
+        (oldest position first), the closed compressed and indexer rows, the compressors' carry,
+        and the MTP block's while it follows the target (mtp.py).
         Only the current position can be exported: older raw rows are already overwritten."""
         cache = self._cache
         assert cache is not None
@@ -194,44 +227,54 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
                 ErrorCode.INVALID_SNAPSHOT_SLOT,
                 f"DeepSeek-V4 can snapshot its current position {cache.length}, not {length}",
             )
+        state: dict[str, torch.Tensor] = {}
+        for i, (layer, kind) in enumerate(zip(cache.layers, self.config.layer_types, strict=True)):
+            state.update(self._export_layer(str(i), layer, kind, length))
+        state.update(self._mtp_export(length))
+        return state
+
+    def _export_layer(
+        self, prefix: str, layer: LayerState, kind: str, length: int
+    ) -> dict[str, torch.Tensor]:
+        """One layer's part of export_state (a copy also on the CPU: the cache changes on)."""
         window = self.config.sliding_window
         logical = [p % window for p in range(max(0, length - window), length)]
-        state: dict[str, torch.Tensor] = {}
-
-        def host(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.to("cpu", copy=True)  # a copy also on the CPU: the cache changes on
-
-        for i, (layer, kind) in enumerate(zip(cache.layers, self.config.layer_types, strict=True)):
-            state[f"{i}.ring"] = host(layer.ring[logical])
-            if layer.entries is not None:
-                rows = length // self.config.rate(kind)
-                state[f"{i}.entries"] = host(layer.entries[:rows])
-                if layer.index_entries is not None:
-                    state[f"{i}.index_entries"] = host(layer.index_entries[:rows])
-            for name, carry in (("compressor", layer.compressor), ("indexer", layer.indexer)):
-                if carry is not None:
-                    for j, tensor in enumerate(carry.tensors()):
-                        state[f"{i}.{name}.{j}"] = host(tensor)
+        state = {f"{prefix}.ring": layer.ring[logical].to("cpu", copy=True)}
+        if layer.entries is not None:
+            rows = length // self.config.rate(kind)
+            state[f"{prefix}.entries"] = layer.entries[:rows].to("cpu", copy=True)
+            if layer.index_entries is not None:
+                state[f"{prefix}.index_entries"] = layer.index_entries[:rows].to("cpu", copy=True)
+        for name, carry in (("compressor", layer.compressor), ("indexer", layer.indexer)):
+            if carry is not None:
+                for j, tensor in enumerate(carry.tensors()):
+                    state[f"{prefix}.{name}.{j}"] = tensor.to("cpu", copy=True)
         return state
 
     def import_state(self, state: dict[str, torch.Tensor], length: int) -> None:
         """The inverse of export_state; afterwards the model continues at `length`."""
         cache = self._cache
         assert cache is not None
+        for i, layer in enumerate(cache.layers):
+            self._import_layer(str(i), layer, state, length)
+        cache.length = length
+        self._mtp_import(state, length)
+
+    def _import_layer(
+        self, prefix: str, layer: LayerState, state: dict[str, torch.Tensor], length: int
+    ) -> None:
         window = self.config.sliding_window
         physical = [p % window for p in range(max(0, length - window), length)]
-        for i, layer in enumerate(cache.layers):
-            layer.ring[physical] = state[f"{i}.ring"].to(layer.ring.device, layer.ring.dtype)
-            for name in ("entries", "index_entries"):
-                target = getattr(layer, name)
-                if target is not None:
-                    rows = state[f"{i}.{name}"]
-                    target[: rows.shape[0]].copy_(rows)
-            for name, carry in (("compressor", layer.compressor), ("indexer", layer.indexer)):
-                if carry is not None:
-                    for j, tensor in enumerate(carry.tensors()):
-                        tensor.copy_(state[f"{i}.{name}.{j}"])
-        cache.length = length
+        layer.ring[physical] = state[f"{prefix}.ring"].to(layer.ring.device, layer.ring.dtype)
+        for name in ("entries", "index_entries"):
+            target = getattr(layer, name)
+            if target is not None:
+                rows = state[f"{prefix}.{name}"]
+                target[: rows.shape[0]].copy_(rows)
+        for name, carry in (("compressor", layer.compressor), ("indexer", layer.indexer)):
+            if carry is not None:
+                for j, tensor in enumerate(carry.tensors()):
+                    tensor.copy_(state[f"{prefix}.{name}.{j}"])
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -253,6 +296,9 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
             )
         cfg = self.config
         cache.length = 0  # until this call completes, the state is not a valid continuation
+        if start_pos == 0:
+            # A new request: whatever a failed verify left open is over.
+            self._verify_inputs, self._mtp_rows = None, None
         ids = input_ids.to(self.device)  # the caller's device may be another shard's
         x = F.embedding(ids, self.model.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(count, cfg.hc_mult, cfg.hidden_size).contiguous()
@@ -277,6 +323,10 @@ class DeepseekV4Model(HyperConnectionSites, PrefillAttention, MixtureOfExperts, 
                 streams = self._block(index, layer, streams, ids, start_pos)
         if self._boundaries:
             self._use_device(self.device)
+        if self._mtp_state is not None:
+            # The MTP block follows the target's final streams (mtp.py), one position behind.
+            final = streams if last is None else ops.expand(streams, *last)
+            self._mtp_follow(final, ids, start_pos)
         cache.length = start_pos + count
         if logits == "none":
             return None
@@ -323,6 +373,4 @@ def build(
     packed: Mapping[str, int] | None = None,
 ) -> DeepseekV4Model:
     """The registry's entry point: the model for a config.json dict (`quantized`: FP8 / FP4 kept)."""
-    if packed:
-        raise load_failure("DeepSeek-V4 does not run from GGUF block types yet")
-    return DeepseekV4Model(DeepseekV4Config.from_hf(config), dtype, quantized)
+    return DeepseekV4Model(DeepseekV4Config.from_hf(config), dtype, quantized, packed)
