@@ -41,4 +41,6 @@ if [[ $with_tests == 1 ]]; then
     # this machine's compiler mishandles, so the CPU features are named.
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" \
         .venv/bin/python -m pip install -q "llama-cpp-python[server]==0.3.36"
+    # llama.cpp's GGUF converter from the same release (its DeepSeek-V4 layout is a test oracle).
+    bash scripts/llama_cpp_tree.sh .venv/bin/python
 fi

@@ -341,8 +341,8 @@ def _check_gguf(name: str, meta: torch.Tensor, entry: TensorEntry) -> None:
             )
     elif tuple(meta.shape) != tuple(entry.shape):
         raise load_failure(f"tensor {name} has shape {list(entry.shape)}, config says {list(meta.shape)}")
-    elif not meta.is_floating_point():
-        raise load_failure(f"tensor {name}: the model wants integers, the file holds {entry.dtype}")
+    elif meta.is_floating_point() == (entry.dtype == "I32"):  # I32: DeepSeek-V4's hash-routing tables
+        raise load_failure(f"tensor {name}: the model wants {meta.dtype}, the file holds {entry.dtype}")
 
 
 # ---- the fill -------------------------------------------------------------------------------------
@@ -498,10 +498,11 @@ def _copy_from_gguf(
 
 
 def _gguf_values(raw: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    """A GGUF tensor's values in its logical shape: float types as stored, block types dequantized."""
-    float_dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(entry.dtype)
-    if float_dtype is not None:
-        return raw.view(float_dtype).view(entry.shape)
+    """A GGUF tensor's values in its logical shape: plain types as stored, block types dequantized."""
+    plain = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32}
+    plain_dtype = plain.get(entry.dtype)
+    if plain_dtype is not None:
+        return raw.view(plain_dtype).view(entry.shape)
     return gguf.dequantize(raw, entry.gguf_type, entry.shape)
 
 

@@ -10,7 +10,8 @@ Two things differ from the Hugging Face layout and are undone per tensor while c
 - llama.cpp's converter stores a Llama model's q/k rows in the order its rope rotates them (adjacent
   pairs); `rope_heads` says to reorder them back (rows of blocks, so packed weights reorder too).
 - Gemma's converter stores RMSNorm weights as (1 + w); `shift` = -1 gives back w.
-Qwen3.5 (`qwen35`, `qwen35moe`: hybrid layers, stacked experts) maps its own way: gguf_qwen35.py.
+Qwen3.5 (`qwen35`, `qwen35moe`: hybrid layers, stacked experts) maps its own way: gguf_qwen35.py;
+DeepSeek-V4 (`deepseek4`) too: gguf_deepseek4.py.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from pathlib import Path
 import numpy as np
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
+from ds4desk.engine.loading.gguf_deepseek4 import DEEPSEEK4_ARCH, deepseek4_model
 from ds4desk.engine.loading.gguf_header import GGUFHeader, GGUFTensor, read_gguf_header
 from ds4desk.engine.loading.gguf_meta import IGNORED_TENSORS, MetaReader, gguf_entry, load_failed, stored_type
 from ds4desk.engine.loading.gguf_qwen35 import QWEN35_ARCHES, qwen35_model
 from ds4desk.engine.loading.gguf_tokenizer import build_tokenizer
 from ds4desk.engine.loading.source import ModelSource, NameLayout, TensorEntry, TokenizerSpec
 
-# GGML types whose values are plain floats: read as floats, never kept packed.
-FLOAT_TYPE_NAMES = frozenset({"F32", "F16", "BF16"})
+# GGML types whose values are plain floats (or integers): read as values, never kept packed.
+FLOAT_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "I32"})
 
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 # Tensors some GGUFs carry that hold nothing the model needs: precomputed rope tables, and
@@ -93,8 +95,8 @@ def gguf_source(path: Path) -> ModelSource:
     meta = header.metadata
     arch_name = meta.get("general.architecture")
     arch = _ARCHES.get(arch_name) if isinstance(arch_name, str) else None
-    if arch is None and arch_name not in QWEN35_ARCHES:
-        known = ", ".join([*_ARCHES, *QWEN35_ARCHES])
+    if arch is None and arch_name not in QWEN35_ARCHES and arch_name != DEEPSEEK4_ARCH:
+        known = ", ".join([*_ARCHES, *QWEN35_ARCHES, DEEPSEEK4_ARCH])
         raise EngineFailure(
             ErrorCode.LOAD_FAILED,
             f"{path.name} is a GGUF for the '{arch_name}' architecture; ds4desk runs GGUF files of: {known}",
@@ -102,13 +104,17 @@ def gguf_source(path: Path) -> ModelSource:
     assert isinstance(arch_name, str)
     read = MetaReader(path, meta, arch_name)
     layout: NameLayout | None = None
-    if arch is None:  # Qwen3.5's hybrid layers map differently (gguf_qwen35.py)
-        qwen35 = qwen35_model(path, header, read)
+    if arch is None:  # Qwen3.5's hybrid layers and DeepSeek-V4 map differently (their own modules)
+        mapped = (
+            deepseek4_model(path, header, read)
+            if arch_name == DEEPSEEK4_ARCH
+            else qwen35_model(path, header, read)
+        )
         config, tensors, layout, architecture = (
-            qwen35.config,
-            qwen35.tensors,
-            qwen35.layout,
-            qwen35.architecture,
+            mapped.config,
+            mapped.tensors,
+            mapped.layout,
+            mapped.architecture,
         )
     else:
         if read.int_or("expert_count", 0):
@@ -295,13 +301,14 @@ def _entries(
 
 
 def packed_types(source: ModelSource) -> dict[str, int]:
-    """Parameter name -> GGML type of every 2-D weight the file stores in a quantized type: what the
-    family keeps packed (models/packed.py). A family that cannot keep one packed builds it as a float
-    parameter, and the loader dequantizes it while copying."""
+    """Parameter name -> GGML type of every 2-D weight (3-D: experts stacked, as DeepSeek-V4 keeps
+    them) the file stores in a quantized type: what the family keeps packed (models/packed.py). A
+    family that cannot keep one packed builds it as a float parameter, and the loader dequantizes it
+    while copying."""
     return {
         name: entry.gguf_type
         for name, entry in source.tensors.items()
-        if entry.encoding == "gguf" and entry.dtype not in FLOAT_TYPE_NAMES and len(entry.shape) == 2
+        if entry.encoding == "gguf" and entry.dtype not in FLOAT_TYPE_NAMES and len(entry.shape) in (2, 3)
     }
 
 

@@ -38,10 +38,20 @@ _GPT4O_SPLIT = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# DeepSeek-V3 / V4 (and models reusing their vocabulary) split in three passes, each on the pieces
+# the previous one left: runs of up to three digits, runs of CJK ideographs and kana, then words,
+# punctuation runs and whitespace.
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    '[!"' + r"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
 
 @dataclass(slots=True, frozen=True)
 class _SplitRule:
-    regex: str
+    regex: str | tuple[str, ...]  # one pass, or several applied in turn
     # Qwen's published tokenizers NFC-normalize text before splitting it, so a decomposed accent
     # ("e" + U+0301) is encoded as the composed character the model was trained on.
     nfc: bool = False
@@ -59,6 +69,8 @@ _SPLIT_RULES: dict[str, _SplitRule] = {
     # the published tokenizer normalizes, so none is assumed (as llama.cpp does).
     "deepseek-r1-qwen": _SplitRule(_QWEN2_SPLIT),
     "qwen35": _SplitRule(_QWEN35_SPLIT, nfc=True),
+    # llama.cpp names DeepSeek-V4's vocabulary after the first model its hash matched (joyai-llm).
+    **dict.fromkeys(("deepseek-v3", "joyai-llm", "hunyuan-dense", "hy_v4"), _SplitRule(_DEEPSEEK3_SPLITS)),
     **dict.fromkeys(("gpt-4o", "llama4"), _SplitRule(_GPT4O_SPLIT)),
 }
 _GPT2_NAMES = ("default", "gpt2", "gpt-2", "")
@@ -161,8 +173,9 @@ def _byte_level_pre_tokenizer(
         return None, pre_tokenizers.Sequence(steps), None
     rule = _SPLIT_RULES.get(pre)
     if rule is not None:
+        passes = (rule.regex,) if isinstance(rule.regex, str) else rule.regex
         steps = [
-            pre_tokenizers.Split(Regex(rule.regex), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False) for regex in passes),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
         return (normalizers.NFC() if rule.nfc else None), pre_tokenizers.Sequence(steps), None

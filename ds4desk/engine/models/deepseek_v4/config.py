@@ -30,6 +30,9 @@ _MLP_TYPES = (HASH_MOE, MOE)
 # The official config's per-layer `compress_ratios`.
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _DEFAULT_RATES = {CSA: 4, HCA: 128}
+# Set by loading/gguf_deepseek4.py: the routed experts are three stacked tensors per layer (gate, up,
+# down), each in the GGUF block type the file stores it in, as llama.cpp's converter writes them.
+GGUF_EXPERTS_KEY = "ds4desk_gguf_experts"
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,6 +131,8 @@ class DeepseekV4Config:
     # on the model for speculative decoding, not run by the forward.
     mtp_layer_types: tuple[str, ...] = ()
     mtp_mlp_layer_types: tuple[str, ...] = ()
+    # Routed experts as a GGUF stores them (GGUF_EXPERTS_KEY): gate, up and down stacked apart.
+    gguf_experts: bool = False
 
     def rate(self, layer_type: str) -> int:
         return self.csa_rate if layer_type == CSA else self.hca_rate
@@ -206,6 +211,7 @@ class DeepseekV4Config:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             mtp_layer_types=mtp_types,
             mtp_mlp_layer_types=mtp_mlp_types,
+            gguf_experts=config.get(GGUF_EXPERTS_KEY) is True,
         )
 
 

@@ -4,10 +4,12 @@ them lives in the model's mixins (attention.py, moe.py, hyper.py, decode.py) and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
-from ds4desk.engine.formats import FP4_BLOCK, FP8_BLOCK
+from ds4desk.engine.formats import FP4_BLOCK, FP8_BLOCK, gguf_packed_bytes
 from ds4desk.engine.models.base import load_failure
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, SLIDING, DeepseekV4Config
 
@@ -128,11 +130,40 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every routed expert's SwiGLU weights, stacked: bf16 (or `dtype`), or packed FP4."""
+    """Every routed expert's SwiGLU weights, stacked: bf16 (or `dtype`), or packed FP4; from a GGUF
+    (cfg.gguf_experts) gate, up and down stacked apart, each in its GGUF block type (`packed`: the
+    stacked tensor's name -> GGML type id) or, where the file stores floats, in `dtype`."""
 
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp4: bool) -> None:
+    # GGUF layout: projection -> GGML type id of its stacked weight, -1 for floats.
+    type_ids: dict[str, int]
+
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        dtype: torch.dtype,
+        fp4: bool,
+        packed: Mapping[str, int] | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         experts, hidden, width = cfg.num_experts, cfg.hidden_size, cfg.expert_size
+        self.type_ids = {}
+        if cfg.gguf_experts:
+            # [experts, rows, columns] each, expert after expert, as the file stacks them.
+            for name, rows, cols in (
+                ("gate_proj", width, hidden),
+                ("up_proj", width, hidden),
+                ("down_proj", hidden, width),
+            ):
+                type_id = (packed or {}).get(f"{prefix}.{name}", -1)
+                self.type_ids[name] = type_id
+                if type_id < 0:
+                    setattr(self, name, _param((experts, rows, cols), dtype))
+                else:
+                    setattr(
+                        self, name, _param((experts, rows, gguf_packed_bytes(type_id, (cols,))), torch.uint8)
+                    )
+            return
         if not fp4:
             self.gate_up_proj = _param((experts, 2 * width, hidden), dtype)  # gate rows, then up rows
             self.down_proj = _param((experts, hidden, width), dtype)
@@ -158,10 +189,18 @@ class SharedExpert(nn.Module):
 class Moe(nn.Module):
     """One layer's FFN: router, routed experts and the shared expert."""
 
-    def __init__(self, cfg: DeepseekV4Config, hashed: bool, dtype: torch.dtype, quantized: bool) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        hashed: bool,
+        dtype: torch.dtype,
+        quantized: bool,
+        packed: Mapping[str, int] | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.gate = Router(cfg, hashed, dtype)
-        self.experts = Experts(cfg, dtype, quantized)
+        self.experts = Experts(cfg, dtype, quantized, packed, f"{prefix}.experts")
         self.shared_experts = SharedExpert(cfg, dtype, quantized)
 
 
@@ -176,11 +215,14 @@ class Layer(nn.Module):
         dtype: torch.dtype,
         quantized: bool,
         kinds: tuple[str, str] | None = None,
+        packed: Mapping[str, int] | None = None,
     ) -> None:
+        """`packed`: the weights a GGUF stores in block types (name -> GGML type id); of those, the
+        routed experts stay packed, the rest are built as floats (the loader dequantizes them)."""
         super().__init__()
         layer_type, mlp_type = kinds or (cfg.layer_types[index], cfg.mlp_layer_types[index])
         self.self_attn = Attention(cfg, layer_type, dtype, quantized)
-        self.mlp = Moe(cfg, mlp_type == HASH_MOE, dtype, quantized)
+        self.mlp = Moe(cfg, mlp_type == HASH_MOE, dtype, quantized, packed, f"model.layers.{index}.mlp")
         self.input_layernorm = Weight((cfg.hidden_size,), torch.float32)
         self.post_attention_layernorm = Weight((cfg.hidden_size,), torch.float32)
         self.attn_hc = HyperConnection(cfg.hc_mult, cfg.hidden_size)
@@ -191,7 +233,7 @@ class MtpBlock(Layer):
     """A multi-token-prediction block as the official release stores it: a full layer, plus the
     projections that mix the next token's (normed) embedding into the main model's (normed) streams,
     and its own final norm and stream head (the embedding and the head are the main model's).
-    Loaded and kept for speculative decoding; the forward does not run it yet."""
+    Loaded and kept; the speculative MTP drafter runs it (models/deepseek_v4/mtp.py, speculative/mtp.py)."""
 
     def __init__(self, cfg: DeepseekV4Config, index: int, dtype: torch.dtype, quantized: bool) -> None:
         kinds = (cfg.mtp_layer_types[index], cfg.mtp_mlp_layer_types[index])
@@ -208,10 +250,18 @@ class MtpBlock(Layer):
 class Backbone(nn.Module):
     """transformers' `model.`: the embedding, the layers, the final norm and hyper-connection head."""
 
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, quantized: bool) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        dtype: torch.dtype,
+        quantized: bool,
+        packed: Mapping[str, int] | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = Weight((cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nn.ModuleList(Layer(cfg, i, dtype, quantized) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            Layer(cfg, i, dtype, quantized, packed=packed) for i in range(cfg.num_layers)
+        )
         self.norm = Weight((cfg.hidden_size,), torch.float32)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size)
 

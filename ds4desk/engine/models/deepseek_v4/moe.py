@@ -15,9 +15,30 @@ from ds4desk.engine.kernels.deepseek_v4 import route as v4_route
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
 from ds4desk.engine.kernels.quant.fp4 import fp4_experts_gemv, fp4_grouped_matmul
 from ds4desk.engine.kernels.quant.fp8 import fp8_row_, fp8_row_fits
+from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
-from ds4desk.engine.models.deepseek_v4.modules import Moe, SharedExpert
+from ds4desk.engine.models.deepseek_v4.modules import Experts, Moe, SharedExpert
+
+
+def _times(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
+    """x @ Wᵀ for one GGUF-layout expert weight: float, or its GGUF blocks (never dequantized whole)."""
+    if type_id < 0:
+        return x @ weight.t()
+    return gguf_matmul(x, weight, type_id, cols)
+
+
+def gguf_expert(
+    experts: Experts, weights: tuple[torch.Tensor, ...], x: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """One GGUF-layout expert's clamped SwiGLU of x [T, D]: `weights` its (gate, up, down)."""
+    types, hidden = experts.type_ids, x.shape[1]
+    gate, up, down = weights
+    width = gate.shape[0]
+    act = ops.swiglu(
+        _times(x, gate, types["gate_proj"], hidden), _times(x, up, types["up_proj"], hidden), limit
+    )
+    return _times(act, down, types["down_proj"], width)
 
 
 class MixtureOfExperts:
@@ -49,7 +70,16 @@ class MixtureOfExperts:
         host_sizes = sizes.tolist()
         experts, limit = moe.experts, cfg.swiglu_limit
         largest, width = max(host_sizes), x.shape[1]
-        if cfg.num_experts * largest <= 2 * count * k and experts.gate_up_proj.dtype != torch.uint8:
+        if cfg.gguf_experts:  # one SwiGLU per expert that has tokens, on its GGUF blocks
+            inputs = x.index_select(0, order // k)  # [T k, D], by expert
+            parts, first = [], 0
+            for expert, size in enumerate(host_sizes):
+                if size:
+                    own = (experts.gate_proj[expert], experts.up_proj[expert], experts.down_proj[expert])
+                    parts.append(gguf_expert(experts, own, inputs[first : first + size], limit))
+                    first += size
+            by_pair = torch.empty_like(inputs).index_copy_(0, order, torch.cat(parts))
+        elif cfg.num_experts * largest <= 2 * count * k and experts.gate_up_proj.dtype != torch.uint8:
             # Balanced enough (so most experts have tokens: their weights are read anyway): two
             # batched GEMMs over all experts, each group padded to the largest, at most twice the
             # rows (and memory) of the pairs themselves. The padded rows are gathered straight
@@ -103,6 +133,13 @@ class MixtureOfExperts:
             ops.linear(x, gate), bias, tid2eid, token, cfg.experts_per_token, cfg.routed_scaling_factor
         )  # [k], float32 [k]
         experts, limit = moe.experts, cfg.swiglu_limit
+        if cfg.gguf_experts:
+            # The picked experts' blocks gathered on the device (no host sync), one SwiGLU each.
+            picks = [experts.gate_proj.index_select(0, picked), experts.up_proj.index_select(0, picked)]
+            picks.append(experts.down_proj.index_select(0, picked))
+            k = picked.shape[0]
+            y = torch.cat([gguf_expert(experts, tuple(w[j] for w in picks), x, limit) for j in range(k)])
+            return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
         if experts.gate_up_proj.dtype == torch.uint8:  # packed FP4: the kernel reads the picked experts
             gate_up = fp4_experts_gemv(x, picked, experts.gate_up_proj, experts.gate_up_proj_scale)
             # [k, D], the clamped SwiGLU of gate_up [k, 2I] taken inside the down projection.
