@@ -5,8 +5,9 @@
  * dtypes, shapes and strides before it calls, so nothing here is exposed to unchecked input):
  *
  *   gemv(type, w, w_stride, rows, cols, x, T, x_stride, y, y_stride, threads)
- *       y[t, r] = sum_c x[t, c] * W[r, c], decoding each block once for up to four rows of x: the
- *       decode path, reading the packed bytes once per token.
+ *       y[t, r] = sum_c x[t, c] * W[r, c], decoding each block once for up to eight rows of x: the
+ *       decode path and a speculative verify step (T up to 16), each row of y bit for bit the same
+ *       whatever T is.
  *   dequantize(type, w, w_stride, rows, cols, dst, threads)
  *       W as float32 [rows, cols] into dst: a prefill tile, which torch.mm then multiplies.
  *   make_layer(...) / decode_layers(layers, x, pos, threads)
@@ -708,7 +709,10 @@ INLINE_AVX512 __m512 q2_k_sub(const uint8_t *b, int s, float d, float dmin) {
         }                                                                                            \
     } while (0)
 
-/* GEMV over rows [r0, r1) for NT (1-4) rows of x: two accumulators per row of x. */
+/* GEMV over rows [r0, r1) for NT (1 to GEMV_GROUP) rows of x: two accumulators per row of x.
+ * Every row of x gets the same sums in the same order whatever NT is and whichever rows of x share
+ * its group, so a verify step's T tokens get bit for bit the y a one-token decode step gets for each:
+ * speculative decoding's greedy identity does not rest on rounding luck. */
 #define FMA_EMIT(W0, W1, OFF)                                                                        \
     do {                                                                                             \
         const __m512 w0e_ = (W0), w1e_ = (W1);                                                       \
@@ -728,6 +732,22 @@ INLINE_AVX512 __m512 q2_k_sub(const uint8_t *b, int s, float d, float dmin) {
 
 #define PREFETCH_BYTES 4096
 
+/* The most rows of x one pass over the weight multiplies: each decoded block feeds 2 * NT FMAs
+ * from registers. Eight keeps the 16 accumulators, the two decoded vectors and a block's table
+ * inside the 32 vector registers (no spills in GCC's assembly). The rows of x a pass reads must
+ * also stay in L1 (every weight row reads all of them): where NT rows of x take more than
+ * GEMV_X_BYTES, a pass takes fewer of them, never fewer than four. Measured on SmolLM2's Q4_1
+ * weights (Zen 4, one thread, T = 8): 576 columns, one pass of 8 costs 0.84x two passes of 4;
+ * 1536 columns (48 KiB of x), 1.25x. */
+#define GEMV_GROUP 8
+#define GEMV_X_BYTES (24 * 1024)
+
+/* Rows of x per pass for a weight of `cols` columns. */
+static int gemv_group(int cols) {
+    int fit = GEMV_X_BYTES / (cols * (int)sizeof(float));
+    return fit >= GEMV_GROUP ? GEMV_GROUP : fit > 4 ? fit : 4;
+}
+
 INLINE_AVX512 void prefetch_row(const uint8_t *row, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
 }
@@ -735,7 +755,7 @@ INLINE_AVX512 void prefetch_row(const uint8_t *row, int bytes) {
 #define DEFINE_KERNELS(NAME, LOOP)                                                                   \
     INLINE_AVX512 void gemv_##NAME##_nt(const Gemv *g, Py_ssize_t r0, Py_ssize_t r1, int t0, const int NT) { \
         const int blocks = g->cols / g->ti->block_values;                                            \
-        const float *xs[4];                                                                          \
+        const float *xs[GEMV_GROUP];                                                                 \
         for (int t = 0; t < NT; t++) xs[t] = g->x + (t0 + t) * g->x_stride;                          \
         const int row_bytes = blocks * g->ti->block_bytes;                                           \
         /* A row is a few hundred bytes and a thread's chunk a few dozen rows: the hardware          \
@@ -745,7 +765,7 @@ INLINE_AVX512 void prefetch_row(const uint8_t *row, int bytes) {
         for (Py_ssize_t r = r0; r < r1; r++) {                                                       \
             const uint8_t *row = g->w + r * g->w_stride;                                             \
             if (r + ahead < r1) prefetch_row(row + ahead * g->w_stride, row_bytes);                  \
-            __m512 acc[4][2];                                                                        \
+            __m512 acc[GEMV_GROUP][2];                                                               \
             for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();                \
             LOOP(row, blocks, FMA_EMIT);                                                             \
             for (int t = 0; t < NT; t++)                                                             \
@@ -753,13 +773,22 @@ INLINE_AVX512 void prefetch_row(const uint8_t *row, int bytes) {
         }                                                                                            \
     }                                                                                                \
     static AVX512 void gemv_##NAME(const Gemv *g, Py_ssize_t r0, Py_ssize_t r1) {                    \
-        for (int t0 = 0; t0 < g->T; t0 += 4) {                                                       \
-            switch (g->T - t0 >= 4 ? 4 : g->T - t0) {                                                \
+        /* ceil(T / group) passes of near-equal groups (T = 12: 6 + 6, not 8 + 4). */                 \
+        const int group = gemv_group(g->cols);                                                       \
+        const int passes = (g->T + group - 1) / group;                                               \
+        for (int i = 0, t0 = 0; i < passes; i++) {                                                   \
+            const int nt = (g->T - t0) / (passes - i);                                               \
+            switch (nt) {                                                                            \
             case 1: gemv_##NAME##_nt(g, r0, r1, t0, 1); break;                                       \
             case 2: gemv_##NAME##_nt(g, r0, r1, t0, 2); break;                                       \
             case 3: gemv_##NAME##_nt(g, r0, r1, t0, 3); break;                                       \
-            default: gemv_##NAME##_nt(g, r0, r1, t0, 4); break;                                      \
+            case 4: gemv_##NAME##_nt(g, r0, r1, t0, 4); break;                                       \
+            case 5: gemv_##NAME##_nt(g, r0, r1, t0, 5); break;                                       \
+            case 6: gemv_##NAME##_nt(g, r0, r1, t0, 6); break;                                       \
+            case 7: gemv_##NAME##_nt(g, r0, r1, t0, 7); break;                                       \
+            default: gemv_##NAME##_nt(g, r0, r1, t0, 8); break;                                      \
             }                                                                                        \
+            t0 += nt;                                                                                \
         }                                                                                            \
     }                                                                                                \
     static AVX512 void dequant_##NAME(const uint8_t *row, int cols, int block_values, float *dst) {  \
@@ -1304,6 +1333,34 @@ static void attend_heads(const void *job, Py_ssize_t h0, Py_ssize_t h1) {
     }
 }
 
+/* The heads of T tokens at once (a verify step), item i = token i / heads, head i % heads: one
+ * phase for all of them instead of one per token, and T * heads items to share between the
+ * threads instead of the heads of one token (SmolLM2's 9 heads leave one of two threads idle a
+ * ninth of each phase). Each item is exactly what attend_heads computes for that token. */
+typedef struct {
+    const Layer *L;
+    const float *qkv; /* [T][qkv.rows]: each token's rotated queries first */
+    float *out;       /* [T][heads * dim] */
+    Py_ssize_t pos;
+} AttendTokensJob;
+
+static Py_ssize_t first_read(const Layer *L, Py_ssize_t at) {
+    Py_ssize_t lo = at + 1 - L->cache_rows;
+    if (L->window > 0 && at + 1 - L->window > lo) lo = at + 1 - L->window;
+    return lo < 0 ? 0 : lo;
+}
+
+static void attend_token_heads(const void *job, Py_ssize_t i0, Py_ssize_t i1) {
+    const AttendTokensJob *a = job;
+    const Layer *L = a->L;
+    const Py_ssize_t heads = L->heads, width = (Py_ssize_t)heads * L->dim;
+    for (Py_ssize_t i = i0; i < i1; i++) {
+        Py_ssize_t t = i / heads, at = a->pos + t;
+        AttendJob one = {L, a->qkv + t * L->qkv.rows, a->out + t * width, first_read(L, at), at};
+        attend_heads(&one, i % heads, i % heads + 1);
+    }
+}
+
 static inline float activation(int act, float g) {
     switch (act) {
     case ACT_GELU_TANH: {
@@ -1378,9 +1435,9 @@ static size_t layer_scratch(const Layer *L, int T) {
 }
 
 /* The layer for T tokens at positions pos .. pos + T - 1; x [T][hidden] updated in place. The
- * projections take all T tokens at once (the weights are read once); each token then writes its
- * cache row and attends, in order, so that token t sees rows up to pos + t and, in a ring of a
- * sliding window, a later token's write never replaces a row an earlier one still reads. */
+ * projections take all T tokens at once (the weights are read once); token t attends to rows up
+ * to pos + t: all T tokens in one phase where the cache has room for them, else each token writes
+ * its row and attends in turn (see below). Each token's values are bit for bit those of T = 1. */
 static void layer_forward(const Layer *L, float *x, int T, Py_ssize_t pos, int threads, float *scratch) {
     const int hidden = L->hidden, dim = L->dim, heads = L->heads, kv_heads = L->kv_heads, ffn = L->ffn;
     const Py_ssize_t qkv_rows = L->qkv.rows, attn_width = (Py_ssize_t)heads * dim;
@@ -1394,6 +1451,11 @@ static void layer_forward(const Layer *L, float *x, int T, Py_ssize_t pos, int t
     for (int t = 0; t < T; t++) rms_norm_into(x + (size_t)t * hidden, L->norm_in, hidden, L->eps, normed + (size_t)t * hidden);
     project(&L->qkv, normed, T, hidden, qkv, threads);
 
+    /* With no row of the cache reused inside this step (pos + T <= cache_rows), every token's keys
+     * and values go in first and all the tokens attend in one phase: token t still reads rows up to
+     * pos + t only. Else (a ring that wraps) each token writes and attends in order, so that a later
+     * token's write never replaces a row an earlier one still reads. */
+    const int together = T > 1 && pos + T <= L->cache_rows;
     for (int t = 0; t < T; t++) {
         float *q = qkv + (size_t)t * qkv_rows;
         Py_ssize_t at = pos + t;
@@ -1408,13 +1470,18 @@ static void layer_forward(const Layer *L, float *x, int T, Py_ssize_t pos, int t
             memcpy(L->cache + ((kv_heads + kv) * L->cache_rows + row) * dim,
                    q + (Py_ssize_t)(heads + kv_heads + kv) * dim, (size_t)dim * sizeof(float));
         }
-        Py_ssize_t lo = at + 1 - L->cache_rows;
-        if (L->window > 0 && at + 1 - L->window > lo) lo = at + 1 - L->window;
-        if (lo < 0) lo = 0;
+        if (together) continue;
+        Py_ssize_t lo = first_read(L, at);
         AttendJob job = {L, q, attn + (size_t)t * attn_width, lo, at};
         /* Threads only where a head's loop is long enough to pay for waking them. */
         int attend_threads = (at - lo + 1) * dim * heads >= 64 * 1024 ? threads : 1;
         parallel_items(attend_heads, &job, heads, attend_threads);
+    }
+    if (together) {
+        AttendTokensJob job = {L, qkv, attn, pos};
+        Py_ssize_t last = pos + T - 1, reads = (last - first_read(L, last) + 1) * T;
+        int attend_threads = reads * dim * heads >= 64 * 1024 ? threads : 1;
+        parallel_items(attend_token_heads, &job, (Py_ssize_t)T * heads, attend_threads);
     }
 
     project(&L->o, attn, T, attn_width, y, threads);
