@@ -1,7 +1,7 @@
 """Speculative decoding on a GPU: what a verify step of k drafted tokens costs against one plain
 decode step, the tokens/s that gives at a chosen acceptance, and greedy identity in bf16.
 
-    python3 bench/speculative_gpu.py --vocab DIR [--work DIR] [--out bench/results]
+    python3 bench/speculative_gpu.py --vocab DIR [--work DIR] [--out bench/results] [--v4]
 
 `--vocab`: the tokenizer folder `bench/gpu_speed.py prepare` writes.
 
@@ -11,6 +11,9 @@ replays its own captured graph (graphs.GraphedDecode.verify, as speculative/deco
 is also timed as the eager forward it replaces. All are timed at position 512 with CUDA events, the
 median of 50 after a warm-up. From plain and graphed verify: tokens/s at an acceptance a, k drafts
 a step = (1 + a·k) / verify(k), against 1 / plain.
+
+`--v4` first times the plain step and the eager verify of bench/gpu_deepseek_v4.py's synthetic
+DeepSeek-V4 (its verify step has no graph yet).
 
 Then three answers of 256 tokens to a prompt that repeats itself: speculation off, prompt lookup and
 the model as its own draft (every draft accepted: the ceiling), with their tokens compared; a
@@ -51,7 +54,9 @@ def timed(fn, repeats: int = 50) -> float:
     return statistics.median(samples)
 
 
-def step_costs(folder: Path) -> dict:
+def step_costs(folder: Path, graphed_verify: bool = True) -> dict:
+    """`graphed_verify`: the model has a graphable verify step (the dense family); without one
+    (DeepSeek-V4) only the eager verify is timed, each call from the same cache length."""
     from ds4desk.engine.loader import load_model
     from ds4desk.engine.loading.detect import read_source
     from ds4desk.engine.runtime import Runtime
@@ -70,11 +75,17 @@ def step_costs(folder: Path) -> dict:
         verify, eager = {}, {}
         for k in range(1, 9):
             block = ids[512 : 512 + k + 1]
-            eager[k] = timed(lambda block=block: model.forward(block, 512, "all"))
-            verify[k] = timed(lambda block=block: graphs.verify(block, 512))
-        assert len(graphs._verify_graphs) == 8, "a verify step did not run from a captured graph"
+
+            def forward(block: torch.Tensor = block) -> None:
+                model.set_length(512)  # a family that tracks its length on the host starts over
+                model.forward(block, 512, "all")
+
+            eager[k] = timed(forward)
+            if graphed_verify:
+                verify[k] = timed(lambda block=block: graphs.verify(block, 512))
+        assert not graphed_verify or len(graphs._verify_graphs) == 8, "a verify step ran eagerly"
     runtime.close()
-    return {"plain_s": plain, "verify_s": verify, "verify_eager_s": eager}
+    return {"plain_s": plain, "verify_s": verify or eager, "verify_eager_s": eager}
 
 
 def answers(folder: Path) -> dict:
@@ -127,8 +138,23 @@ def main() -> None:
     parser.add_argument("--vocab", type=Path, required=True)
     parser.add_argument("--work", type=Path)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--v4", action="store_true", help="also the step costs of bench/gpu_deepseek_v4.py's synthetic V4"
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp())
+    v4_costs = None
+    if args.v4:
+        from bench import gpu_deepseek_v4
+
+        v4_folder = work / "v4"
+        if not (v4_folder / "config.json").exists():
+            gpu_deepseek_v4.write_model(v4_folder)
+        v4_costs = step_costs(v4_folder, graphed_verify=False)
+        v4_plain = v4_costs["plain_s"]
+        print(f"V4 synthetic: plain graphed step {v4_plain * 1e6:.1f} us")
+        for k, seconds in v4_costs["verify_eager_s"].items():
+            print(f"V4 eager verify k={k}: {seconds * 1e6:8.1f} us = {seconds / v4_plain:5.2f}x a plain step")
     folder = work / "dense"
     if not (folder / "config.json").exists():
         write_hf(folder, random_dense_state(), args.vocab)
@@ -162,9 +188,7 @@ def main() -> None:
     meta = {"date": stamp, "device": torch.cuda.get_device_name(), "model": "dense 1.07B random bf16"}
     for run in runs.values():
         run.pop("margins", None)
-    path.write_text(
-        json.dumps({**meta, **costs, "rates": rates, "runs": runs})
-    )
+    path.write_text(json.dumps({**meta, **costs, "rates": rates, "runs": runs, "deepseek_v4": v4_costs}))
     print(f"wrote {path}")
 
 
