@@ -26,6 +26,8 @@ KERNEL_MODULES = (
     "quant.fp4",
     "quant.fp8",
     "quant.gguf_triton",
+    "qwen3_5.gated_norm",
+    "qwen3_5.linear_decode",
 )
 
 
