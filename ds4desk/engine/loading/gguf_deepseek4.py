@@ -24,7 +24,14 @@ from pathlib import Path
 
 from ds4desk.engine.formats import GgufType
 from ds4desk.engine.loading.gguf_header import GGUFHeader
-from ds4desk.engine.loading.gguf_meta import IGNORED_TENSORS, MetaReader, gguf_entry, load_failed, stored_type
+from ds4desk.engine.loading.gguf_meta import (
+    IGNORED_TENSORS,
+    MetaReader,
+    gguf_entry,
+    load_failed,
+    special_token_ids,
+    stored_type,
+)
 from ds4desk.engine.loading.source import NameLayout, TensorEntry
 
 DEEPSEEK4_ARCH = "deepseek4"
@@ -184,10 +191,7 @@ def _config(path: Path, header: GGUFHeader, read: MetaReader) -> dict[str, objec
         "torch_dtype": "float32",
         GGUF_EXPERTS_KEY: True,
     }
-    for key in ("bos_token_id", "eos_token_id"):
-        value = meta.get(f"tokenizer.ggml.{key}")
-        if type(value) is int:
-            config[key] = value
+    config.update(special_token_ids(meta))
     return config
 
 

@@ -80,3 +80,13 @@ def gguf_entry(
         rope_heads=rope_heads,
         shift=shift,
     )
+
+
+def special_token_ids(meta: dict) -> dict[str, int]:
+    """bos_token_id / eos_token_id from the tokenizer metadata, where the file gives them as ints."""
+    ids = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if type(value) is int:
+            ids[key] = value
+    return ids

@@ -25,7 +25,14 @@ from pathlib import Path
 
 from ds4desk.engine.formats import GgufType
 from ds4desk.engine.loading.gguf_header import GGUFHeader, GGUFTensor
-from ds4desk.engine.loading.gguf_meta import IGNORED_TENSORS, MetaReader, gguf_entry, load_failed, stored_type
+from ds4desk.engine.loading.gguf_meta import (
+    IGNORED_TENSORS,
+    MetaReader,
+    gguf_entry,
+    load_failed,
+    special_token_ids,
+    stored_type,
+)
 from ds4desk.engine.loading.source import NameLayout, TensorEntry
 
 # llama.cpp's architecture -> the Hugging Face architecture the model registry knows.
@@ -160,10 +167,7 @@ def _config(path: Path, header: GGUFHeader, read: MetaReader) -> dict[str, objec
         **_linear_sizes(path, read),
         **(_moe_sizes(path, header, read) if read.arch == "qwen35moe" else _dense_sizes(header, read)),
     }
-    for key in ("bos_token_id", "eos_token_id"):
-        value = meta.get(f"tokenizer.ggml.{key}")
-        if type(value) is int:
-            config[key] = value
+    config.update(special_token_ids(meta))
     return config
 
 

@@ -26,7 +26,14 @@ import numpy as np
 from ds4desk.engine.api import EngineFailure, ErrorCode
 from ds4desk.engine.loading.gguf_deepseek4 import DEEPSEEK4_ARCH, deepseek4_model
 from ds4desk.engine.loading.gguf_header import GGUFHeader, GGUFTensor, read_gguf_header
-from ds4desk.engine.loading.gguf_meta import IGNORED_TENSORS, MetaReader, gguf_entry, load_failed, stored_type
+from ds4desk.engine.loading.gguf_meta import (
+    IGNORED_TENSORS,
+    MetaReader,
+    gguf_entry,
+    load_failed,
+    special_token_ids,
+    stored_type,
+)
 from ds4desk.engine.loading.gguf_qwen35 import QWEN35_ARCHES, qwen35_model
 from ds4desk.engine.loading.gguf_tokenizer import build_tokenizer
 from ds4desk.engine.loading.source import ModelSource, NameLayout, TensorEntry, TokenizerSpec
@@ -201,10 +208,7 @@ def _config(
     else:
         config["hidden_act"] = "silu"
     meta = header.metadata
-    for key in ("bos_token_id", "eos_token_id"):
-        value = meta.get(f"tokenizer.ggml.{key}")
-        if type(value) is int:
-            config[key] = value
+    config.update(special_token_ids(meta))
     return config
 
 
