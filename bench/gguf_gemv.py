@@ -32,6 +32,7 @@ import torch
 
 from ds4desk.engine.formats import GGUF_TYPES, gguf_packed_bytes
 from ds4desk.engine.kernels import launch
+from ds4desk.engine.kernels.launch import next_power_of_two
 from ds4desk.engine.kernels.quant import gguf
 from ds4desk.engine.kernels.quant import gguf_triton as gt
 
@@ -47,9 +48,12 @@ SHAPES = [
 ]
 CALLS = 40
 L2_BYTES = 256 << 20
-SWEPT_SHAPES = ("q", "gate_up", "down", "head")  # --sweep: the shapes whose settings are tried
+SWEPT_SHAPES = ("q", "k_v", "gate_up", "down", "head")  # --sweep: the shapes whose settings are tried
 ONE_ROW_TYPES = tuple(gt.ONE_ROW_GROUPS)  # the types with their own one-row kernel (gguf_gemv1_triton)
 # (BLOCK_N, values per row per iteration, num_warps) of the general kernel tried by --sweep
+# (values a tile, warps) of the one-row kernel tried by --sweep, with 1-16 rows a program: a tile wider
+# than the row is cut to the row (so on a 2048-column row, more warps share the same groups).
+ONE_ROW_TILES = ((1024, 1), (2048, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4), (8192, 4), (8192, 8))
 GENERAL_CONFIGS = list(itertools.product((1, 2, 4, 8), (256, 512, 1024), (4, 8)))
 PREFILL_ROWS = 512
 BY_NAME = {t.name: t for t in GGUF_TYPES.values()}
@@ -160,7 +164,7 @@ def bench(name: str, shape: tuple[str, int, int, str], configs: list[tuple[int, 
     gt.OVERRIDE = None
     one_row = name in ONE_ROW_TYPES
     if one_row:
-        row["one_row_config"] = list(gt.one_row_config(name, rows))
+        row["one_row_config"] = list(gt.one_row_config(name, rows, cols))
         kept, gt.ONE_ROW_MIN_ROWS = gt.ONE_ROW_MIN_ROWS, {}  # the general kernel, for comparison
         row["general_gemv_us"] = graph_time(gemv1, copies) * 1e6
         row[f"general_{fused}_gemv_us"] = graph_time(fused_form, copies) * 1e6
@@ -193,8 +197,14 @@ def bench(name: str, shape: tuple[str, int, int, str], configs: list[tuple[int, 
     if configs and label in SWEPT_SHAPES:
         kept, gt.ONE_ROW_MIN_ROWS = gt.ONE_ROW_MIN_ROWS, dict.fromkeys(gt.ONE_ROW_MIN_ROWS, 0)
         tried = []
+        seen = set()
         for config in configs[name] if one_row else GENERAL_CONFIGS:
-            if one_row:
+            if one_row:  # a tile wider than the row is cut to it: time each distinct setting once
+                n_groups = cols // gt.ONE_ROW_GROUPS[name]
+                config = (config[0], min(config[1], next_power_of_two(n_groups)), config[2])
+                if config in seen:
+                    continue
+                seen.add(config)
                 gt.ONE_ROW_OVERRIDE = config
             else:
                 gt.OVERRIDE = config
@@ -229,7 +239,8 @@ def main() -> int:
         configs = {
             t: [
                 (b, values // gt.ONE_ROW_GROUPS[t], warps)
-                for b, (values, warps) in itertools.product((4, 8, 16), ((1024, 1), (2048, 1), (2048, 2)))
+                for b, (values, warps) in itertools.product((1, 2, 4, 8, 16), ONE_ROW_TILES)
+                if b * values <= 16384  # more spills registers
             ]
             for t in ONE_ROW_TYPES
         }

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from ds4desk.engine.formats import gguf_type
 from ds4desk.engine.kernels.launch import Switch, Where, nvidia, on_its_device, pdl
 
 # Default: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable). Forced on:
@@ -58,7 +59,7 @@ def reference(
     return torch.bmm(probs, values)
 
 
-@torch.library.custom_op("ds4desk::decode_attention", mutates_args=())
+@torch.library.custom_op("ds4desk::decode_attention", mutates_args=("ordered",))
 def _fused_op(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -66,15 +67,22 @@ def _fused_op(
     pos: torch.Tensor,
     scale: float,
     window: int | None,
+    ordered: torch.Tensor | None,
+    order_kind: int,
+    order_groups: int,
 ) -> torch.Tensor:
     kernel = _triton_kernel() if SWITCH.kernel_runs_on(q) else None
     if kernel is None:
-        return reference(q, keys, values, pos, scale, window).contiguous()
-    return kernel(q, keys, values, pos, scale, window)
+        out = reference(q, keys, values, pos, scale, window).contiguous()
+        if ordered is not None:
+            index = read_order_index(order_kind, order_groups, out.numel(), out.device)
+            ordered.index_copy_(0, index, out.flatten().float())
+        return out
+    return kernel(q, keys, values, pos, scale, window, ordered, order_kind, order_groups)
 
 
 @_fused_op.register_fake
-def _(q, keys, values, pos, scale, window):
+def _(q, keys, values, pos, scale, window, ordered, order_kind, order_groups):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -90,10 +98,14 @@ def decode_attention(
     pos: torch.Tensor,
     scale: float,
     window: int | None = None,
+    ordered: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of q [KV, G, D] over keys / values [KV, span, D] (views of a cache: strides are
     honoured, the last one must be 1) at the position in `pos` (int64 [1], read on the device), in
-    q's dtype, fused where it can be (see SWITCH)."""
+    q's dtype, fused where it can be (see SWITCH). ordered: (buffer, GGUF type id, groups a tile):
+    the result is also written, as float32 values of q's dtype, into the buffer in the read order of
+    the one-row GEMV that reads it next (the output projection; gguf_gemv1_triton.read_slot), which
+    saves that GEMV's input kernel. Only on the fused path."""
     if (
         q.dim() != 3
         or keys.shape != values.shape
@@ -104,8 +116,26 @@ def decode_attention(
             f"shapes do not fit: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
         )
     if enabled(q.device):
-        return _fused_op(q, keys, values, pos, scale, window)
+        buffer, kind, groups = ordered if ordered is not None else (None, 0, 1)
+        return _fused_op(q, keys, values, pos, scale, window, buffer, kind, groups)
+    if ordered is not None:
+        raise ValueError("decode_attention writes a read-order copy only on its fused path")
     return reference(q, keys, values, pos, scale, window)
+
+
+def read_order_index(kind: int, groups: int, cols: int, device: torch.device) -> torch.Tensor:
+    """Where each of a row's `cols` values goes in the read order of a one-row GEMV of GGUF type
+    `kind` with tiles of `groups` groups: gguf_gemv1_triton.read_slot in torch (int64 [cols])."""
+    col = torch.arange(cols, device=device)
+    if gguf_type(kind).name == "Q4_K":
+        group, r = col // 64, col % 64
+        slot = (r % 32) // 4 * 8 + (r // 32) * 4 + r % 4
+    elif gguf_type(kind).name == "Q6_K":
+        group, r = col // 128 * 2 + (col % 32) // 16, col % 128
+        slot = (r % 16) // 2 * 8 + (r // 32) * 2 + r % 2
+    else:
+        raise ValueError(f"{gguf_type(kind).name} reads its input in row order")
+    return group // groups * (groups * 64) + slot * groups + group % groups
 
 
 def plan_splits(span: int, kv_heads: int, sms: int, block: int | None = None) -> tuple[int, int]:
@@ -129,6 +159,8 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
     try:
         import triton
         import triton.language as tl
+
+        from ds4desk.engine.kernels.quant.gguf_gemv1_triton import read_slot
     except Exception:  # no Triton (CPU builds, some platforms): the eager form runs
         return None
 
@@ -238,6 +270,9 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
         PDL: tl.constexpr,
+        ordered=None,
+        ORDER_KIND: tl.constexpr = 0,
+        ORDER_G: tl.constexpr = 1,
     ):
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -259,7 +294,11 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             part_acc + row[:, None] * DIM + d[None, :], mask=s_live[:, None] & d_live[None, :], other=0.0
         )
         result = tl.sum(acc * weight[:, None], axis=0) / total
-        tl.store(out + (head * GROUP + g) * DIM + d, result.to(out.dtype.element_ty), mask=d_live)
+        col = (head * GROUP + g) * DIM + d
+        tl.store(out + col, result.to(out.dtype.element_ty), mask=d_live)
+        if ORDER_KIND != 0:
+            value = result.to(out.dtype.element_ty).to(tl.float32)
+            tl.store(ordered + read_slot(col, ORDER_KIND, ORDER_G), value, mask=d_live)
 
     def launch(
         q: torch.Tensor,
@@ -268,6 +307,9 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         pos: torch.Tensor,
         scale: float,
         window: int | None,
+        ordered: torch.Tensor | None = None,
+        order_kind: int = 0,
+        order_groups: int = 1,
     ) -> torch.Tensor:
         kv_heads, group, dim = q.shape
         span = keys.shape[1]
@@ -329,6 +371,9 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             BLOCK_S=max(2, triton.next_power_of_2(splits)),
             BLOCK_D=block_d,
             PDL=use_pdl,
+            ordered=ordered,
+            ORDER_KIND=order_kind if ordered is not None else 0,
+            ORDER_G=order_groups,
             launch_pdl=use_pdl,
         )
         return out

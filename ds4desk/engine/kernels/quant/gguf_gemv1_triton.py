@@ -84,6 +84,22 @@ def slot_col(d, KIND: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
     return col, group
 
 
+@triton.jit
+def read_slot(col, KIND: tl.constexpr, G: tl.constexpr):
+    """The index in read order (slot_col's d) of column `col` of a row read by a KIND GEMV with
+    tiles of G groups: slot_col's inverse, for a kernel that writes the next GEMV's input itself."""
+    if KIND == Q4_K:  # col = 64 group + 32 h + 4 u + k, read at s = 8u + 4h + k
+        group = col // 64
+        r = col % 64
+        s = (r % 32) // 4 * 8 + (r // 32) * 4 + r % 4
+    else:  # Q6_K: col = 256 block + 128 half + 32 q + 16 t + 2 u + k, group 4 block + 2 half + t
+        tl.static_assert(KIND == Q6_K)
+        group = col // 128 * 2 + (col % 32) // 16
+        r = col % 128
+        s = (r % 16) // 2 * 8 + (r // 32) * 2 + r % 2
+    return group // G * (G * 64) + s * G + group % G
+
+
 # input_kernel's MODE
 COPY: tl.constexpr = tl.constexpr(0)
 NORM: tl.constexpr = tl.constexpr(1)
@@ -163,6 +179,11 @@ def gemv1_kernel(
     RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
     ASM: tl.constexpr,
+    act=None,
+    half_rows=0,
+    PAIRED: tl.constexpr = False,
+    ACT_KIND: tl.constexpr = 0,
+    ACT_G: tl.constexpr = 1,
 ):
     """out[0, n] (+)= Σ_k x_k · W[n, k] for the BLOCK_N rows n of this program. Tiles are
     [G, BLOCK_N]: a thread holds one group of every row of the program (neither axis of a tile is
@@ -171,12 +192,27 @@ def gemv1_kernel(
     one running sum a row and sub-block; the rows are reduced across threads once, at the end. x is
     Q4_K's and Q6_K's float32 input in read order (slot_col, 0 past the row's end), Q8_0's row as it
     is. Rows past the end read the last row again (the stores are masked), groups past the row's
-    end the last group (their inputs are 0), so the weight loads need no mask."""
+    end the last group (their inputs are 0), so the weight loads need no mask.
+
+    PAIRED (W is gate | up, half_rows rows each): a program takes BLOCK_N / 2 gate rows and the up
+    rows of the same units, and also writes SiLU(gate) · up, rounded as input_kernel's SILU rounds
+    it, into `act`: the input of the down projection that follows, in the read order of an ACT_KIND
+    GEMV with tiles of ACT_G groups (read_slot), or (ACT_KIND 0) as a row in out's dtype. The down
+    projection's own input kernel is then not launched."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = w + tl.minimum(n, rows - 1).to(tl.int64)[None, :] * row_bytes  # [1, BLOCK_N]
+    j = tl.arange(0, BLOCK_N)
+    if PAIRED:
+        unit = tl.program_id(0) * (BLOCK_N // 2) + j % (BLOCK_N // 2)
+        live = unit < half_rows
+        n = unit + tl.where(j < BLOCK_N // 2, 0, half_rows)
+        first = tl.minimum(unit, half_rows - 1) + tl.where(j < BLOCK_N // 2, 0, half_rows)
+    else:
+        n = tl.program_id(0) * BLOCK_N + j
+        live = n < rows
+        first = tl.minimum(n, rows - 1)
+    row = w + first.to(tl.int64)[None, :] * row_bytes  # [1, BLOCK_N]
     total = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     for g0 in range(0, N_GROUPS, G):
         gi = (g0 + tl.arange(0, G))[:, None]
@@ -267,8 +303,20 @@ def gemv1_kernel(
             total += d * (s0 * acc0 + s1 * acc1 + s2 * acc2 + s3 * acc3)
     ys = tl.sum(total, axis=0)
     if RESIDUAL:
-        ys += tl.load(out + n, mask=n < rows, other=0.0).to(tl.float32)
-    tl.store(out + n, cast(ys, out.dtype.element_ty), mask=n < rows)
+        ys += tl.load(out + n, mask=live, other=0.0).to(tl.float32)
+    stored = cast(ys, out.dtype.element_ty)
+    tl.store(out + n, stored, mask=live)
+    if PAIRED:
+        halves = tl.reshape(stored.to(tl.float32), (2, BLOCK_N // 2))  # gate values, then up
+        is_gate = (tl.arange(0, 2) == 0)[:, None]
+        g = tl.sum(tl.where(is_gate, halves, 0.0), axis=0)
+        u = tl.sum(tl.where(is_gate, 0.0, halves), axis=0)
+        h = cast(g * tl.sigmoid(g) * u, out.dtype.element_ty)
+        col = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        if ACT_KIND == 0:
+            tl.store(act + col, h, mask=col < half_rows)
+        else:
+            tl.store(act + read_slot(col, ACT_KIND, ACT_G), h.to(tl.float32), mask=col < half_rows)
 
 
 @triton.jit
@@ -286,12 +334,15 @@ def input_kernel(
     V: tl.constexpr = 1,
     N_GROUPS: tl.constexpr = 0,
     OUT_BLOCK: tl.constexpr = 0,
+    row_out=None,
 ):
     """The GEMV's input row, as torch's would be, rounded to x's dtype: MODE NORM RMSNorm(x) · norm,
     SILU SiLU(gate) · up from x = gate | up, COPY x itself. With OUT_BLOCK 0 it is written in row
     order in x's dtype (normed_row); otherwise in float32 in the read order of gemv1_kernel (KIND, G
-    tiles of V-value groups, slot_col), OUT_BLOCK entries, 0 past the row's groups. One program: a
-    row of a few KB, read once here instead of by every GEMV program."""
+    tiles of V-value groups, slot_col), OUT_BLOCK entries, 0 past the row's groups, and, given
+    row_out, in row order there too (a q/k/v group whose parts differ in type: q's GEMV reads the
+    first, k's and v's the second). One program: a row of a few KB, read once here instead of by
+    every GEMV program."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -322,3 +373,5 @@ def input_kernel(
         tl.store(out + dest, v, mask=ok)
     else:
         tl.store(out + dest, tl.where(ok, v.to(tl.float32), 0.0))
+        if row_out is not None:
+            tl.store(row_out + col, v, mask=ok)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.formats import E2M1_VALUES, IQ4_NL_VALUES, gguf_packed_bytes, gguf_type
+from ds4desk.engine.formats import E2M1_VALUES, GGUF_TYPES, IQ4_NL_VALUES, gguf_packed_bytes, gguf_type
 from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, on_its_device, pdl
 from ds4desk.engine.kernels.quant import gguf
 from ds4desk.engine.kernels.quant.common import device_sms, nvidia_cuda
@@ -45,7 +45,7 @@ SWITCH = Switch("quant.gguf_triton", "the GGUF block-type GEMV and dequantize ke
 # bench/gguf_gemv.py: below, its programs are too few to hide the loads and the general kernel is
 # faster; empty: never), and the (BLOCK_N, groups a tile, num_warps) forced for it (the sweep).
 ONE_ROW_GROUPS = {"Q8_0": 32, "Q4_K": 64, "Q6_K": 64}
-ONE_ROW_MIN_ROWS = {"Q8_0": 1024, "Q4_K": 4096, "Q6_K": 1024}
+ONE_ROW_MIN_ROWS = {"Q8_0": 1024, "Q4_K": 1024, "Q6_K": 1024}
 ONE_ROW_OVERRIDE: tuple[int, int, int] | None = None
 INPUT_COPY, INPUT_NORM, INPUT_SILU = 0, 1, 2  # gguf_gemv1_triton.input_kernel's MODE
 # The one-row types whose GEMV reads its input in read order (gguf_gemv1_triton.slot_col). Q8_0 reads
@@ -142,16 +142,37 @@ def one_row_fits(name: str, rows: int) -> bool:
     return name in ONE_ROW_MIN_ROWS and rows >= ONE_ROW_MIN_ROWS[name]
 
 
-def one_row_config(name: str, rows: int) -> tuple[int, int, int]:
-    """(BLOCK_N, groups a tile, num_warps) of the one-row kernel: one warp a program (its rows' sums
-    stay in its threads), 4 rows a program, 8 from 8192 rows and 16 from 32768 (the head), tiles of
-    2048 values (1024 at 16 rows: the registers). The best of bench/gguf_gemv.py --sweep on an H200
-    for the benchmark model's shapes, within 10%."""
+def one_row_config(name: str, rows: int, cols: int) -> tuple[int, int, int]:
+    """(BLOCK_N, groups a tile, num_warps) of the one-row kernel: the best of bench/gguf_gemv.py
+    --sweep on an H200 for the benchmark model's shapes, within 5%. Few rows a program and, for a
+    long row, tiles of 4096 values over 4 warps (the warps split the row, Triton sums them): a
+    program per 4-8 rows of one warp left 0.5 waves of programs and 11% occupancy (Nsight Compute),
+    too few loads in flight to cover the memory latency. Q8_0 keeps its earlier settings: 4 rows a
+    program, 8 from 8192 rows and 16 from 32768 (the head), tiles of 2048 values (1024 at 16)."""
     if ONE_ROW_OVERRIDE is not None:
         return ONE_ROW_OVERRIDE
-    block_n = 16 if rows >= 32768 else 8 if rows >= 8192 else 4
-    values = 1024 if block_n == 16 else 2048
-    return block_n, values // ONE_ROW_GROUPS[name], 1
+    if name == "Q4_K" and rows >= 32768:
+        block_n, values, warps = 8, 1024, 1
+    elif name == "Q4_K":
+        block_n, values, warps = (4, 4096, 4) if cols >= 8192 else (2, 2048, 1)
+    elif name == "Q6_K":
+        block_n, values, warps = (1, 2048, 1) if cols >= 8192 else (2, 2048, 1)
+    else:
+        block_n = 16 if rows >= 32768 else 8 if rows >= 8192 else 4
+        values, warps = 1024 if block_n == 16 else 2048, 1
+    return block_n, values // ONE_ROW_GROUPS[name], warps
+
+
+def _one_row_plan(name: str, rows: int, cols: int) -> tuple[tuple[int, int, int], int, int]:
+    """((BLOCK_N, groups a tile, num_warps), groups a row, entries of the prepared input) of the
+    one-row kernel (a read-order input holds whole tiles, to a power of two; a row-order one, cols)."""
+    block_n, groups, warps = one_row_config(name, rows, cols)
+    n_groups = cols // ONE_ROW_GROUPS[name]
+    groups = min(groups, next_power_of_two(n_groups))
+    size = cols
+    if name in READ_ORDER_TYPES:
+        size = next_power_of_two(-(-n_groups // groups) * groups * ONE_ROW_GROUPS[name])
+    return (block_n, groups, warps), n_groups, size
 
 
 # --- torch forms (the tests' reference) -----------------------------------------------------------
@@ -244,6 +265,110 @@ def normed_row(x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def normed_row_and_input(
+    x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor, type_id: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """normed_row, and in the same kernel the same row as the input of the one-row GEMV of `weight`
+    in its read order (read_order_groups must not be None), for `gemv_prepared`: the first part of a
+    group whose parts differ in type then needs no input kernel of its own."""
+    groups = read_order_groups(weight, type_id, cols)
+    if groups is None or x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != cols:
+        raise ValueError("normed_row_and_input takes one row and a weight whose GEMV reads in read order")
+    kernels = _kernels()
+    assert kernels is not None
+    row = torch.empty_like(x)
+    prepared = torch.empty(_one_row_plan(gguf_type(type_id).name, weight.shape[0], cols)[2], device=x.device)
+    order = (type_id, groups, cols // ONE_ROW_GROUPS[gguf_type(type_id).name])
+    kernels.prepare(x.contiguous(), norm, eps, cols, prepared, INPUT_NORM, order, row)
+    return row, prepared
+
+
+def silu_pair_fits(gate_up: torch.Tensor, gate_up_type: int, down: torch.Tensor, down_type: int) -> bool:
+    """Whether a one-row gate | up GEMV can write its down projection's input itself
+    (`norm_gemv_silu`, then `gemv_prepared`): both take the one-row kernel."""
+    names = [GGUF_TYPES[t].name if t in GGUF_TYPES else "" for t in (gate_up_type, down_type)]
+    return (
+        gate_up.shape[0] % 2 == 0
+        and one_row_fits(names[0], gate_up.shape[0])
+        and one_row_fits(names[1], down.shape[0])
+        and enabled(gate_up)
+    )
+
+
+def read_order_groups(weight: torch.Tensor, type_id: int, cols: int) -> int | None:
+    """The groups a tile of the one-row GEMV of this weight, where that GEMV reads its input in read
+    order (gguf_gemv1_triton.slot_col; a kernel before it can write that input itself); else None."""
+    name = GGUF_TYPES[type_id].name if type_id in GGUF_TYPES else ""
+    if name not in READ_ORDER_TYPES or not one_row_fits(name, weight.shape[0]) or not enabled(weight):
+        return None
+    return _one_row_plan(name, weight.shape[0], cols)[0][1]
+
+
+def prepared_input(weight: torch.Tensor, type_id: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer for the input of the one-row GEMV of this weight as a kernel before it writes it
+    (norm_gemv_silu, the fused decode attention), for `gemv_prepared`: float32 in the GEMV's
+    read order, or a row of `dtype`. Zeros: the entries past the row's groups are never written and
+    must read as 0. Allocate it once, outside a captured graph."""
+    name = gguf_type(type_id).name
+    size = _one_row_plan(name, weight.shape[0], cols)[2]
+    if name in READ_ORDER_TYPES:
+        return torch.zeros(size, device=weight.device, dtype=torch.float32)
+    return torch.zeros((1, cols), device=weight.device, dtype=dtype)
+
+
+def norm_gemv_silu(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    weight: torch.Tensor,
+    type_id: int,
+    cols: int,
+    eps: float,
+    out: torch.Tensor,
+    act: torch.Tensor,
+    down: torch.Tensor,
+    down_type: int,
+) -> torch.Tensor:
+    """norm_gemv for a gate | up weight [2 F, ...] that also writes act = SiLU(gate) · up (rounded to
+    x's dtype) as the prepared input of the down projection `down` (see prepared_input): the down's own
+    input kernel is saved. out gets gate | up as norm_gemv would."""
+    _check(x, weight, type_id, cols, cols)
+    if x.shape[0] != 1 or not silu_pair_fits(weight, type_id, down, down_type):
+        raise ValueError("norm_gemv_silu takes one row and a gate | up / down pair that silu_pair_fits")
+    pair = (act, down_type, down.shape[0])
+    return _launch(
+        x,
+        weight,
+        type_id,
+        cols,
+        out,
+        norm,
+        eps,
+        silu=False,
+        with_norm=True,
+        residual=False,
+        pair=pair,
+    )
+
+
+def gemv_prepared(
+    prepared: torch.Tensor,
+    weight: torch.Tensor,
+    type_id: int,
+    cols: int,
+    out: torch.Tensor,
+    residual: bool = False,
+) -> torch.Tensor:
+    """out [1, rows] (+)= input @ Wᵀ (residual: added in place), where `prepared` is the input as a
+    kernel before wrote it for this weight's one-row GEMV (see prepared_input)."""
+    _check_weight(weight, type_id, cols)
+    if out.dim() != 2 or out.shape != (1, weight.shape[0]):
+        raise ValueError(f"out must be [1, {weight.shape[0]}], got {list(out.shape)}")
+    kernels = _kernels()
+    assert kernels is not None
+    kernels.gemv(out, weight, type_id, cols, out, None, 0.0, False, False, residual, prepared)
+    return out
+
+
 def dequantize_into(weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor) -> torch.Tensor:
     """out [rows, cols] (float32, bfloat16 or float16) = dequantize(weight), rounded once to out's
     dtype: equal to gguf.dequantize(...).to(out.dtype)."""
@@ -291,6 +416,7 @@ def _launch(
     silu: bool,
     with_norm: bool,
     residual: bool,
+    pair: tuple[torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     if x.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"the GGUF GEMV takes up to {GEMV_MAX_ROWS} rows of x, got {x.shape[0]}")
@@ -298,7 +424,7 @@ def _launch(
         raise ValueError(f"out must be [{x.shape[0]}, {weight.shape[0]}], got {list(out.shape)}")
     kernels = _kernels()
     assert kernels is not None
-    kernels.gemv(x, weight, type_id, cols, out, norm, eps, silu, with_norm, residual)
+    kernels.gemv(x, weight, type_id, cols, out, norm, eps, silu, with_norm, residual, None, pair)
     return out
 
 
@@ -335,34 +461,34 @@ def _kernels() -> _Kernels | None:
         silu: bool,
         with_norm: bool,
         residual: bool,
+        prepared: torch.Tensor | None = None,
+        pair: tuple[torch.Tensor, int, int] | None = None,
     ) -> None:
         rows, t = weight.shape[0], x.shape[0]
         if rows == 0 or t == 0:
             return
         weight = _aligned(weight)
         name = gguf_type(type_id).name
+        if prepared is not None and not (t == 1 and one_row_fits(name, rows)):
+            raise ValueError(f"only the one-row GEMV reads a prepared input, not a {rows}-row {name}")
         if t == 1 and one_row_fits(name, rows):
             x = x if x.stride(1) == 1 else x.contiguous()
             target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
             mode = INPUT_SILU if silu else INPUT_NORM if with_norm else INPUT_COPY
-            block_n, groups, warps = one_row_config(name, rows)
-            n_groups = cols // ONE_ROW_GROUPS[name]
-            groups = min(groups, next_power_of_two(n_groups))
+            config, n_groups, size = _one_row_plan(name, rows, cols)
             # The input row, prepared once for every program: in the order the GEMV reads it, or
-            # (Q8_0, and a plain row) as it is.
-            if name in READ_ORDER_TYPES:
-                prepared = torch.empty(
-                    next_power_of_two(-(-n_groups // groups) * groups * ONE_ROW_GROUPS[name]),
-                    device=x.device,
-                    dtype=torch.float32,
-                )
-                launch_input(x, norm, eps, cols, prepared, mode, (type_id, groups, n_groups))
+            # (Q8_0, and a plain row) as it is. A given `prepared` was written by the kernel before.
+            if prepared is not None:
                 x = prepared
+            elif name in READ_ORDER_TYPES:
+                x_order = torch.empty(size, device=x.device, dtype=torch.float32)
+                launch_input(x, norm, eps, cols, x_order, mode, (type_id, config[1], n_groups))
+                x = x_order
             elif mode != INPUT_COPY:
-                prepared = torch.empty((1, cols), device=x.device, dtype=x.dtype)
-                launch_input(x, norm, eps, cols, prepared, mode)
-                x = prepared
-            launch_one_row(x, weight, type_id, (block_n, groups, warps), n_groups, target, residual)
+                x_row = torch.empty((1, cols), device=x.device, dtype=x.dtype)
+                launch_input(x, norm, eps, cols, x_row, mode)
+                x = x_row
+            launch_one_row(x, weight, type_id, config, n_groups, target, residual, pair)
             if target is not out:
                 out.copy_(target)
             return
@@ -410,11 +536,23 @@ def _kernels() -> _Kernels | None:
         n_groups: int,
         out: torch.Tensor,
         residual: bool,
+        pair: tuple[torch.Tensor, int, int] | None,
     ) -> None:
+        """pair: (the down projection's prepared input, its type id, its rows): weight is gate | up,
+        and the programs also write SiLU(gate) · up there (gemv1_kernel's PAIRED)."""
         rows = weight.shape[0]
         block_n, groups, warps = config
         use_pdl = pdl(x)
-        one_row_source.gemv1_kernel[(-(-rows // block_n),)](
+        act, act_kind, act_groups, programs = out, 0, 1, -(-rows // block_n)
+        if pair is not None:
+            act, act_type, act_rows = pair
+            act_name = gguf_type(act_type).name
+            if act_name in READ_ORDER_TYPES:
+                act_kind = act_type
+                act_groups = _one_row_plan(act_name, act_rows, rows // 2)[0][1]
+            programs = -(-(rows // 2) // block_n)
+            block_n *= 2  # block_n units: their gate rows and their up rows
+        one_row_source.gemv1_kernel[(programs,)](
             x,
             weight,
             out,
@@ -427,6 +565,11 @@ def _kernels() -> _Kernels | None:
             RESIDUAL=residual,
             PDL=use_pdl,
             ASM=x.is_cuda,  # PTX where it compiles for a GPU; Triton's interpreter runs CPU tensors
+            act=act,
+            half_rows=rows // 2,
+            PAIRED=pair is not None,
+            ACT_KIND=act_kind,
+            ACT_G=act_groups,
             num_warps=warps,
             launch_pdl=use_pdl,
         )
@@ -439,9 +582,11 @@ def _kernels() -> _Kernels | None:
         out: torch.Tensor,
         mode: int,
         order: tuple[int, int, int] | None = None,
+        row_out: torch.Tensor | None = None,
     ) -> None:
         """order: (type id, groups a tile, groups a row) of the one-row GEMV that reads `out` (float32,
-        in its read order); None: `out` in row order and x's dtype."""
+        in its read order), and row_out the row in row order too (optional); None: `out` in row order
+        and x's dtype."""
         use_pdl = pdl(x)
         block = next_power_of_two(cols)
         kind, groups, n_groups = order if order is not None else (0, 1, 0)
@@ -460,6 +605,7 @@ def _kernels() -> _Kernels | None:
             V=group_values,
             N_GROUPS=n_groups,
             OUT_BLOCK=out.numel() if order is not None else 0,
+            row_out=row_out,
             num_warps=min(16, max(4, max(block, out.numel()) // 512)),  # out: the row, or more in read order
             launch_pdl=use_pdl,
         )

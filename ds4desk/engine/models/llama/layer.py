@@ -25,7 +25,10 @@ and shard with what that call reads (positions, rope rows, buffers, masks).
   one SDPA call or two batched matmuls (`DenseModel.decode_attention`).
 - `KernelDecodeSteps` (`decode_graphable` on the fused GPU kernels, where they fit): seven kernels a
   layer (norm+qkv, rope+cache write, the attention pair, o + residual, norm+gate/up, SiLU·up +
-  down + residual), writing into the same preallocated buffers.
+  down + residual), writing into the same preallocated buffers. On GGUF-packed weights the one-row
+  GEMVs read an input prepared by a kernel before them; where it can, that is the kernel whose
+  output it is (the attention for o, the gate/up GEMV for down: `LayerPlan.o_input`, `down_input`),
+  not an input kernel of their own.
 
 Every projection is a `Projection` (models/packed.py): float weights are kept transposed (views,
 no copies) and run through mm/addmm directly, which skips linear's dispatch layers and lets addmm
@@ -69,6 +72,10 @@ class LayerPlan:
     keys: torch.Tensor | None = None  # [1, KV, context, D] views of kv_cache, shaped for SDPA
     values: torch.Tensor | None = None
     cpu_layer: object | None = None  # cpu_decode.cached_layer's slot: the fused one-token CPU layer
+    # The down projection's input as the one-token gate/up GEMV writes it (silu_pair_input)
+    down_input: torch.Tensor | None = None
+    # (buffer, type id, groups a tile): the o projection's input as the fused attention writes it
+    o_input: tuple[torch.Tensor, int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -416,18 +423,66 @@ class KernelDecodeSteps(LayerSteps):
         span = self.span
         q = qkv[0, : self.q_width].view(self.kv_heads, self.heads // self.kv_heads, self.dim)
         attn = fused_decode.decode_attention(
-            q, plan.keys[0, :, :span], plan.values[0, :, :span], self.here, self.dim**-0.5, plan.window
+            q,
+            plan.keys[0, :, :span],
+            plan.values[0, :, :span],
+            self.here,
+            self.dim**-0.5,
+            plan.window,
+            ordered=plan.o_input,
         )
         return attn.view(1, self.q_width)
 
     def out_residual(self, x: torch.Tensor, attn: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return add_project_(x, attn, plan.o, silu=False)
+        o = plan.o
+        if plan.o_input is None:
+            return add_project_(x, attn, o, silu=False)
+        assert o.packed is not None
+        return gguf_triton.gemv_prepared(plan.o_input[0], o.packed, o.type_id, o.cols, x, residual=True)
 
     def gate_up(self, x: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return norm_project(x, plan.ln2, plan.gate_up, self.eps, self.gate_up_out)
+        gate_up, down = plan.gate_up, plan.down
+        if plan.down_input is None:
+            return norm_project(x, plan.ln2, gate_up, self.eps, self.gate_up_out)
+        assert gate_up.packed is not None and down.packed is not None
+        return gguf_triton.norm_gemv_silu(
+            x, plan.ln2, gate_up.packed, gate_up.type_id, gate_up.cols, self.eps, self.gate_up_out,
+            plan.down_input, down.packed, down.type_id,
+        )  # fmt: skip
 
     def down_residual(self, x: torch.Tensor, gate_up: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
-        return add_project_(x, gate_up, plan.down, silu=True)
+        down = plan.down
+        if plan.down_input is None:
+            return add_project_(x, gate_up, down, silu=True)
+        assert down.packed is not None
+        return gguf_triton.gemv_prepared(plan.down_input, down.packed, down.type_id, down.cols, x, True)
+
+
+def silu_pair_input(plan: LayerPlan, dtype: torch.dtype) -> torch.Tensor | None:
+    """A buffer for the down projection's input, where the one-token gate/up GEMV can write it
+    itself (gguf_triton.norm_gemv_silu: packed gate | up of one type and a packed down, both on the
+    one-row kernel, no biases), which saves the down's input kernel; else None."""
+    gate_up, down = plan.gate_up, plan.down
+    if gate_up.packed is None or down.packed is None or gate_up.parts:
+        return None
+    if gate_up.bias is not None or down.bias is not None:
+        return None
+    if not gguf_triton.silu_pair_fits(gate_up.packed, gate_up.type_id, down.packed, down.type_id):
+        return None
+    return gguf_triton.prepared_input(down.packed, down.type_id, down.cols, dtype)
+
+
+def attention_out_input(plan: LayerPlan, dtype: torch.dtype) -> tuple[torch.Tensor, int, int] | None:
+    """(buffer, type id, groups a tile) for the o projection's input, where the one-token step's
+    fused attention can write it in the read order of o's one-row GEMV (a packed Q4_K / Q6_K o, no
+    bias), which saves o's input kernel; else None."""
+    o = plan.o
+    if o.packed is None or o.parts or o.bias is not None:
+        return None
+    groups = gguf_triton.read_order_groups(o.packed, o.type_id, o.cols)
+    if groups is None:
+        return None
+    return gguf_triton.prepared_input(o.packed, o.type_id, o.cols, dtype), o.type_id, groups
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bool) -> torch.Tensor:
@@ -456,11 +511,23 @@ def norm_project(
     if projection.weight_t is not None:
         return kernels.norm_gemv(x, norm, projection.weight_t.t(), projection.bias, eps, out=out)
     if projection.parts:  # differing block types: the normed row once, then a GEMV a part
-        normed, start = gguf_triton.normed_row(x, norm, eps), 0
+        first = projection.parts[0]
+        assert first.packed is not None
+        prepared = None  # the first part's input in its GEMV's read order, from the same kernel
+        if gguf_triton.read_order_groups(first.packed, first.type_id, first.cols) is not None:
+            normed, prepared = gguf_triton.normed_row_and_input(
+                x, norm, eps, first.packed, first.type_id, first.cols
+            )
+        else:
+            normed = gguf_triton.normed_row(x, norm, eps)
+        start = 0
         for part in projection.parts:
             assert part.packed is not None
             stop = start + part.rows
-            gguf_triton.gemv(normed, part.packed, part.type_id, part.cols, out[:, start:stop])
+            if prepared is not None and part is first:
+                gguf_triton.gemv_prepared(prepared, part.packed, part.type_id, part.cols, out[:, start:stop])
+            else:
+                gguf_triton.gemv(normed, part.packed, part.type_id, part.cols, out[:, start:stop])
             if part.bias is not None:
                 out[:, start:stop].add_(part.bias)
             start = stop

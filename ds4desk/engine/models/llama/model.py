@@ -38,10 +38,12 @@ from ds4desk.engine.models.llama.layer import (
     LayerSteps,
     PrefillSteps,
     Shard,
+    attention_out_input,
     decode_buffers,
     fused_kernels_fit,
     norm_project,
     rms_norm,
+    silu_pair_input,
 )
 from ds4desk.engine.models.llama.verify import VerifySteps
 from ds4desk.engine.models.packed import Fused, embedding, fuse_group, group_projection, linear, projection_of
@@ -209,6 +211,8 @@ class DenseModel(CausalLM):
                 plan.kv_cache = shard.cache[i]
                 plan.keys = shard.cache[i, 0].unsqueeze(0)
                 plan.values = shard.cache[i, 1].unsqueeze(0)
+                plan.down_input = silu_pair_input(plan, self.dtype)
+                plan.o_input = attention_out_input(plan, self.dtype)
         self._cache = self._shards[0].cache
         positions = torch.arange(context, device=device, dtype=torch.float32)
         angles = torch.outer(positions, self._inv_freq)  # [context, D/2], float32 like the reference
@@ -239,7 +243,7 @@ class DenseModel(CausalLM):
     def free_cache(self) -> None:
         self._cache = None
         for plan in self._plans:
-            plan.kv_cache = plan.keys = plan.values = None
+            plan.kv_cache = plan.keys = plan.values = plan.down_input = plan.o_input = None
         for shard in self._shards:
             shard.cache = shard.cos = shard.sin = shard.half_swap = shard.key_positions = None
             shard.decode = None

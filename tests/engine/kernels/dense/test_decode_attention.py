@@ -152,6 +152,52 @@ def test_the_triton_kernel_equals_the_fallback() -> None:
     assert "triton ok 63" in stdout
 
 
+_ORDERED_CHECK = """
+import torch
+from ds4desk.engine.formats import GGUF_TYPES
+from ds4desk.engine.kernels.dense import decode_attention as da
+from ds4desk.engine.kernels.quant import gguf_triton as gt
+
+by_name = {t.name: t for t in GGUF_TYPES.values()}
+da.SWITCH.forced = gt.SWITCH.forced = True
+device = "cuda" if torch.cuda.is_available() else "cpu"
+gen = torch.Generator().manual_seed(5)
+kv, group, dim, span = 2, 4, 64, 40  # a row of 512 values: 8 groups of 64
+for dtype in (torch.bfloat16, torch.float32):
+    shapes = ((kv, group, dim), (kv, span, dim), (kv, span, dim))
+    q, keys, values = (torch.randn(*s, generator=gen).to(device, dtype) for s in shapes)
+    at = torch.tensor([30], device=device)
+    for name, groups in (("Q4_K", 8), ("Q4_K", 2), ("Q6_K", 4)):
+        kind = by_name[name].type_id
+        buffer = torch.zeros(kv * group * dim, device=device)
+        out = da.decode_attention(q, keys, values, at, dim**-0.5, None, (buffer, kind, groups))
+        # What o's own input kernel would have made of the attention output (gt.gemv's COPY mode).
+        want = torch.empty_like(buffer)
+        order = (kind, groups, out.numel() // 64)
+        gt._kernels().prepare(out.reshape(1, -1), None, 0.0, out.numel(), want, gt.INPUT_COPY, order)
+        assert torch.equal(buffer, want), (name, groups, dtype)
+        print("checked", name, groups, dtype, flush=True)
+print("ordered ok")
+"""
+
+
+def test_the_attention_writes_the_o_input_in_read_order() -> None:
+    """The fused attention's read-order copy of its output (for the o projection's one-row GEMV) is
+    exactly what o's input kernel makes of the output: on Triton's kernel (interpreter or GPU), and
+    on the custom op's eager body (torch's read_order_index)."""
+    stdout = run_triton_check(_ORDERED_CHECK)
+    assert "ordered ok" in stdout and stdout.count("checked") == 6
+    from ds4desk.engine.formats import GGUF_TYPES
+
+    q4_k = next(t.type_id for t in GGUF_TYPES.values() if t.name == "Q4_K")
+    q, keys, values = inputs(seed=3, dim=64)
+    buffer = torch.zeros(q.numel())
+    with da.SWITCH.force(True):
+        out = da.decode_attention(q, keys, values, torch.tensor([20]), 0.125, None, (buffer, q4_k, 2))
+    index = da.read_order_index(q4_k, 2, q.numel(), q.device)
+    assert torch.equal(buffer[index], out.flatten()) and sorted(index.tolist()) == list(range(q.numel()))
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("decode-attn-tiny")

@@ -248,8 +248,16 @@ for family, weights in [CASE]:
     plan = plan_load(read_source(root / family), device, torch.float32, 64, weights=quantize)
     model = fill(plan).model
     model.decode_attention = "triton"
-    model.allocate_cache(64)
-    assert (weights == "mixed") == any(p.qkv.parts for p in model._shards[0].plans)
+    # Every height on the one-row kernel, so that the gate/up GEMV writes the down projection's
+    # input and the attention o's (Q4_K: in read order), as on a real model's shapes; 16 rows a
+    # program (Triton's interpreter runs a program's tile at once, and a program at a time).
+    gguf_triton.ONE_ROW_MIN_ROWS = dict.fromkeys(gguf_triton.ONE_ROW_GROUPS, 0)
+    gguf_triton.ONE_ROW_OVERRIDE = (16, 16, 1)
+    with gguf_triton.SWITCH.force(True):
+        model.allocate_cache(64)
+    plans = model._shards[0].plans
+    assert (weights == "mixed") == any(p.qkv.parts for p in plans)
+    assert all(p.down_input is not None and (p.o_input is not None) == (weights != "q8") for p in plans)
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).to(device)
     token = torch.zeros(1, dtype=torch.long, device=device)
     at = torch.zeros(1, dtype=torch.long, device=device)
@@ -276,7 +284,7 @@ for family, weights in [CASE]:
 @pytest.mark.parametrize(("family", "weights"), [("llama", "q4"), ("qwen2", "q8"), ("llama", "mixed")])
 def test_the_step_on_packed_weights_runs_the_fused_gguf_kernels(family: str, weights: str) -> None:
     """GGUF-packed projections (here quantized on load; "mixed": q/k/v of differing types, as in a
-    Q4_K_M file) take the same fused kernel path as bf16 ones, and give the unfused step on the
-    reference matmuls."""
+    Q4_K_M file) take the same fused kernel path as bf16 ones, with the gate/up GEMV and the
+    attention writing the next GEMV's input, and give the unfused step on the reference matmuls."""
     stdout = run_triton_check(_PACKED_MODEL_CHECK.replace("CASE", repr((family, weights))))
     assert f"{family} {weights} ok" in stdout

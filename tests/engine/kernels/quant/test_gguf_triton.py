@@ -347,6 +347,73 @@ def test_the_one_row_kernel_equals_the_reference() -> None:
     assert "one row ok" in stdout and all(f"checked {t}" in stdout for t in ("Q8_0", "Q4_K", "Q6_K"))
 
 
+_SILU_PAIR_CHECK = """
+import torch
+from ds4desk.engine.kernels.quant import gguf_triton as gt
+from tests.engine.kernels.quant.test_gguf_triton import BY_NAME, tame_blocks
+
+gt.SWITCH.forced = True
+gt.ONE_ROW_MIN_ROWS = dict.fromkeys(gt.ONE_ROW_GROUPS, 0)  # every height takes the one-row kernel
+device = "cuda" if torch.cuda.is_available() else "cpu"
+gen = torch.Generator().manual_seed(2)
+hidden, ffn = 256, 768  # 12 groups of 64 a down row: tiles of 16 (or 8) groups leave 4 unwritten
+# (gate/up type, down type, settings forced on both, dtypes, steps on one buffer): each down type,
+# each order of the read-order types, a row-order down. 16 rows a program: Triton's interpreter
+# runs a program's tile at once, and a program at a time.
+CASES = [
+    ("Q4_K", "Q6_K", (16, 16, 1), (torch.bfloat16, torch.float32), 2),
+    ("Q6_K", "Q4_K", (16, 16, 1), (torch.bfloat16,), 1),
+    ("Q4_K", "Q4_K", (16, 8, 1), (torch.bfloat16,), 2),
+    ("Q8_0", "Q8_0", (16, 16, 1), (torch.bfloat16,), 1),
+]
+for gate_up_name, down_name, config, dtypes, steps in CASES:
+    gt.ONE_ROW_OVERRIDE = config
+    gk, dk = BY_NAME[gate_up_name], BY_NAME[down_name]
+    gate_up = tame_blocks(gk, 2 * ffn, hidden, seed=3).to(device)
+    down = tame_blocks(dk, hidden, ffn, seed=4).to(device)
+    assert gt.silu_pair_fits(gate_up, gk.type_id, down, dk.type_id)
+    for dtype in dtypes:
+        act = gt.prepared_input(down, dk.type_id, ffn, dtype)
+        for step in range(steps):  # act is reused: what one step leaves must not leak into the next
+            x = (torch.randn(1, hidden, generator=gen) * 4).to(device, dtype)
+            norm = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, dtype)
+            residual = torch.randn(1, hidden, generator=gen).to(device, dtype)
+            out = torch.empty(1, 2 * ffn, device=device, dtype=dtype)
+            gt.norm_gemv(x, norm, gate_up, gk.type_id, hidden, 1e-5, out)
+            want = gt.gemv_add_(residual.clone(), out, down, dk.type_id, ffn, silu=True)
+            fused = torch.empty_like(out)
+            gt.norm_gemv_silu(x, norm, gate_up, gk.type_id, hidden, 1e-5, fused, act, down, dk.type_id)
+            got = gt.gemv_prepared(act, down, dk.type_id, ffn, residual.clone(), residual=True)
+            what = (gate_up_name, down_name, config, dtype, step)
+            assert torch.equal(fused, out), what
+            assert torch.equal(got, want), (what, float((got.float() - want.float()).abs().max()))
+    print("checked", gate_up_name, "->", down_name, flush=True)
+# A q/k/v group whose parts differ in type: the normed row, and q's input in read order, at once.
+for name in ("Q4_K", "Q6_K"):
+    kind = BY_NAME[name]
+    q = tame_blocks(kind, 64, hidden, seed=6).to(device)
+    x = torch.randn(1, hidden, generator=gen).to(device, torch.bfloat16)
+    norm = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(device, torch.bfloat16)
+    row, prepared = gt.normed_row_and_input(x, norm, 1e-5, q, kind.type_id, hidden)
+    assert torch.equal(row, gt.normed_row(x, norm, 1e-5))
+    want = gt.gemv(row, q, kind.type_id, hidden, torch.empty(1, 64, device=device, dtype=torch.bfloat16))
+    got = gt.gemv_prepared(prepared, q, kind.type_id, hidden, torch.empty_like(want))
+    assert torch.equal(got, want), name
+    print("checked", name, "q/k/v input", flush=True)
+print("silu pair ok")
+"""
+
+
+def test_the_gate_up_gemv_writes_the_down_input_bit_for_bit() -> None:
+    """norm_gemv_silu (a program takes gate rows and the up rows of the same units and writes
+    SiLU(gate) · up in the down projection's read order) then gemv_prepared give exactly what
+    norm_gemv then gemv_add_(silu=True) give, with a down row whose groups the tile does not divide
+    (entries never written) and a buffer used twice; and normed_row_and_input gives normed_row's
+    row plus the input gemv_prepared needs for the same result as gemv on that row."""
+    stdout = run_triton_check(_SILU_PAIR_CHECK)
+    assert "silu pair ok" in stdout and stdout.count("checked") == 6
+
+
 # --- compiled for an H200 without one: Triton's own compiler and ptxas, no GPU needed ---------------
 
 
@@ -457,7 +524,7 @@ def test_the_one_row_kernel_compiles_for_an_h200(name: str, rows: int, cols: int
     from ds4desk.engine.kernels.quant import gguf_gemv1_triton as source
 
     kind = BY_NAME[name]
-    block_n, groups, warps = gguf_triton.one_row_config(name, rows)
+    block_n, groups, warps = gguf_triton.one_row_config(name, rows, cols)
     read_order = name in gguf_triton.READ_ORDER_TYPES
     x_type = "*fp32" if read_order else "*bf16"
     args = {"x": x_type, "w": "*u8", "out": "*bf16", "rows": "i32", "row_bytes": "i32"}
