@@ -147,8 +147,9 @@ def one_row_config(name: str, rows: int, cols: int) -> tuple[int, int, int]:
     --sweep on an H200 for the benchmark model's shapes, within 5%. Few rows a program and, for a
     long row, tiles of 4096 values over 4 warps (the warps split the row, Triton sums them): a
     program per 4-8 rows of one warp left 0.5 waves of programs and 11% occupancy (Nsight Compute),
-    too few loads in flight to cover the memory latency. Q8_0 keeps its earlier settings: 4 rows a
-    program, 8 from 8192 rows and 16 from 32768 (the head), tiles of 2048 values (1024 at 16)."""
+    too few loads in flight to cover the memory latency. Q8_0 keeps its earlier settings but on a
+    long row: 4 rows a program, 8 from 8192 rows and 16 from 32768 (the head), tiles of 2048 values
+    (1024 at 16)."""
     if ONE_ROW_OVERRIDE is not None:
         return ONE_ROW_OVERRIDE
     if name == "Q4_K" and rows >= 32768:
@@ -157,6 +158,8 @@ def one_row_config(name: str, rows: int, cols: int) -> tuple[int, int, int]:
         block_n, values, warps = (4, 4096, 4) if cols >= 8192 else (2, 2048, 1)
     elif name == "Q6_K":
         block_n, values, warps = (1, 2048, 1) if cols >= 8192 else (2, 2048, 1)
+    elif cols >= 8192:  # Q8_0
+        block_n, values, warps = 4, 4096, 4
     else:
         block_n = 16 if rows >= 32768 else 8 if rows >= 8192 else 4
         values, warps = 1024 if block_n == 16 else 2048, 1
