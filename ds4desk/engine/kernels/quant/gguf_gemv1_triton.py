@@ -197,8 +197,8 @@ def gemv1_kernel(
     PAIRED (W is gate | up, half_rows rows each): a program takes BLOCK_N / 2 gate rows and the up
     rows of the same units, and also writes SiLU(gate) · up, rounded as input_kernel's SILU rounds
     it, into `act`: the input of the down projection that follows, in the read order of an ACT_KIND
-    GEMV with tiles of ACT_G groups (read_slot), or (ACT_KIND 0) as a row in out's dtype. The down
-    projection's own input kernel is then not launched."""
+    (Q4_K, Q6_K) GEMV with tiles of ACT_G groups (read_slot). The down projection's own input
+    kernel is then not launched."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -313,10 +313,7 @@ def gemv1_kernel(
         u = tl.sum(tl.where(is_gate, 0.0, halves), axis=0)
         h = cast(g * tl.sigmoid(g) * u, out.dtype.element_ty)
         col = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        if ACT_KIND == 0:
-            tl.store(act + col, h, mask=col < half_rows)
-        else:
-            tl.store(act + read_slot(col, ACT_KIND, ACT_G), h.to(tl.float32), mask=col < half_rows)
+        tl.store(act + read_slot(col, ACT_KIND, ACT_G), h.to(tl.float32), mask=col < half_rows)
 
 
 @triton.jit

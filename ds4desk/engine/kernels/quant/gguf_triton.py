@@ -147,9 +147,8 @@ def one_row_config(name: str, rows: int, cols: int) -> tuple[int, int, int]:
     --sweep on an H200 for the benchmark model's shapes, within 5%. Few rows a program and, for a
     long row, tiles of 4096 values over 4 warps (the warps split the row, Triton sums them): a
     program per 4-8 rows of one warp left 0.5 waves of programs and 11% occupancy (Nsight Compute),
-    too few loads in flight to cover the memory latency. Q8_0 keeps its earlier settings but on a
-    long row: 4 rows a program, 8 from 8192 rows and 16 from 32768 (the head), tiles of 2048 values
-    (1024 at 16)."""
+    too few loads in flight to cover the memory latency. Q8_0 keeps its earlier settings: 4 rows a
+    program, 8 from 8192 rows and 16 from 32768 (the head), tiles of 2048 values (1024 at 16)."""
     if ONE_ROW_OVERRIDE is not None:
         return ONE_ROW_OVERRIDE
     if name == "Q4_K" and rows >= 32768:
@@ -158,8 +157,6 @@ def one_row_config(name: str, rows: int, cols: int) -> tuple[int, int, int]:
         block_n, values, warps = (4, 4096, 4) if cols >= 8192 else (2, 2048, 1)
     elif name == "Q6_K":
         block_n, values, warps = (1, 2048, 1) if cols >= 8192 else (2, 2048, 1)
-    elif cols >= 8192:  # Q8_0
-        block_n, values, warps = 4, 4096, 4
     else:
         block_n = 16 if rows >= 32768 else 8 if rows >= 8192 else 4
         values, warps = 1024 if block_n == 16 else 2048, 1
@@ -288,10 +285,13 @@ def normed_row_and_input(
 
 def silu_pair_fits(gate_up: torch.Tensor, gate_up_type: int, down: torch.Tensor, down_type: int) -> bool:
     """Whether a one-row gate | up GEMV can write its down projection's input itself
-    (`norm_gemv_silu`, then `gemv_prepared`): both take the one-row kernel."""
+    (`norm_gemv_silu`, then `gemv_prepared`): both Q4_K or Q6_K (the K-quant mixes) on the one-row
+    kernel. The Q8_0 pair measured slower on an H200 (its 16 rows a program spilled registers); a
+    Q8_0 down keeps its own input kernel."""
     names = [GGUF_TYPES[t].name if t in GGUF_TYPES else "" for t in (gate_up_type, down_type)]
     return (
         gate_up.shape[0] % 2 == 0
+        and all(name in READ_ORDER_TYPES for name in names)
         and one_row_fits(names[0], gate_up.shape[0])
         and one_row_fits(names[1], down.shape[0])
         and enabled(gate_up)
@@ -307,16 +307,16 @@ def read_order_groups(weight: torch.Tensor, type_id: int, cols: int) -> int | No
     return _one_row_plan(name, weight.shape[0], cols)[0][1]
 
 
-def prepared_input(weight: torch.Tensor, type_id: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer for the input of the one-row GEMV of this weight as a kernel before it writes it
-    (norm_gemv_silu, the fused decode attention), for `gemv_prepared`: float32 in the GEMV's
-    read order, or a row of `dtype`. Zeros: the entries past the row's groups are never written and
+def prepared_input(weight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
+    """A buffer for the input of the one-row GEMV of this weight (a type in READ_ORDER_TYPES) as a
+    kernel before it writes it (norm_gemv_silu, the fused decode attention), for `gemv_prepared`:
+    float32 in the GEMV's read order. Zeros: the entries past the row's groups are never written and
     must read as 0. Allocate it once, outside a captured graph."""
     name = gguf_type(type_id).name
+    if name not in READ_ORDER_TYPES:
+        raise ValueError(f"{name}'s one-row GEMV reads its input as it is")
     size = _one_row_plan(name, weight.shape[0], cols)[2]
-    if name in READ_ORDER_TYPES:
-        return torch.zeros(size, device=weight.device, dtype=torch.float32)
-    return torch.zeros((1, cols), device=weight.device, dtype=dtype)
+    return torch.zeros(size, device=weight.device, dtype=torch.float32)
 
 
 def norm_gemv_silu(
@@ -548,11 +548,8 @@ def _kernels() -> _Kernels | None:
         use_pdl = pdl(x)
         act, act_kind, act_groups, programs = out, 0, 1, -(-rows // block_n)
         if pair is not None:
-            act, act_type, act_rows = pair
-            act_name = gguf_type(act_type).name
-            if act_name in READ_ORDER_TYPES:
-                act_kind = act_type
-                act_groups = _one_row_plan(act_name, act_rows, rows // 2)[0][1]
+            act, act_kind, act_rows = pair
+            act_groups = _one_row_plan(gguf_type(act_kind).name, act_rows, rows // 2)[0][1]
             programs = -(-(rows // 2) // block_n)
             block_n *= 2  # block_n units: their gate rows and their up rows
         one_row_source.gemv1_kernel[(programs,)](

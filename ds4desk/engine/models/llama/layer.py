@@ -458,10 +458,10 @@ class KernelDecodeSteps(LayerSteps):
         return gguf_triton.gemv_prepared(plan.down_input, down.packed, down.type_id, down.cols, x, True)
 
 
-def silu_pair_input(plan: LayerPlan, dtype: torch.dtype) -> torch.Tensor | None:
+def silu_pair_input(plan: LayerPlan) -> torch.Tensor | None:
     """A buffer for the down projection's input, where the one-token gate/up GEMV can write it
-    itself (gguf_triton.norm_gemv_silu: packed gate | up of one type and a packed down, both on the
-    one-row kernel, no biases), which saves the down's input kernel; else None."""
+    itself (gguf_triton.norm_gemv_silu: packed gate | up of one type and a packed down that
+    silu_pair_fits, no biases), which saves the down's input kernel; else None."""
     gate_up, down = plan.gate_up, plan.down
     if gate_up.packed is None or down.packed is None or gate_up.parts:
         return None
@@ -469,10 +469,10 @@ def silu_pair_input(plan: LayerPlan, dtype: torch.dtype) -> torch.Tensor | None:
         return None
     if not gguf_triton.silu_pair_fits(gate_up.packed, gate_up.type_id, down.packed, down.type_id):
         return None
-    return gguf_triton.prepared_input(down.packed, down.type_id, down.cols, dtype)
+    return gguf_triton.prepared_input(down.packed, down.type_id, down.cols)
 
 
-def attention_out_input(plan: LayerPlan, dtype: torch.dtype) -> tuple[torch.Tensor, int, int] | None:
+def attention_out_input(plan: LayerPlan) -> tuple[torch.Tensor, int, int] | None:
     """(buffer, type id, groups a tile) for the o projection's input, where the one-token step's
     fused attention can write it in the read order of o's one-row GEMV (a packed Q4_K / Q6_K o, no
     bias), which saves o's input kernel; else None."""
@@ -482,7 +482,7 @@ def attention_out_input(plan: LayerPlan, dtype: torch.dtype) -> tuple[torch.Tens
     groups = gguf_triton.read_order_groups(o.packed, o.type_id, o.cols)
     if groups is None:
         return None
-    return gguf_triton.prepared_input(o.packed, o.type_id, o.cols, dtype), o.type_id, groups
+    return gguf_triton.prepared_input(o.packed, o.type_id, o.cols), o.type_id, groups
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bool) -> torch.Tensor:

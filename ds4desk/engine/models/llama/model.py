@@ -211,8 +211,8 @@ class DenseModel(CausalLM):
                 plan.kv_cache = shard.cache[i]
                 plan.keys = shard.cache[i, 0].unsqueeze(0)
                 plan.values = shard.cache[i, 1].unsqueeze(0)
-                plan.down_input = silu_pair_input(plan, self.dtype)
-                plan.o_input = attention_out_input(plan, self.dtype)
+                plan.down_input = silu_pair_input(plan)
+                plan.o_input = attention_out_input(plan)
         self._cache = self._shards[0].cache
         positions = torch.arange(context, device=device, dtype=torch.float32)
         angles = torch.outer(positions, self._inv_freq)  # [context, D/2], float32 like the reference

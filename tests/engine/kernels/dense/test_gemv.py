@@ -257,7 +257,7 @@ for family, weights in [CASE]:
         model.allocate_cache(64)
     plans = model._shards[0].plans
     assert (weights == "mixed") == any(p.qkv.parts for p in plans)
-    assert all(p.down_input is not None and (p.o_input is not None) == (weights != "q8") for p in plans)
+    assert all((p.down_input is not None) == (p.o_input is not None) == (weights != "q8") for p in plans)
     prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).to(device)
     token = torch.zeros(1, dtype=torch.long, device=device)
     at = torch.zeros(1, dtype=torch.long, device=device)
