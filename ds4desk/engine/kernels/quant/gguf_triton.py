@@ -277,10 +277,17 @@ def normed_row_and_input(
     kernels = _kernels()
     assert kernels is not None
     row = torch.empty_like(x)
-    prepared = torch.empty(_one_row_plan(gguf_type(type_id).name, weight.shape[0], cols)[2], device=x.device)
-    order = (type_id, groups, cols // ONE_ROW_GROUPS[gguf_type(type_id).name])
+    name = gguf_type(type_id).name
+    prepared = torch.empty(_one_row_plan(name, weight.shape[0], cols)[2], device=x.device)
+    order = (type_id, groups, cols // ONE_ROW_GROUPS[name])
     kernels.prepare(x.contiguous(), norm, eps, cols, prepared, INPUT_NORM, order, row)
     return row, prepared
+
+
+def _type_name(type_id: int) -> str:
+    """The GGUF type's name, "" for an id ds4desk does not read (no one-row kernel takes it)."""
+    kind = GGUF_TYPES.get(type_id)
+    return kind.name if kind is not None else ""
 
 
 def silu_pair_fits(gate_up: torch.Tensor, gate_up_type: int, down: torch.Tensor, down_type: int) -> bool:
@@ -288,7 +295,7 @@ def silu_pair_fits(gate_up: torch.Tensor, gate_up_type: int, down: torch.Tensor,
     (`norm_gemv_silu`, then `gemv_prepared`): both Q4_K or Q6_K (the K-quant mixes) on the one-row
     kernel. The Q8_0 pair measured slower on an H200 (its 16 rows a program spilled registers); a
     Q8_0 down keeps its own input kernel."""
-    names = [GGUF_TYPES[t].name if t in GGUF_TYPES else "" for t in (gate_up_type, down_type)]
+    names = [_type_name(gate_up_type), _type_name(down_type)]
     return (
         gate_up.shape[0] % 2 == 0
         and all(name in READ_ORDER_TYPES for name in names)
@@ -301,7 +308,7 @@ def silu_pair_fits(gate_up: torch.Tensor, gate_up_type: int, down: torch.Tensor,
 def read_order_groups(weight: torch.Tensor, type_id: int, cols: int) -> int | None:
     """The groups a tile of the one-row GEMV of this weight, where that GEMV reads its input in read
     order (gguf_gemv1_triton.slot_col; a kernel before it can write that input itself); else None."""
-    name = GGUF_TYPES[type_id].name if type_id in GGUF_TYPES else ""
+    name = _type_name(type_id)
     if name not in READ_ORDER_TYPES or not one_row_fits(name, weight.shape[0]) or not enabled(weight):
         return None
     return _one_row_plan(name, weight.shape[0], cols)[0][1]
@@ -368,6 +375,7 @@ def gemv_prepared(
         raise ValueError(f"out must be [1, {weight.shape[0]}], got {list(out.shape)}")
     kernels = _kernels()
     assert kernels is not None
+    # `out` stands in for the input row: with `prepared` given, the launcher reads only its shape.
     kernels.gemv(out, weight, type_id, cols, out, None, 0.0, False, False, residual, prepared)
     return out
 
