@@ -1,6 +1,6 @@
 """Time to first token of a fresh process's first request, against the same request again.
 
-    .venv/bin/python bench/first_answer.py [--model PATH | --synthetic dense|v4|dense-small|v4-tiny]
+    .venv/bin/python bench/first_answer.py [--model PATH | --synthetic dense|v4|qwen35|dense-small|v4-tiny]
         [--device cpu|cuda] [--dtype bfloat16] [--tokens 3000] [--new-tokens 16] [--repeats 3]
         [--cache user|fresh] [--out DIR]
 
@@ -21,7 +21,8 @@ of a first start ever.
 
 Synthetic models (random weights, a byte-level tokenizer), written once to --work:
 `dense` Qwen3-0.6B's shapes (28 layers, hidden 1024, bf16), `v4` bench/gpu_deepseek_v4.py's
-DeepSeek-V4-Flash-shaped model, `dense-small` and `v4-tiny` small ones for a CPU smoke run.
+DeepSeek-V4-Flash-shaped model, `qwen35` bench/qwen35_gpu.py's 8-layer Qwen3.5 of Qwen3.5-9B's
+shapes, `dense-small` and `v4-tiny` small ones for a CPU smoke run.
 Prints one JSON line; --out also writes it under that folder.
 """
 
@@ -67,7 +68,7 @@ DENSE_06B: dict[str, Any] = {
 }
 DENSE_SMALL = {**DENSE_06B, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512}
 DENSE_SMALL |= {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
-SYNTHETIC = ("dense", "v4", "dense-small", "v4-tiny")
+SYNTHETIC = ("dense", "v4", "qwen35", "dense-small", "v4-tiny")
 
 
 # --- the synthetic models ---------------------------------------------------------------------------
@@ -125,6 +126,12 @@ def synthetic_folder(kind: str, work: Path) -> Path:
         from gpu_deepseek_v4 import write_model
 
         write_model(folder)
+    elif kind == "qwen35":
+        import torch
+        from qwen35_gpu import QWEN35_9B_LAYERS, random_state, write_folder
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        write_folder(folder, QWEN35_9B_LAYERS, random_state(QWEN35_9B_LAYERS, device), None)
     else:
         from ds4desk.engine.make_tiny import make_tiny
 

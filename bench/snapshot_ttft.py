@@ -1,10 +1,19 @@
 """Time to first token of a follow-up turn, with and without the snapshot of the turn before.
 
-    .venv/bin/python bench/snapshot_ttft.py [--model PATH] [--device cpu] [--tokens 2000] [--repeats 3]
+    .venv/bin/python bench/snapshot_ttft.py [--model PATH | --synthetic dense|v4|qwen35|dense-small|v4-tiny]
+        [--device cpu] [--dtype bfloat16] [--tokens 2000] [--repeats 3] [--token-prompt]
+        [--variants host,resident,graphed,now] [--work DIR]
 
 A conversation of about --tokens prompt tokens gets an answer (saved as a snapshot, as the window
 does); then the follow-up question runs once restoring that snapshot and once cold (snapshots off),
 alternating, and the medians are compared. Writes JSON under bench/results/.
+
+`--synthetic` writes bench/first_answer.py's synthetic model once under --work (token prompts).
+`--variants` (on a GPU) measures the same turn with the runtime's two follow-up paths switched:
+`host` restores from the pinned host copy and prefills the suffix eagerly (neither path),
+`resident` restores from the copy kept on the device, `graphed` runs the suffix on the captured
+verify graphs, `now` both (the default). Each variant also reports, from one more follow-up timed
+with the device drained between them, the restore (`restore_s`) and the suffix's forward (`suffix_s`).
 """
 
 from __future__ import annotations
@@ -13,93 +22,174 @@ import argparse
 import json
 import platform
 import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ds4desk.engine import Engine, GenerateRequest, LoadRequest, SaveSnapshot
+from ds4desk.engine import Engine, GenerateRequest, GenerateStats, LoadRequest, SaveSnapshot
+from ds4desk.engine import runtime as runtime_module
+from ds4desk.engine.runtime import Runtime
 
-RESULTS = Path(__file__).resolve().parent / "results"
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
 TEXT = (
     "The lighthouse keeper wrote in his log every evening: the weather, the ships that passed, the "
     "state of the lamp and the small repairs of the day. "
 )
+VARIANTS = {  # name: (keep a copy on the device, graphed suffix)
+    "host": (False, False),
+    "resident": (True, False),
+    "graphed": (False, True),
+    "now": (True, True),
+}
+
+
+@contextmanager
+def variant(runtime: Runtime, name: str) -> Iterator[None]:
+    """The runtime with its follow-up paths as `name` says, restored afterwards."""
+    resident, graphed = VARIANTS[name]
+    saved = runtime.resident_snapshot_bytes, runtime_module.GRAPHED_SUFFIX_TOKENS
+    runtime.resident_snapshot_bytes = saved[0] if resident else 0
+    runtime_module.GRAPHED_SUFFIX_TOKENS = saved[1] if graphed else 0
+    try:
+        yield
+    finally:
+        runtime.resident_snapshot_bytes, runtime_module.GRAPHED_SUFFIX_TOKENS = saved
+
+
+@contextmanager
+def phases(runtime: Runtime, into: dict[str, float]) -> Iterator[None]:
+    """Time the runtime's restore and prefill calls, the device drained before and after each."""
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            sync()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            into[name] = into.get(name, 0.0) + time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    def sync() -> None:
+        if runtime.device.type == "cuda":
+            torch.cuda.synchronize(runtime.device)
+
+    runtime._restore = timed("restore_s", runtime._restore)  # type: ignore[method-assign]
+    runtime._prefill = timed("suffix_s", runtime._prefill)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del runtime._restore, runtime._prefill  # back to the class's methods
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="default: the embedded SmolLM2")
+    parser.add_argument("--synthetic", choices=("dense", "v4", "qwen35", "dense-small", "v4-tiny"))
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "ds4desk-bench")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="now", help=f"comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument(
         "--token-prompt",
         action="store_true",
         help="a conversation of token ids (models without a real tokenizer)",
     )
     args = parser.parse_args()
+    names = args.variants.split(",")
+    if unknown := set(names) - VARIANTS.keys():
+        parser.error(f"unknown variants {sorted(unknown)}")
+    model = args.model
+    if args.synthetic:
+        sys.path.insert(0, str(BENCH))
+        from first_answer import synthetic_folder
+
+        model = str(synthetic_folder(args.synthetic, args.work))
+        args.token_prompt = True
 
     engine = Engine()
+    rows = []
     try:
-        loaded = engine.load(LoadRequest(args.model, args.device, args.dtype, context=args.tokens + 512))
+        loaded = engine.load(LoadRequest(model, args.device, args.dtype, context=args.tokens + 512))
         assert loaded.ok and loaded.info, loaded.error
-        if args.token_prompt:
-            vocab = 49152 if args.model is None else 120000
-            ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(args.tokens)]
-            first = engine.generate(
-                GenerateRequest(
-                    prompt_tokens=ids, max_new_tokens=32, stop_tokens=[], save_snapshot=SaveSnapshot()
-                )
-            )
-            assert first.ok, first.error
-            follow: dict[str, object] = {"prompt_tokens": [*ids, *first.tokens, *range(500, 514)]}
-        else:
-            chat = [
-                {"role": "user", "content": TEXT * (args.tokens // 33) + "Summarise the log in one line."}
-            ]
-            first = engine.generate(
-                GenerateRequest(messages=chat, max_new_tokens=32, save_snapshot=SaveSnapshot())
-            )
-            assert first.ok, first.error
-            chat += [
-                {"role": "assistant", "content": first.text},
-                {"role": "user", "content": "Which ships?"},
-            ]
-            follow = {"messages": chat}
-        warm, cold = [], []
-        for _ in range(args.repeats):
-            for use, into in ((True, warm), (False, cold)):
-                result = engine.generate(GenerateRequest(**follow, max_new_tokens=1, use_snapshots=use))  # type: ignore[arg-type]
-                assert result.ok, result.error
-                into.append(result.stats)
+        runtime = engine._loaded.runtime  # type: ignore[union-attr]  # a bench may reach inside
+        for name in names:
+            with variant(runtime, name):
+                rows.append({"variant": name, **measure(engine, runtime, args)})
     finally:
         engine.close()
 
-    warm_ttft = statistics.median(s.time_to_first_token_s for s in warm)
-    cold_ttft = statistics.median(s.time_to_first_token_s for s in cold)
-    row = {
+    for row in rows:
+        print(json.dumps(row))
+    record = {
         "model": loaded.info.name,
         "device": loaded.info.device,
         "dtype": loaded.info.dtype,
+        "rows": rows,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = RESULTS / f"snapshot_ttft_{stamp}.json"
+    meta = {"date": stamp, "machine": platform.platform(), "torch": torch.__version__}
+    out.write_text(json.dumps({**meta, "command": " ".join(sys.argv), **record}, indent=2))
+    print(f"wrote {out}")
+
+
+def measure(engine: Engine, runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
+    """The first turn (its snapshot saved after the answer), then the follow-up warm and cold."""
+    if args.token_prompt:
+        vocab = runtime.model.vocab_size
+        ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(args.tokens)]
+        first = engine.generate(
+            GenerateRequest(
+                prompt_tokens=ids, max_new_tokens=32, stop_tokens=[], save_snapshot=SaveSnapshot()
+            )
+        )
+        assert first.ok, first.error
+        follow: dict[str, object] = {"prompt_tokens": [*ids, *first.tokens, *range(500, 514)]}
+    else:
+        chat = [{"role": "user", "content": TEXT * (args.tokens // 33) + "Summarise the log in one line."}]
+        first = engine.generate(
+            GenerateRequest(messages=chat, max_new_tokens=32, save_snapshot=SaveSnapshot())
+        )
+        assert first.ok, first.error
+        chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Which ships?"}]
+        follow = {"messages": chat}
+
+    def turn(use: bool) -> GenerateStats:
+        result = engine.generate(GenerateRequest(**follow, max_new_tokens=1, use_snapshots=use))  # type: ignore[arg-type]
+        assert result.ok, result.error
+        return result.stats
+
+    warm, cold = [], []
+    for _ in range(args.repeats):
+        warm.append(turn(True))
+        cold.append(turn(False))
+    split: dict[str, float] = {}
+    with phases(runtime, split):
+        turn(True)
+    warm_ttft = statistics.median(s.time_to_first_token_s for s in warm)
+    cold_ttft = statistics.median(s.time_to_first_token_s for s in cold)
+    return {
         "prompt_tokens": warm[0].prompt_tokens,
         "reused_tokens": warm[0].reused_tokens,
         "prefill_tokens_with_snapshot": warm[0].prefill_tokens,
         "ttft_with_snapshot_s": warm_ttft,
         "ttft_cold_s": cold_ttft,
         "ratio": warm_ttft / cold_ttft,
+        **split,
     }
-    print(json.dumps(row, indent=2))
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"snapshot_ttft_{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {"date": stamp, "machine": platform.platform(), "torch": torch.__version__, **row}, indent=2
-        )
-    )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ SMALLEST_SPAN = 256
 # The most tokens one graphed verify step takes: the drafts of speculative/adaptive.DEFAULT_MAX_K and
 # the token before them, with room for a larger --max-draft-tokens.
 MAX_VERIFY_TOKENS = 16
+# The verify size captured at load for every span: prompt suffixes run on it (Runtime._prefill).
+SUFFIX_TOKENS = MAX_VERIFY_TOKENS
 
 
 def graphs_wanted(setting: bool | None, device: torch.device, model: CausalLM) -> bool:
@@ -89,19 +91,22 @@ class GraphedDecode:
         # GPU than `token`; a graph captured on one device does not copy to another.)
         self._chained = len(self.devices) == 1
         self._captured: list[_Captured] = []
-        with torch.inference_mode():
-            for span in self.spans:
-                self._captured.append(self._capture(span))
-                if on_captured is not None:
-                    on_captured()
-        self._next_pos: int | None = None  # what `pos` holds on the device after the last replay
-        # Verify steps of speculative decoding (one device only), captured on first use per
-        # (tokens, span) in a pool of their own: their outputs never alias a decode graph's buffers.
+        # Verify steps (one device only) in a pool of their own: their outputs never alias a decode
+        # graph's buffers. SUFFIX_TOKENS at every span are captured here with the decode steps (a
+        # short prompt or the suffix after a snapshot runs on them); other sizes on first use.
         self._verifies = len(self.devices) == 1
         self._verify_tokens = torch.zeros(MAX_VERIFY_TOKENS, dtype=torch.long, device=device)
         self._verify_pos = torch.zeros(1, dtype=torch.long, device=device)
         self._verify_pool = torch.cuda.graph_pool_handle() if self._verifies else None
         self._verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        with torch.inference_mode():
+            for span in self.spans:
+                self._captured.append(self._capture(span))
+                if self._verifies and span >= SUFFIX_TOKENS:
+                    self._verifies = self._capture_verify(SUFFIX_TOKENS, span) is not None
+                if on_captured is not None:
+                    on_captured()
+        self._next_pos: int | None = None  # what `pos` holds on the device after the last replay
 
     def step(self, token: torch.Tensor | None, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run `token` (a tensor of one element on any device) at position `pos`; None: the greedy

@@ -20,11 +20,11 @@ from ds4desk.engine.api import (
     ThinkingBudget,
 )
 from ds4desk.engine.budget import ThinkingGate
-from ds4desk.engine.graphs import GraphedDecode
+from ds4desk.engine.graphs import SUFFIX_TOKENS, GraphedDecode
 from ds4desk.engine.logprobs import token_logprobs
 from ds4desk.engine.models.base import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
-from ds4desk.engine.snapshots import SnapshotStore
+from ds4desk.engine.snapshots import Snapshot, SnapshotStore
 from ds4desk.engine.speculative.adaptive import DEFAULT_MAX_K, AdaptiveK
 from ds4desk.engine.speculative.decode import SpeculativeDecode
 from ds4desk.engine.speculative.draft_model import DraftModel
@@ -37,6 +37,24 @@ log = logging.getLogger(__name__)
 
 # A kept token's log-probability and its most likely alternatives [(id, log-probability)].
 Scored = tuple[float, list[tuple[int, float]]]
+
+# Snapshots this runtime saved also stay on its GPU, newest first, within this many bytes and a
+# quarter of the device's free memory: a follow-up turn then restores with a copy inside the GPU
+# rather than one over the bus (the host copy stays the store's, for disk, parking and eviction).
+RESIDENT_SNAPSHOT_BYTES = 2**30
+# A prompt suffix after a restored snapshot up to this long runs through the captured verify
+# graphs (SUFFIX_TOKENS a replay): eagerly, its forward costs the launches of a whole prefill chunk.
+GRAPHED_SUFFIX_TOKENS = 4 * SUFFIX_TOKENS
+
+
+@dataclass(slots=True)
+class _Resident:
+    """The device copy of one snapshot's state and logits."""
+
+    snapshot: Snapshot
+    state: dict[str, torch.Tensor]
+    logits: torch.Tensor
+    nbytes: int
 
 
 @dataclass(slots=True)
@@ -88,6 +106,8 @@ class Runtime:
         self.max_draft_tokens = DEFAULT_MAX_K
         self.graphs: GraphedDecode | None = None
         self.graphs_pending = graphs and defer_graphs  # wanted, not captured yet
+        self.resident_snapshot_bytes = RESIDENT_SNAPSHOT_BYTES if device.type == "cuda" else 0
+        self._resident: list[_Resident] = []  # oldest first
         if graphs and not defer_graphs:
             self.capture_graphs()
 
@@ -111,6 +131,7 @@ class Runtime:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+        self._resident.clear()
         self.model.free_cache()
 
     def _decode(self, token: torch.Tensor | None, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -207,8 +228,9 @@ class Runtime:
 
         def keep(at: int, at_logits: torch.Tensor) -> None:
             assert snapshots is not None and save is not None
-            state = self._host_state(at)
-            out.snapshot_slot = snapshots.put(prompt_ids[:at], state, at_logits, save.slot).slot
+            snap = snapshots.put(prompt_ids[:at], self._host_state(at), at_logits, save.slot)
+            self._keep_resident(snapshots, snap)
+            out.snapshot_slot = snap.slot
 
         if save_at is not None and save_at == start and restored is not None:
             keep(save_at, restored)  # the snapshot asked for is the one just restored: refresh it
@@ -239,7 +261,9 @@ class Runtime:
             # logits are the ones after the last of them. The next turn starts with these tokens.
             assert snapshots is not None
             seq = [*prompt_ids, *out.tokens][:pos]
-            out.snapshot_slot = snapshots.put(seq, self._host_state(pos), logits, save.slot).slot
+            snap = snapshots.put(seq, self._host_state(pos), logits, save.slot)
+            self._keep_resident(snapshots, snap)
+            out.snapshot_slot = snap.slot
         return out
 
     def _decode_plain(
@@ -371,11 +395,38 @@ class Runtime:
         if snap is None:
             return 0, None
         length = len(snap.tokens)
+        resident = next((r for r in self._resident if r.snapshot is snap), None)
         with torch.inference_mode():
+            if resident is not None:
+                self.model.import_state(resident.state, length)
+                return length, resident.logits.clone()
             # From page-locked memory the copies are DMA transfers that need no staging on the host.
             on_device = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in snap.state.items()}
             self.model.import_state(on_device, length)
         return length, snap.logits.to(self.device)
+
+    def _keep_resident(self, store: SnapshotStore, snap: Snapshot) -> None:
+        """Keep a device copy of `snap` (just put in `store`), dropping the oldest copies, and those
+        of snapshots the store no longer holds, to stay within the budget."""
+        live = {id(s) for s in store.list()}  # each held by its entry, so no id is reused
+        self._resident = [r for r in self._resident if id(r.snapshot) in live]
+        nbytes = snap.nbytes
+        if nbytes > self.resident_snapshot_bytes:
+            return
+        limit = self.resident_snapshot_bytes
+        if self.device.type == "cuda":
+            limit = min(limit, torch.cuda.mem_get_info(self.device)[0] // 4)
+        while self._resident and sum(r.nbytes for r in self._resident) + nbytes > limit:
+            self._resident.pop(0)
+        if nbytes > limit:
+            return
+        try:
+            # From the pinned host copy, asynchronously: the answer is already out.
+            state = {k: v.to(self.device, non_blocking=True, copy=True) for k, v in snap.state.items()}
+            logits = snap.logits.to(self.device, non_blocking=True, copy=True)
+        except torch.OutOfMemoryError:
+            return
+        self._resident.append(_Resident(snap, state, logits, nbytes))
 
     def _prefill(
         self,
@@ -389,6 +440,10 @@ class Runtime:
         A chunk also ends at `split_at`, where `at_split` gets the logits of that position."""
         with torch.inference_mode():
             try:
+                if split_at is None and len(ids) - start <= GRAPHED_SUFFIX_TOKENS:
+                    start, logits = self._graphed_prefill(ids, start, should_cancel)
+                    if start == len(ids):
+                        return logits
                 all_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
                 bounds = sorted(
                     {*range(start, len(ids), self.chunk), len(ids)} | ({split_at} if split_at else set())
@@ -408,6 +463,34 @@ class Runtime:
             except Exception as exc:
                 raise _failure(exc, ErrorCode.PREFILL_FAILED) from exc
         return logits
+
+    def _graphed_prefill(
+        self, ids: list[int], start: int, should_cancel: Callable[[], bool]
+    ) -> tuple[int, torch.Tensor | None]:
+        """ids[start:] through the verify graphs, SUFFIX_TOKENS a replay, while the model has them;
+        returns the position reached (the rest, if any, is for the eager path: cancelled, or not
+        graphable) and the logits there.
+
+        A short last piece is padded with its own last token to the captured size, which writes
+        cache rows past the prompt: no position reads them (attention is causal and masked by
+        position) before decode writes them again. Near the end of the context it runs unpadded."""
+        if self.graphs is None:
+            return start, None
+        end = len(ids)
+        tail = torch.tensor(ids[start:], dtype=torch.long, device=self.device)
+        pos, logits = start, None
+        while pos < end and not should_cancel():
+            count = min(SUFFIX_TOKENS, end - pos)
+            piece = tail[pos - start : pos - start + count]
+            if count < SUFFIX_TOKENS and pos + SUFFIX_TOKENS <= self.context:
+                piece = torch.cat((piece, piece[-1:].expand(SUFFIX_TOKENS - count)))
+            out = self.graphs.verify(piece, pos)
+            if out is None:
+                break
+            logits = out[count - 1].clone()  # the graph's buffer is the next replay's
+            pos += count
+            self.model.set_length(pos)  # not the padded length
+        return pos, logits
 
 
 class _Emission:

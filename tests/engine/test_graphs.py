@@ -14,7 +14,8 @@ import torch
 from ds4desk.engine.api import SamplingParams, SaveSnapshot
 from ds4desk.engine.graphs import GraphedDecode, graphs_wanted, span_buckets
 from ds4desk.engine.loader import load_model
-from ds4desk.engine.runtime import Runtime
+from ds4desk.engine.runtime import RunOutcome, Runtime
+from ds4desk.engine.snapshots import ModelIdentity, SnapshotStore
 from tests.engine.tiny_dense import TINY_CONFIGS, save_tiny, source_from_folder
 
 
@@ -115,6 +116,40 @@ def test_a_greedy_step_chains_its_pick_on_the_device(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="no greedy pick"):
             graphs.step(None, 5)
     runtime.close()
+
+
+def _greedy(runtime: Runtime, ids: list[int], count: int, **more: object) -> RunOutcome:
+    greedy = SamplingParams(temperature=0.0)
+    return runtime.generate(ids, greedy, count, set(), lambda _t: None, lambda: False, **more)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_short_prompts_and_follow_ups_run_on_the_verify_graphs(tmp_path: Path) -> None:
+    """On a GPU: a short prompt (padded to the captured size) and a follow-up's suffix after a
+    snapshot (kept on the device; near the end of the context, so its piece runs unpadded) prefill
+    on the verify graphs and answer as the eager runtime does."""
+    source = save_tiny("llama", tmp_path / "llama", max_position_embeddings=256)[1]
+    device = torch.device("cuda")
+    prompt = [int(t) for t in torch.randint(0, 256, (180,), generator=torch.Generator().manual_seed(9))]
+    results = []
+    for graphs in (False, True):
+        model = load_model(source, device, torch.float32).model
+        runtime = Runtime(model, device, context=256, chunk=64, graphs=graphs)
+        store = SnapshotStore(ModelIdentity("tiny", "float32", 256))
+        short = _greedy(runtime, prompt[:40], 8)
+        first = _greedy(runtime, prompt, 62, snapshots=store, save=SaveSnapshot())
+        turn = [*prompt, *first.tokens, 5, 6, 7, 8, 9, 10, 11, 12]
+        follow_up = _greedy(runtime, turn, 4, snapshots=store)
+        assert (follow_up.stats.reused_tokens, follow_up.stats.prefill_tokens) == (241, 9)
+        if graphs:
+            assert runtime.graphs is not None
+            assert {(16, 256), (9, 256)} <= runtime.graphs._verify_graphs.keys()
+            assert [r.snapshot for r in runtime._resident] == store.list()
+        results.append([(out.tokens, out.logprobs) for out in (short, first, follow_up)])
+        runtime.close()
+    for (eager_tokens, eager_logprobs), (graph_tokens, graph_logprobs) in zip(*results, strict=True):
+        assert graph_tokens == eager_tokens
+        assert max(abs(a - b) for a, b in zip(graph_logprobs, eager_logprobs, strict=True)) < 1e-3
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

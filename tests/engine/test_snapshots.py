@@ -218,3 +218,42 @@ def test_a_chat_follow_up_prefills_only_the_new_message() -> None:
     assert follow.stats.prefill_tokens < 16  # "<|im_end|>", the new user turn and the assistant header
     assert follow.tokens == cold.tokens and cold.stats.reused_tokens == 0
     assert listed.ok and [s.slot for s in listed.slots] == [first.snapshot_slot]
+
+
+def test_a_resident_copy_serves_the_follow_up(model: torch.nn.Module) -> None:
+    """With a device budget, a saved snapshot also stays as a copy beside the cache (on the CPU here,
+    as it would on the GPU): the follow-up restores from that copy (the host state is wiped to
+    prove it) and equals an uninterrupted run; a snapshot the store dropped loses its copy."""
+    rt = runtime(model)
+    rt.resident_snapshot_bytes = 2**30
+    store = SnapshotStore(IDENTITY)
+    first = run(rt, PROMPT[:16], store, SaveSnapshot())
+    snap = store.get(first.snapshot_slot)  # type: ignore[arg-type]
+    assert [r.snapshot for r in rt._resident] == [snap]
+    for tensor in snap.state.values():
+        tensor.zero_()
+    follow_up = [*PROMPT[:16], *first.tokens, 7, 8, 9]
+    restored = run(rt, follow_up, store)
+    assert restored.stats.reused_tokens == 27
+    same(restored, run(rt, follow_up))
+
+    store.free(snap.slot)
+    run(rt, PROMPT[:10], store, SaveSnapshot())
+    assert [r.snapshot for r in rt._resident] == store.list()
+
+
+def test_resident_copies_stay_within_their_budget(model: torch.nn.Module) -> None:
+    """Newest first: a budget of one snapshot keeps only the latest copy; one larger than the whole
+    budget gets no copy and leaves the others be."""
+    rt = runtime(model)
+    store = SnapshotStore(IDENTITY)
+    rt.resident_snapshot_bytes = 2**30
+    one = store.get(run(rt, PROMPT[:12], store, SaveSnapshot()).snapshot_slot)  # type: ignore[arg-type]
+    rt.resident_snapshot_bytes = one.nbytes + 4 * 2**10
+    two = store.get(run(rt, PROMPT[3:15], store, SaveSnapshot()).snapshot_slot)  # type: ignore[arg-type]
+    assert len(store) == 2 and [r.snapshot for r in rt._resident] == [two]
+    rt.resident_snapshot_bytes = 16
+    run(rt, PROMPT[5:20], store, SaveSnapshot())
+    assert len(store) == 3 and [r.snapshot for r in rt._resident] == [two]
+    rt.close()
+    assert rt._resident == []
