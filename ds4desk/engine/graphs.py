@@ -91,19 +91,23 @@ class GraphedDecode:
         # GPU than `token`; a graph captured on one device does not copy to another.)
         self._chained = len(self.devices) == 1
         self._captured: list[_Captured] = []
-        # Verify steps (one device only) in a pool of their own: their outputs never alias a decode
-        # graph's buffers. SUFFIX_TOKENS at every span are captured here with the decode steps (a
-        # short prompt or the suffix after a snapshot runs on them); other sizes on first use.
+        # Verify steps of speculative decoding (one device only), captured on first use per
+        # (tokens, span) in a pool of their own: their outputs never alias a decode graph's buffers.
         self._verifies = len(self.devices) == 1
         self._verify_tokens = torch.zeros(MAX_VERIFY_TOKENS, dtype=torch.long, device=device)
         self._verify_pos = torch.zeros(1, dtype=torch.long, device=device)
         self._verify_pool = torch.cuda.graph_pool_handle() if self._verifies else None
         self._verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Prompt pieces (`prefill`): SUFFIX_TOKENS tokens, `count` of them real, one graph a span,
+        # captured here with the decode steps, in the verify pool.
+        self._piece_count = torch.zeros(1, dtype=torch.long, device=device)
+        self._piece_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pieces = self._verifies
         with torch.inference_mode():
             for span in self.spans:
                 self._captured.append(self._capture(span))
-                if self._verifies and span >= SUFFIX_TOKENS:
-                    self._verifies = self._capture_verify(SUFFIX_TOKENS, span) is not None
+                if pieces and span >= SUFFIX_TOKENS:
+                    pieces = self._capture_piece(span)
                 if on_captured is not None:
                     on_captured()
         self._next_pos: int | None = None  # what `pos` holds on the device after the last replay
@@ -163,9 +167,49 @@ class GraphedDecode:
         self.model.set_length(pos + count)
         return logits
 
+    def prefill(self, tokens: torch.Tensor, pos: int) -> torch.Tensor | None:
+        """Logits [V] after the last of `tokens` (int64 [1..SUFFIX_TOKENS] on the device) fed at pos..,
+        from the span's prompt-piece graph (the piece padded to SUFFIX_TOKENS; the model ignores the
+        padding), in a buffer the next piece overwrites; None where there is no such graph (the
+        model has none, or the padded piece would pass the context): then forward runs it."""
+        count = tokens.shape[0]
+        if not 1 <= count <= SUFFIX_TOKENS or pos + SUFFIX_TOKENS > self.spans[-1]:
+            return None
+        captured = self._piece_graphs.get(self.spans[bisect.bisect_left(self.spans, pos + SUFFIX_TOKENS)])
+        if captured is None:
+            return None
+        self._verify_tokens[:count].copy_(tokens)
+        self._verify_pos.fill_(pos)
+        self._piece_count.fill_(count)
+        graph, logits = captured
+        graph.replay()
+        self._next_pos = None
+        self.model.set_length(pos + count)
+        return logits[count - 1]
+
     def close(self) -> None:
         self._captured.clear()
         self._verify_graphs.clear()
+        self._piece_graphs.clear()
+
+    def _capture_piece(self, span: int) -> bool:
+        """The prompt-piece graph of `span`; False where the model has none. Its warm-up run and the
+        capture feed the (zero) static tokens at position 0, before any request."""
+        tokens = self._verify_tokens[:SUFFIX_TOKENS]
+        self._verify_pos.zero_()
+        self._piece_count.fill_(SUFFIX_TOKENS)
+        side = self._streams[self.device]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            if self.model.prefill_graphable(tokens, self._verify_pos, self._piece_count, span) is None:
+                return False
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._verify_pool, stream=side):
+            logits = self.model.prefill_graphable(tokens, self._verify_pos, self._piece_count, span)
+        assert logits is not None
+        self._piece_graphs[span] = (graph, logits)
+        return True
 
     def _capture_verify(self, count: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         tokens = self._verify_tokens[:count]

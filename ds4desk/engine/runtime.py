@@ -42,8 +42,9 @@ Scored = tuple[float, list[tuple[int, float]]]
 # quarter of the device's free memory: a follow-up turn then restores with a copy inside the GPU
 # rather than one over the bus (the host copy stays the store's, for disk, parking and eviction).
 RESIDENT_SNAPSHOT_BYTES = 2**30
-# A prompt suffix after a restored snapshot up to this long runs through the captured verify
-# graphs (SUFFIX_TOKENS a replay): eagerly, its forward costs the launches of a whole prefill chunk.
+# A prompt suffix (after a restored snapshot, or a short prompt) up to this long runs through the
+# captured prompt-piece graphs, SUFFIX_TOKENS a replay: eagerly, its forward costs the launches of
+# a whole prefill chunk.
 GRAPHED_SUFFIX_TOKENS = 4 * SUFFIX_TOKENS
 
 
@@ -467,13 +468,9 @@ class Runtime:
     def _graphed_prefill(
         self, ids: list[int], start: int, should_cancel: Callable[[], bool]
     ) -> tuple[int, torch.Tensor | None]:
-        """ids[start:] through the verify graphs, SUFFIX_TOKENS a replay, while the model has them;
-        returns the position reached (the rest, if any, is for the eager path: cancelled, or not
-        graphable) and the logits there.
-
-        A short last piece is padded with its own last token to the captured size, which writes
-        cache rows past the prompt: no position reads them (attention is causal and masked by
-        position) before decode writes them again. Near the end of the context it runs unpadded."""
+        """ids[start:] through the prompt-piece graphs (GraphedDecode.prefill), SUFFIX_TOKENS a
+        replay, while there is one; returns the position reached (the rest, if any, is for the
+        eager path: cancelled, no graph, or too near the end of the context) and the logits there."""
         if self.graphs is None:
             return start, None
         end = len(ids)
@@ -481,15 +478,11 @@ class Runtime:
         pos, logits = start, None
         while pos < end and not should_cancel():
             count = min(SUFFIX_TOKENS, end - pos)
-            piece = tail[pos - start : pos - start + count]
-            if count < SUFFIX_TOKENS and pos + SUFFIX_TOKENS <= self.context:
-                piece = torch.cat((piece, piece[-1:].expand(SUFFIX_TOKENS - count)))
-            out = self.graphs.verify(piece, pos)
+            out = self.graphs.prefill(tail[pos - start : pos - start + count], pos)
             if out is None:
                 break
-            logits = out[count - 1].clone()  # the graph's buffer is the next replay's
+            logits = out.clone()  # the graph's buffer is the next piece's
             pos += count
-            self.model.set_length(pos)  # not the padded length
         return pos, logits
 
 

@@ -124,28 +124,29 @@ def _greedy(runtime: Runtime, ids: list[int], count: int, **more: object) -> Run
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_short_prompts_and_follow_ups_run_on_the_verify_graphs(tmp_path: Path) -> None:
-    """On a GPU: a short prompt (padded to the captured size) and a follow-up's suffix after a
-    snapshot (kept on the device; near the end of the context, so its piece runs unpadded) prefill
-    on the verify graphs and answer as the eager runtime does."""
-    source = save_tiny("llama", tmp_path / "llama", max_position_embeddings=256)[1]
+def test_short_prompts_and_follow_ups_run_on_the_prompt_piece_graphs(tmp_path: Path) -> None:
+    """On a GPU: a short prompt (its last piece padded) and a follow-up's suffix after a snapshot
+    kept on the device run on the prompt-piece graphs; a second follow-up so near the end of the
+    context that a padded piece would pass it runs eagerly; all answer as the eager runtime does."""
+    source = save_tiny("llama", tmp_path / "llama", max_position_embeddings=320)[1]
     device = torch.device("cuda")
     prompt = [int(t) for t in torch.randint(0, 256, (180,), generator=torch.Generator().manual_seed(9))]
     results = []
     for graphs in (False, True):
         model = load_model(source, device, torch.float32).model
-        runtime = Runtime(model, device, context=256, chunk=64, graphs=graphs)
-        store = SnapshotStore(ModelIdentity("tiny", "float32", 256))
+        runtime = Runtime(model, device, context=320, chunk=64, graphs=graphs)
+        store = SnapshotStore(ModelIdentity("tiny", "float32", 320))
         short = _greedy(runtime, prompt[:40], 8)
         first = _greedy(runtime, prompt, 62, snapshots=store, save=SaveSnapshot())
         turn = [*prompt, *first.tokens, 5, 6, 7, 8, 9, 10, 11, 12]
-        follow_up = _greedy(runtime, turn, 4, snapshots=store)
-        assert (follow_up.stats.reused_tokens, follow_up.stats.prefill_tokens) == (241, 9)
+        second = _greedy(runtime, turn, 60, snapshots=store, save=SaveSnapshot())
+        assert (second.stats.reused_tokens, second.stats.prefill_tokens) == (241, 9)
+        third = _greedy(runtime, [*turn, *second.tokens, 1, 2, 3, 4, 5], 4, snapshots=store)
+        assert (third.stats.reused_tokens, third.stats.prefill_tokens) == (309, 6)
         if graphs:
-            assert runtime.graphs is not None
-            assert {(16, 256), (9, 256)} <= runtime.graphs._verify_graphs.keys()
+            assert runtime.graphs is not None and set(runtime.graphs._piece_graphs) == {256, 320}
             assert [r.snapshot for r in runtime._resident] == store.list()
-        results.append([(out.tokens, out.logprobs) for out in (short, first, follow_up)])
+        results.append([(out.tokens, out.logprobs) for out in (short, first, second, third)])
         runtime.close()
     for (eager_tokens, eager_logprobs), (graph_tokens, graph_logprobs) in zip(*results, strict=True):
         assert graph_tokens == eager_tokens

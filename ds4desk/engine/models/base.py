@@ -257,6 +257,17 @@ class CausalLM(nn.Module, ABC):
         model (or its split) has no such step, and verifies run eagerly through forward."""
         return None
 
+    def prefill_graphable(
+        self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, span: int
+    ) -> torch.Tensor | None:
+        """A prompt piece as a step a CUDA graph can replay (a follow-up's short suffix): tokens
+        (int64 [T] on the device) at positions pos.., of which the first `count` (int64 [1]) are the
+        prompt's and the rest padding that must leave nothing a later position reads. Returns
+        float32 logits [T, V] (rows past count are garbage); None: no such step. By default the
+        verify step, for models whose state is a cache row per position masked by position (the
+        padding's rows are never read before decode writes them again)."""
+        return self.verify_graphable(tokens, pos, span)
+
     @abstractmethod
     def decode_devices(self) -> list[torch.device]:
         """The device of every shard a decode step runs through, in order (one when unsplit)."""

@@ -112,16 +112,19 @@ def plan_of(module: GatedDeltaNet) -> LinearPlan:
     )
 
 
-def forward(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tensor:
+def forward(
+    cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor, real: torch.Tensor | None = None
+) -> torch.Tensor:
     """The layer's mixer over normed hidden states x [T, hidden] that continue the state in `plan`
     (updated in place). One token takes the recurrent step, more the chunked form; both leave the
-    same state. Returns [T, hidden]."""
+    same state. Returns [T, hidden]. `real` (int64 [1] on the device): only the first `real` rows
+    enter the state; the others are padding whose outputs are garbage."""
     assert plan.conv_state is not None and plan.recurrent is not None
     count = x.shape[0]
-    if count == 1 and plan.written is None and linear_decode.enabled(x):
+    if count == 1 and real is None and plan.written is None and linear_decode.enabled(x):
         return _fused_step(cfg, plan, x)
     conv_inputs = plan.qkv(x)
-    mixed = _convolve(plan, conv_inputs)  # [T, channels]
+    mixed = _convolve(plan, conv_inputs, real)  # [T, channels]
     key_width = cfg.linear_key_heads * cfg.linear_key_dim
     q, k, v = mixed.split([key_width, key_width, mixed.shape[1] - 2 * key_width], dim=1)
     heads, repeat = cfg.linear_value_heads, cfg.linear_value_heads // cfg.linear_key_heads
@@ -140,6 +143,10 @@ def forward(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tenso
     v = v.reshape(count, heads, cfg.linear_value_dim).float()
     beta = torch.sigmoid(plan.b(x)).float()  # [T, heads]
     decay = plan.neg_rate * F.softplus(plan.a(x).float() + plan.dt_bias)  # log-decay, <= 0
+    if real is not None:
+        # Padding writes nothing (zero strength) and decays nothing (log-decay 0), as in chunked's own.
+        is_real = (torch.arange(count, device=x.device) < real)[:, None]
+        beta, decay = beta * is_real, decay * is_real
     if plan.written is not None:
         plan.written.append(Written(conv_inputs, k, v, decay, beta))
     if count == 1:
@@ -180,9 +187,9 @@ def _fused_step(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.T
     return plan.out(core[None])
 
 
-def _convolve(plan: LinearPlan, mixed: torch.Tensor) -> torch.Tensor:
+def _convolve(plan: LinearPlan, mixed: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """The depthwise causal convolution and silu over [T, channels], continuing from the kept window
-    (zeros at position 0), which then holds the last kernel - 1 inputs."""
+    (zeros at position 0), which then holds the last kernel - 1 inputs (of the first `real` rows)."""
     assert plan.conv_state is not None
     window = plan.conv_state
     kept = window.shape[1]
@@ -192,7 +199,10 @@ def _convolve(plan: LinearPlan, mixed: torch.Tensor) -> torch.Tensor:
         out = (extended * plan.conv_weight).sum(dim=1, keepdim=True)
     else:
         out = F.conv1d(extended[None], plan.conv_weight[:, None, :], groups=extended.shape[0])[0]
-    window.copy_(extended[:, -kept:])
+    if real is None:
+        window.copy_(extended[:, -kept:])
+    else:  # the window ends at the last real input, found on the device
+        window.copy_(extended.index_select(1, real + torch.arange(kept, device=real.device)))
     return F.silu(out).t()
 
 

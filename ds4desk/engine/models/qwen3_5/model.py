@@ -324,6 +324,29 @@ class Qwen35Model(CausalLM):
             for plan in plans:
                 plan.written = None
 
+    def prefill_graphable(
+        self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, span: int
+    ) -> torch.Tensor | None:
+        """See CausalLM.prefill_graphable: one shard, no MoE layer (their graphable path takes one
+        token). The linear layers take only the first `count` tokens into their state (base.py's
+        padding rule: the rest write nothing and decay nothing, and the convolution window ends at
+        the last real token); from position 0 their state starts from zeros, as forward's does."""
+        if len(self._shards) != 1 or any(plan.moe is not None for plan in self._shards[0].plans):
+            return None
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        shard = self._shards[0]
+        assert shard.tables is not None
+        continues = pos != 0
+        for plan in shard.linear_plans:
+            assert plan.conv_state is not None and plan.recurrent is not None
+            plan.conv_state.mul_(continues)
+            plan.recurrent.mul_(continues)
+        rows = pos + torch.arange(tokens.shape[0], device=pos.device)
+        x = embed(self.model.embed_tokens, tokens)
+        x = self._layers(shard, x, shard.tables.positions(rows, span), prefill=False, real=count)
+        return self._logits(x)
+
     def _linear_plans(self) -> list[LinearPlan]:
         return [plan for shard in self._shards for plan in shard.linear_plans]
 
@@ -395,10 +418,17 @@ class Qwen35Model(CausalLM):
         return (self._logits(x)[0],)
 
     def _layers(
-        self, shard: Shard, x: torch.Tensor, at: Positions, prefill: bool, graphable: bool = False
+        self,
+        shard: Shard,
+        x: torch.Tensor,
+        at: Positions,
+        prefill: bool,
+        graphable: bool = False,
+        real: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`graphable`: the decode step a CUDA graph keeps (decode_shard): nothing reads back to
-        the host, so a MoE layer picks its experts by index on the device."""
+        the host, so a MoE layer picks its experts by index on the device. `real`: only that many
+        of x's rows (int64 [1] on the device) enter the linear layers' state (prefill_graphable)."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         fused = prefill and self.fused_attention
@@ -420,7 +450,7 @@ class Qwen35Model(CausalLM):
                 assert plan.input_scale is not None
                 x = linear_attention.decode_on_kernels(cfg, mixer, x, plan.input_scale, eps)
             elif isinstance(mixer, LinearPlan):
-                x = x + linear_attention.forward(cfg, mixer, centered_rms_norm(x, plan.input_norm, eps))
+                x = x + linear_attention.forward(cfg, mixer, centered_rms_norm(x, plan.input_norm, eps), real)
             else:
                 x = x + attention.forward(cfg, mixer, centered_rms_norm(x, plan.input_norm, eps), at, fused)
             if kernels and plan.mlp_fits:

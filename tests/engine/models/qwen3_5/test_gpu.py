@@ -1,6 +1,7 @@
 """Qwen3.5 on a GPU: decode through captured CUDA graphs (the conv window, the recurrent matrices
 and the KV rows all updated in place inside the graph) equals eager decode, and a snapshot
-restored into the captured state continues exactly. Skipped without CUDA."""
+restored into the captured state continues exactly, its suffix (and a short prompt) on the
+prompt-piece graphs. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -57,7 +58,12 @@ def test_replayed_graphs_give_the_eager_tokens(tmp_path: Path, variant: str) -> 
         follow = [*prompt, *out.tokens[:-1], 7, 8, 9]
         again = runtime.generate(follow, GREEDY, 40, set(), lambda _t: None, lambda: False, None, store)
         assert again.stats.reused_tokens == len(prompt) + len(out.tokens) - 1
-        results.append((out.tokens, out.logprobs, again.tokens))
+        # A short prompt from position 0 after all that (on the prompt-piece graphs for the dense
+        # model: they start its linear layers from zeros, as forward does).
+        short = runtime.generate(prompt[:20], GREEDY, 20, set(), lambda _t: None, lambda: False)
+        if graphs:
+            assert bool(runtime.graphs._piece_graphs) == (variant == "dense")  # type: ignore[union-attr]
+        results.append((out.tokens, out.logprobs, again.tokens + short.tokens))
         runtime.close()
     (eager_tokens, eager_logprobs, eager_next), (graph_tokens, graph_logprobs, graph_next) = results
     assert graph_tokens == eager_tokens and graph_next == eager_next

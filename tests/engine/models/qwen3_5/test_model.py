@@ -162,6 +162,34 @@ def test_the_graphable_step_equals_forward(saved) -> None:
         torch.testing.assert_close(graphable.export_state(29)[name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("start", "real"), [(20, 5), (20, 16), (0, 9)])
+def test_a_padded_prompt_piece_equals_forward(saved, start: int, real: int) -> None:
+    """prefill_graphable on 16 tokens of which `real` are the prompt's (the rest junk): its logits
+    at the last real token, and the state it leaves, equal forward over the real tokens alone; from
+    position 0 it starts over from a state a request before left behind."""
+    _, source = saved
+    eager, graphable = load(source), load(source)
+    ids, junk = prompt(start + real, seed=4), prompt(16, seed=5)
+    with torch.inference_mode():
+        graphable.forward(prompt(30, seed=6), 0, "none")  # a previous request's state
+        if start:
+            eager.forward(ids[:start], 0, "none")
+            graphable.forward(ids[:start], 0, "none")
+        expected = eager.forward(ids[start:], start, "all")
+        piece = torch.cat((ids[start:], junk[real:]))
+        got = graphable.prefill_graphable(piece, torch.tensor([start]), torch.tensor([real]), span=64)
+        assert got is not None
+        graphable.set_length(start + real)
+        assert relative_error(got[real - 1], expected[-1]) < 1e-5
+        for name, value in eager.export_state(start + real).items():
+            torch.testing.assert_close(
+                graphable.export_state(start + real)[name], value, rtol=1e-4, atol=1e-4
+            )
+        token = torch.tensor([3])
+        after = graphable.forward(token, start + real, "last")
+        assert relative_error(after, eager.forward(token, start + real, "last")) < 1e-5
+
+
 def test_the_runtime_generates_transformers_greedy_tokens(saved) -> None:
     hf, source = saved
     runtime = Runtime(load(source), CPU, context=CONTEXT, chunk=7)
