@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ds4desk.engine.api import SamplingParams
+from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.runtime import Runtime
 from tests.engine.speculative.tiny_pairs import REPEATING
@@ -27,18 +28,22 @@ def sources(tmp_path_factory: pytest.TempPathFactory):
     return {family: save_tiny(family, root / family)[1] for family in TINY_CONFIGS}
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "kernel"])
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
-def test_graphable_verify_equals_forward(sources, family: str) -> None:
+def test_graphable_verify_equals_forward(sources, family: str, attention: str) -> None:
     """After the same prompt, verify steps of 1..8 tokens at positions that run past the sliding
-    window give forward's logits at every span that holds them, and write the same cache rows."""
+    window give forward's logits at every span that holds them, and write the same cache rows;
+    with attention under SDPA's mask or through the split-span decode op (its eager body here)."""
     device = torch.device("cpu")
     eager = load_model(sources[family], device, torch.float32).model
     graphable = load_model(sources[family], device, torch.float32).model
+    graphable.decode_attention = "triton"
+    force = fused_decode.SWITCH.force(attention == "kernel")
     for model in (eager, graphable):
         model.allocate_cache(CONTEXT)
     ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(7))
     pos_buf = torch.zeros(1, dtype=torch.long)
-    with torch.inference_mode():
+    with torch.inference_mode(), force:
         for model in (eager, graphable):
             model.forward(ids[:9], 0, "none")
         pos = 9

@@ -1,4 +1,5 @@
-"""One token's grouped-query attention over a KV cache, for the graphed dense decode step.
+"""One token's grouped-query attention over a KV cache, for the graphed dense decode step (and a
+few tokens' at consecutive positions: a verify step or a prompt piece).
 
 The eager form (baddbmm with a -inf bias over the span, softmax, bmm) is a handful of small kernels
 a layer, ~20 us of a ~100 us layer on an H200 at batch 1. On NVIDIA GPUs with Triton it is two
@@ -7,6 +8,11 @@ block of keys and values once for all the query heads of its kv head and leaves 
 and weighted value sum (float32); the second combines the blocks. The position is read on the
 device, so the pair can be captured in a CUDA graph whose span is fixed; blocks past the position
 (or before the window) do no loads. Elsewhere (CPU, ROCm, no Triton) the eager form runs.
+
+With `tokens` T > 1 the query rows of a kv head are its G query heads for each of T tokens at
+positions pos..pos+T-1 (row g * T + t), each row masked at its own position: splitting the span
+keeps a short query block over a long cache from running on as few programs as it has kv heads,
+which is what SDPA's fused kernels do with it.
 
 The fused path goes through a torch custom op, so a CUDA graph capture and a dispatch-level op
 counter (bench/count_ops.py) see one op whatever runs inside.
@@ -44,17 +50,20 @@ def reference(
     pos: torch.Tensor,
     scale: float,
     window: int | None,
+    tokens: int = 1,
 ) -> torch.Tensor:
-    """The eager form. q [KV, G, D]; keys, values [KV, span, D]; pos int64 [1] on q's device.
-    Key row j is visible iff j <= pos and (no window or j > pos - window). Returns [KV, G, D]."""
-    kv_heads, group, _ = q.shape
+    """The eager form. q [KV, G * T, D] (row g * T + t: query head g of token t, at pos + t);
+    keys, values [KV, span, D]; pos int64 [1] on q's device. Key row j is visible to a query at p
+    iff j <= p and (no window or j > p - window). Returns [KV, G * T, D]."""
+    kv_heads, rows, _ = q.shape
     span = keys.shape[1]
-    rows = torch.arange(span, device=q.device)
-    allowed = rows <= pos
+    key_at = torch.arange(span, device=q.device)
+    query_at = (pos + torch.arange(rows, device=q.device) % tokens)[:, None]  # [G * T, 1]
+    allowed = key_at <= query_at
     if window is not None:
-        allowed = allowed & (rows > pos - window)
-    bias = torch.zeros(span, dtype=q.dtype, device=q.device).masked_fill_(~allowed, -torch.inf)
-    scores = torch.baddbmm(bias.expand(kv_heads, group, span), q, keys.transpose(1, 2), alpha=scale)
+        allowed = allowed & (key_at > query_at - window)
+    bias = torch.zeros((rows, span), dtype=q.dtype, device=q.device).masked_fill_(~allowed, -torch.inf)
+    scores = torch.baddbmm(bias.expand(kv_heads, rows, span), q, keys.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs, values)
 
@@ -70,19 +79,20 @@ def _fused_op(
     ordered: torch.Tensor | None,
     order_kind: int,
     order_groups: int,
+    tokens: int = 1,
 ) -> torch.Tensor:
     kernel = _triton_kernel() if SWITCH.kernel_runs_on(q) else None
     if kernel is None:
-        out = reference(q, keys, values, pos, scale, window).contiguous()
+        out = reference(q, keys, values, pos, scale, window, tokens).contiguous()
         if ordered is not None:
             index = read_order_index(order_kind, order_groups, out.numel(), out.device)
             ordered.index_copy_(0, index, out.flatten().float())
         return out
-    return kernel(q, keys, values, pos, scale, window, ordered, order_kind, order_groups)
+    return kernel(q, keys, values, pos, scale, window, ordered, order_kind, order_groups, tokens)
 
 
 @_fused_op.register_fake
-def _(q, keys, values, pos, scale, window, ordered, order_kind, order_groups):
+def _(q, keys, values, pos, scale, window, ordered, order_kind, order_groups, tokens=1):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -99,10 +109,12 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     ordered: tuple[torch.Tensor, int, int] | None = None,
+    tokens: int = 1,
 ) -> torch.Tensor:
     """Attention of q [KV, G, D] over keys / values [KV, span, D] (views of a cache: strides are
     honoured, the last one must be 1) at the position in `pos` (int64 [1], read on the device), in
-    q's dtype, fused where it can be (see SWITCH). ordered: (buffer, GGUF type id, groups a tile):
+    q's dtype, fused where it can be (see SWITCH). `tokens` T: q [KV, G * T, D] holds T tokens at
+    pos..pos+T-1 (see the module docstring). ordered: (buffer, GGUF type id, groups a tile):
     the result is also written, as float32 values of q's dtype, into the buffer in the read order of
     the one-row GEMV that reads it next (the output projection; gguf_gemv1_triton.read_slot), which
     saves that GEMV's input kernel. Only on the fused path."""
@@ -115,12 +127,14 @@ def decode_attention(
         raise ValueError(
             f"shapes do not fit: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
         )
+    if tokens < 1 or q.shape[1] % tokens or (ordered is not None and tokens != 1):
+        raise ValueError(f"{q.shape[1]} query rows are not a read-order row of {tokens} tokens")
     if enabled(q.device):
         buffer, kind, groups = ordered if ordered is not None else (None, 0, 1)
-        return _fused_op(q, keys, values, pos, scale, window, buffer, kind, groups)
+        return _fused_op(q, keys, values, pos, scale, window, buffer, kind, groups, tokens)
     if ordered is not None:
         raise ValueError("decode_attention writes a read-order copy only on its fused path")
-    return reference(q, keys, values, pos, scale, window)
+    return reference(q, keys, values, pos, scale, window, tokens)
 
 
 def read_order_index(kind: int, groups: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -193,6 +207,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         WINDOWED: tl.constexpr,
         F32: tl.constexpr,
         PDL: tl.constexpr,
+        TOKENS: tl.constexpr = 1,
     ):
         if PDL:  # launched early (launch.PDL): the cache row at pos comes from the kernel before
             tl.extra.cuda.gdc_wait()
@@ -201,11 +216,12 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         split = tl.program_id(1)
         pos = tl.load(pos_ptr).to(tl.int32)
         lo = split * chunk
-        hi = tl.minimum(tl.minimum(lo + chunk, span), pos + 1)
+        hi = tl.minimum(tl.minimum(lo + chunk, span), pos + TOKENS)
         if WINDOWED:
             lo = tl.maximum(lo, pos - window + 1)
 
         g = tl.arange(0, BLOCK_G)
+        at = pos + g % TOKENS  # each query row's position
         d = tl.arange(0, BLOCK_D)
         g_live = g < GROUP
         d_live = d < DIM
@@ -237,10 +253,21 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
                     s = tl.dot(qt, tl.trans(kt.to(tl.float32)), input_precision="ieee")
                 else:
                     s = tl.dot(qt, tl.trans(kt))
-                s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+                if TOKENS == 1:
+                    s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+                else:
+                    seen = live[None, :] & (n[None, :] <= at[:, None])
+                    if WINDOWED:
+                        seen = seen & (n[None, :] > at[:, None] - window)
+                    s = tl.where(seen, s * qk_scale, float("-inf"))
                 new_best = tl.maximum(best, tl.max(s, axis=1))
-                fade = tl.exp2(best - new_best)
-                p = tl.exp2(s - new_best[:, None])
+                ref = new_best
+                if TOKENS > 1:
+                    # A row may have seen no key yet (its position is earlier than this split):
+                    # exponents taken from 0 there keep fade and p at 0 rather than NaN.
+                    ref = tl.where(new_best == float("-inf"), 0.0, new_best)
+                fade = tl.exp2(best - ref)
+                p = tl.exp2(s - ref[:, None])
                 total = total * fade + tl.sum(p, axis=1)
                 vt = tl.load(
                     v_base + n[:, None] * stride_vn + d[None, :],
@@ -310,8 +337,9 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         ordered: torch.Tensor | None = None,
         order_kind: int = 0,
         order_groups: int = 1,
+        tokens: int = 1,
     ) -> torch.Tensor:
-        kv_heads, group, dim = q.shape
+        kv_heads, group, dim = q.shape  # group: query rows a kv head (G * tokens)
         span = keys.shape[1]
         if q.stride(2) != 1 or keys.stride(2) != 1 or values.stride(2) != 1:
             raise ValueError("decode_attention needs the head dimension contiguous")
@@ -355,6 +383,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             WINDOWED=window is not None,
             F32=f32,
             PDL=use_pdl,
+            TOKENS=tokens,
             launch_pdl=use_pdl,
             # Pipelined float32 tiles take up to 140 KB of shared memory at head size 128: more
             # than consumer GPUs have (~100 KB). Unpipelined: 45 KB. (bf16 takes <= 41 KB anyway.)

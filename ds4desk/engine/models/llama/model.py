@@ -337,7 +337,8 @@ class DenseModel(CausalLM):
             raise ValueError(f"span must be in 1..{self._context}, got {span}")
         cfg, shard = self.config, self._shards[0]
         x = packed_embed(self.model.embed_tokens, tokens)  # [T, hidden]
-        steps = VerifySteps(cfg, self.one_pass_norm, shard, pos, span, tokens.shape[0])
+        kernel = self.decode_attention == "triton" and fused_decode.enabled(shard.device)
+        steps = VerifySteps(cfg, self.one_pass_norm, shard, pos, span, tokens.shape[0], kernel)
         for plan in shard.plans:
             x = steps.layer(x, plan)
         x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.one_pass_norm)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.models.llama.layer import LayerPlan, Shard, _rotate, _TorchSteps
 
 if TYPE_CHECKING:
@@ -21,12 +22,22 @@ if TYPE_CHECKING:
 
 
 class VerifySteps(_TorchSteps):
-    """T tokens at positions here..here+T-1 (`here`: int64 [1] on the device)."""
+    """T tokens at positions here..here+T-1 (`here`: int64 [1] on the device). `kernel`: attention
+    through the split-span decode kernel (fused_decode, `tokens` = T) rather than SDPA under a mask,
+    whose fused kernels run a short query block over a long span on one program per kv head."""
 
     def __init__(
-        self, cfg: DenseConfig, exact: bool, shard: Shard, here: torch.Tensor, span: int, count: int
+        self,
+        cfg: DenseConfig,
+        exact: bool,
+        shard: Shard,
+        here: torch.Tensor,
+        span: int,
+        count: int,
+        kernel: bool = False,
     ) -> None:
         super().__init__(cfg, exact)
+        self.here, self.kernel = here, kernel
         cos, sin, keys_at, self.swap = shard.cos, shard.sin, shard.key_positions, shard.half_swap
         assert cos is not None and sin is not None and keys_at is not None and self.swap is not None
         self.count, self.span = count, span
@@ -41,7 +52,7 @@ class VerifySteps(_TorchSteps):
         keys_at = keys_at[:span].unsqueeze(0)  # [1, span]
         # 0 where query t may read key j, -inf elsewhere; rows kv-head-major as attend lays them out.
         self.biases: dict[int | None, torch.Tensor] = {}
-        for window in {plan.window for plan in shard.plans}:
+        for window in {plan.window for plan in shard.plans} if not kernel else ():
             allowed = keys_at <= query_at
             if window is not None:
                 allowed = allowed & (keys_at > query_at - window)
@@ -61,10 +72,15 @@ class VerifySteps(_TorchSteps):
         assert keys is not None and values is not None
         count, kv_heads, group, dim, span = self.count, self.kv_heads, self.group, self.dim, self.span
         q = qkv[:, : self.q_width].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
-        q = q.reshape(1, kv_heads, group * count, dim)
-        attn = F.scaled_dot_product_attention(
-            q, keys[:, :, :span], values[:, :, :span], attn_mask=self.biases[plan.window]
-        )  # [1, KV, G * T, D]
+        q = q.reshape(kv_heads, group * count, dim)  # row g * T + t, as both paths take it
+        if self.kernel:
+            attn = fused_decode.decode_attention(
+                q, keys[0, :, :span], values[0, :, :span], self.here, dim**-0.5, plan.window, tokens=count
+            )
+        else:
+            attn = F.scaled_dot_product_attention(
+                q[None], keys[:, :, :span], values[:, :, :span], attn_mask=self.biases[plan.window]
+            )  # [1, KV, G * T, D]
         return attn.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, self.q_width)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,66 @@ print("triton ok", cases)
 """
 
 
+_TOKENS_CHECK = """
+import torch
+from ds4desk.engine.kernels.dense import decode_attention as da
+from tests.engine.kernels.dense.test_decode_attention import D, SPAN, inputs, spelled_out_tokens
+
+kernel = da._triton_kernel()
+assert kernel is not None
+device = "cuda" if torch.cuda.is_available() else "cpu"
+cases = 0
+# Splits of 16 keys: at 14 the tokens' positions 14..17 straddle two, so the first rows see no key
+# of the second split (an empty partial that must weigh nothing, not NaN).
+for block, sms in ((16, 1), (16, 132)):
+    da.BLOCK_N = block
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        for pos, window in ((0, None), (14, None), (14, 5), (SPAN - 4, None)):
+            q, keys, values = (t.to(device) for t in inputs(seed=pos + sms, dtype=dtype, group=2 * 4))
+            at = torch.tensor([pos], device=device)
+            got = kernel(q, keys, values, at, D**-0.5, window, tokens=4)
+            assert torch.isfinite(got).all()
+            exact = spelled_out_tokens(*(t.cpu().float() for t in (q, keys, values)), pos, 4, D**-0.5, window)
+            torch.testing.assert_close(got.cpu().double(), exact, rtol=tol, atol=tol)
+            cases += 1
+print("tokens ok", cases)
+"""
+
+
+def spelled_out_tokens(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: int,
+    tokens: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """spelled_out for q [KV, G * T, D]: row g * T + t is a query at pos + t."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row in range(q.shape[1]):
+        one = spelled_out(q[:, row : row + 1], keys, values, pos + row % tokens, scale, window)
+        out[:, row : row + 1] = one
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_few_tokens_each_see_up_to_their_own_position(window: int | None) -> None:
+    """tokens = 4: every query row masked at its own position, in the eager form and the Triton
+    kernel (interpreter or GPU); a read-order copy needs one token."""
+    q, keys, values = inputs(seed=2, group=8)
+    at = torch.tensor([14])
+    got = da.decode_attention(q, keys, values, at, D**-0.5, window, tokens=4)
+    exact = spelled_out_tokens(q, keys, values, 14, 4, D**-0.5, window)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    one_token = spelled_out(q, keys, values, 14, D**-0.5, window)
+    assert (got.double() - one_token).abs().max() > 1e-2  # the later tokens see more keys
+    with pytest.raises(ValueError, match="read-order row"):
+        da.decode_attention(q, keys, values, at, D**-0.5, None, tokens=3)
+    stdout = run_triton_check(_TOKENS_CHECK)
+    assert "tokens ok 16" in stdout
+
+
 def test_the_triton_kernel_equals_the_fallback() -> None:
     """On CUDA the real kernel; without a GPU, Triton's interpreter (the same kernel source, run by
     numpy). Skipped where Triton is not installed."""
