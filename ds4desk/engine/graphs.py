@@ -30,8 +30,6 @@ SMALLEST_SPAN = 256
 # The most tokens one graphed verify step takes: the drafts of speculative/adaptive.DEFAULT_MAX_K and
 # the token before them, with room for a larger --max-draft-tokens.
 MAX_VERIFY_TOKENS = 16
-# The verify size captured at load for every span: prompt suffixes run on it (Runtime._prefill).
-SUFFIX_TOKENS = MAX_VERIFY_TOKENS
 
 
 def graphs_wanted(setting: bool | None, device: torch.device, model: CausalLM) -> bool:
@@ -98,15 +96,17 @@ class GraphedDecode:
         self._verify_pos = torch.zeros(1, dtype=torch.long, device=device)
         self._verify_pool = torch.cuda.graph_pool_handle() if self._verifies else None
         self._verify_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # Prompt pieces (`prefill`): SUFFIX_TOKENS tokens, `count` of them real, one graph a span,
-        # captured here with the decode steps, in the verify pool.
+        # Prompt pieces (`prefill`): the model's prefill_piece_tokens, `count` of them real, one
+        # graph a span, captured here with the decode steps, in the verify pool.
+        self.piece_tokens = model.prefill_piece_tokens
+        self._piece_tokens = torch.zeros(self.piece_tokens, dtype=torch.long, device=device)
         self._piece_count = torch.zeros(1, dtype=torch.long, device=device)
         self._piece_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pieces = self._verifies
         with torch.inference_mode():
             for span in self.spans:
                 self._captured.append(self._capture(span))
-                if pieces and span >= SUFFIX_TOKENS:
+                if pieces and span >= self.piece_tokens:
                     pieces = self._capture_piece(span)
                 if on_captured is not None:
                     on_captured()
@@ -168,24 +168,24 @@ class GraphedDecode:
         return logits
 
     def prefill(self, tokens: torch.Tensor, pos: int) -> torch.Tensor | None:
-        """Logits [V] after the last of `tokens` (int64 [1..SUFFIX_TOKENS] on the device) fed at pos..,
-        from the span's prompt-piece graph (the piece padded to SUFFIX_TOKENS; the model ignores the
+        """Logits [V] after the last of `tokens` (int64 [1..piece_tokens] on the device) fed at pos..,
+        from the span's prompt-piece graph (the piece padded to piece_tokens; the model ignores the
         padding), in a buffer the next piece overwrites; None where there is no such graph (the
         model has none, or the padded piece would pass the context): then forward runs it."""
-        count = tokens.shape[0]
-        if not 1 <= count <= SUFFIX_TOKENS or pos + SUFFIX_TOKENS > self.spans[-1]:
+        count, size = tokens.shape[0], self.piece_tokens
+        if not 1 <= count <= size or pos + size > self.spans[-1]:
             return None
-        captured = self._piece_graphs.get(self.spans[bisect.bisect_left(self.spans, pos + SUFFIX_TOKENS)])
+        captured = self._piece_graphs.get(self.spans[bisect.bisect_left(self.spans, pos + size)])
         if captured is None:
             return None
-        self._verify_tokens[:count].copy_(tokens)
+        self._piece_tokens[:count].copy_(tokens)
         self._verify_pos.fill_(pos)
         self._piece_count.fill_(count)
         graph, logits = captured
         graph.replay()
         self._next_pos = None
         self.model.set_length(pos + count)
-        return logits[count - 1]
+        return logits
 
     def close(self) -> None:
         self._captured.clear()
@@ -195,9 +195,9 @@ class GraphedDecode:
     def _capture_piece(self, span: int) -> bool:
         """The prompt-piece graph of `span`; False where the model has none. Its warm-up run and the
         capture feed the (zero) static tokens at position 0, before any request."""
-        tokens = self._verify_tokens[:SUFFIX_TOKENS]
+        tokens = self._piece_tokens
         self._verify_pos.zero_()
-        self._piece_count.fill_(SUFFIX_TOKENS)
+        self._piece_count.fill_(self.piece_tokens)
         side = self._streams[self.device]
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

@@ -257,16 +257,21 @@ class CausalLM(nn.Module, ABC):
         model (or its split) has no such step, and verifies run eagerly through forward."""
         return None
 
+    # The tokens of a prompt-piece graph (prefill_graphable), shorter pieces padded up to it. A piece
+    # costs about a read of the weights whatever its length, so longer ones mean fewer replays, as
+    # long as what a piece's attention holds at once stays small.
+    prefill_piece_tokens = 16
+
     def prefill_graphable(
         self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, span: int
     ) -> torch.Tensor | None:
         """A prompt piece as a step a CUDA graph can replay (a follow-up's short suffix): tokens
         (int64 [T] on the device) at positions pos.., of which the first `count` (int64 [1]) are the
-        prompt's and the rest padding that must leave nothing a later position reads. Returns
-        float32 logits [T, V] (rows past count are garbage); None: no such step. By default the
-        verify step, for models whose state is a cache row per position masked by position (the
-        padding's rows are never read before decode writes them again)."""
-        return self.verify_graphable(tokens, pos, span)
+        prompt's and the rest padding that must leave nothing a later position reads (a cache row
+        per position, masked by position, is never read before decode writes it again). Writes the
+        state as forward(tokens[:count], pos, "last") does and returns its float32 logits [V].
+        None: this model (or its split) has no such step."""
+        return None
 
     @abstractmethod
     def decode_devices(self) -> list[torch.device]:

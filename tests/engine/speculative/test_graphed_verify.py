@@ -60,6 +60,34 @@ def test_graphable_verify_equals_forward(sources, family: str, attention: str) -
     torch.testing.assert_close(graphable._cache[:, :, :, :pos], eager._cache[:, :, :, :pos])
 
 
+@pytest.mark.parametrize("real", [16, 5])
+def test_a_padded_prompt_piece_equals_forward(sources, real: int) -> None:
+    """prefill_graphable: 16 tokens of which `real` are the prompt's (the rest junk) give forward's
+    logits after the last real one and write its cache rows; the padding's rows are overwritten
+    by the next forward before anything reads them."""
+    device = torch.device("cpu")
+    eager = load_model(sources["llama"], device, torch.float32).model
+    graphable = load_model(sources["llama"], device, torch.float32).model
+    for model in (eager, graphable):
+        model.allocate_cache(CONTEXT)
+    ids = torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        for model in (eager, graphable):
+            model.forward(ids[:20], 0, "none")
+        expected = eager.forward(ids[20 : 20 + real], 20, "last")
+        piece = torch.cat((ids[20 : 20 + real], ids[: 16 - real]))
+        got = graphable.prefill_graphable(piece, torch.tensor([20]), torch.tensor([real]), CONTEXT)
+        assert got is not None
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        after = 20 + real
+        torch.testing.assert_close(
+            graphable.forward(ids[after : after + 3], after, "all"),
+            eager.forward(ids[after : after + 3], after, "all"),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_speculation_through_verify_graphs_keeps_the_tokens(tmp_path: Path, family: str) -> None:

@@ -335,12 +335,30 @@ class DenseModel(CausalLM):
             return None
         if not 0 < span <= self._context:
             raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        return self._tokens_graphable(tokens, pos, span, None)
+
+    def prefill_graphable(
+        self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, span: int
+    ) -> torch.Tensor | None:
+        """See CausalLM.prefill_graphable: the verify step's layers, the head on the last real row."""
+        if len(self._shards) != 1:
+            return None
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        return self._tokens_graphable(tokens, pos, span, count - 1)[0]
+
+    def _tokens_graphable(
+        self, tokens: torch.Tensor, pos: torch.Tensor, span: int, row: torch.Tensor | None
+    ) -> torch.Tensor:
+        """T tokens at device positions pos.. on one shard; logits [T, V], or [1, V] of `row`."""
         cfg, shard = self.config, self._shards[0]
         x = packed_embed(self.model.embed_tokens, tokens)  # [T, hidden]
         kernel = self.decode_attention == "triton" and fused_decode.enabled(shard.device)
         steps = VerifySteps(cfg, self.one_pass_norm, shard, pos, span, tokens.shape[0], kernel)
         for plan in shard.plans:
             x = steps.layer(x, plan)
+        if row is not None:
+            x = x.index_select(0, row)
         x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.one_pass_norm)
         return self.logits_from(x, "all", x)
 

@@ -36,7 +36,7 @@ from ds4desk.engine.kernels.qwen3_5 import linear_decode
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
 from ds4desk.engine.models.base import CausalLM, CenteredNorm, LogitsMode, load_failure
 from ds4desk.engine.models.packed import Projection, embed, embedding, linear, projection_of
-from ds4desk.engine.models.qwen3_5 import attention, linear_attention, moe
+from ds4desk.engine.models.qwen3_5 import attention, delta_rule, linear_attention, moe
 from ds4desk.engine.models.qwen3_5.attention import AttentionPlan, GatedAttention, Positions
 from ds4desk.engine.models.qwen3_5.config import LINEAR, Qwen35Config
 from ds4desk.engine.models.qwen3_5.linear_attention import GatedDeltaNet, LinearPlan
@@ -324,6 +324,9 @@ class Qwen35Model(CausalLM):
             for plan in plans:
                 plan.written = None
 
+    # Pieces of a whole delta-rule chunk: a follow-up's question is mostly one replay.
+    prefill_piece_tokens = delta_rule.CHUNK
+
     def prefill_graphable(
         self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, span: int
     ) -> torch.Tensor | None:
@@ -345,7 +348,7 @@ class Qwen35Model(CausalLM):
         rows = pos + torch.arange(tokens.shape[0], device=pos.device)
         x = embed(self.model.embed_tokens, tokens)
         x = self._layers(shard, x, shard.tables.positions(rows, span), prefill=False, real=count)
-        return self._logits(x)
+        return self._logits(x.index_select(0, count - 1))[0]
 
     def _linear_plans(self) -> list[LinearPlan]:
         return [plan for shard in self._shards for plan in shard.linear_plans]
