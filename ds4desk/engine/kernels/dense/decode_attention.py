@@ -127,8 +127,10 @@ def decode_attention(
         raise ValueError(
             f"shapes do not fit: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
         )
-    if tokens < 1 or q.shape[1] % tokens or (ordered is not None and tokens != 1):
-        raise ValueError(f"{q.shape[1]} query rows are not a read-order row of {tokens} tokens")
+    if tokens < 1 or q.shape[1] % tokens:
+        raise ValueError(f"{q.shape[1]} query rows a kv head are not {tokens} tokens' query heads")
+    if ordered is not None and tokens != 1:
+        raise ValueError("decode_attention writes a read-order copy for one token only")
     if enabled(q.device):
         buffer, kind, groups = ordered if ordered is not None else (None, 0, 1)
         return _fused_op(q, keys, values, pos, scale, window, buffer, kind, groups, tokens)

@@ -191,7 +191,8 @@ def spelled_out_tokens(
 @pytest.mark.parametrize("window", [None, 5])
 def test_a_few_tokens_each_see_up_to_their_own_position(window: int | None) -> None:
     """tokens = 4: every query row masked at its own position, in the eager form and the Triton
-    kernel (interpreter or GPU); a read-order copy needs one token."""
+    kernel (interpreter or GPU); rows that are not whole tokens and a read-order copy of several
+    tokens are refused."""
     q, keys, values = inputs(seed=2, group=8)
     at = torch.tensor([14])
     got = da.decode_attention(q, keys, values, at, D**-0.5, window, tokens=4)
@@ -199,8 +200,10 @@ def test_a_few_tokens_each_see_up_to_their_own_position(window: int | None) -> N
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
     one_token = spelled_out(q, keys, values, 14, D**-0.5, window)
     assert (got.double() - one_token).abs().max() > 1e-2  # the later tokens see more keys
-    with pytest.raises(ValueError, match="read-order row"):
+    with pytest.raises(ValueError, match="not 3 tokens"):
         da.decode_attention(q, keys, values, at, D**-0.5, None, tokens=3)
+    with pytest.raises(ValueError, match="one token only"):
+        da.decode_attention(q, keys, values, at, D**-0.5, None, (torch.zeros(q.numel()), 12, 2), tokens=4)
     stdout = run_triton_check(_TOKENS_CHECK)
     assert "tokens ok 16" in stdout
 
