@@ -411,16 +411,13 @@ class Runtime:
         of snapshots the store no longer holds, to stay within the budget."""
         live = {id(s) for s in store.list()}  # each held by its entry, so no id is reused
         self._resident = [r for r in self._resident if id(r.snapshot) in live]
-        nbytes = snap.nbytes
-        if nbytes > self.resident_snapshot_bytes:
-            return
-        limit = self.resident_snapshot_bytes
-        if self.device.type == "cuda":
+        nbytes, limit = snap.nbytes, self.resident_snapshot_bytes
+        if limit and self.device.type == "cuda":
             limit = min(limit, torch.cuda.mem_get_info(self.device)[0] // 4)
-        while self._resident and sum(r.nbytes for r in self._resident) + nbytes > limit:
-            self._resident.pop(0)
         if nbytes > limit:
             return
+        while self._resident and sum(r.nbytes for r in self._resident) + nbytes > limit:
+            self._resident.pop(0)
         try:
             # From the pinned host copy, asynchronously: the answer is already out.
             state = {k: v.to(self.device, non_blocking=True, copy=True) for k, v in snap.state.items()}
