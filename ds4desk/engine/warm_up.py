@@ -12,8 +12,8 @@ request takes, on made-up token ids:
 2. a greedy answer: a prompt of one prefill chunk, then decode steps (replayed from the graphs, or
    eager), with the speculative mode the model was loaded with (the verify forward; a draft model's
    prefill and steps);
-3. a prompt prefilled in two chunks (on a GPU a whole prefill chunk first): the second starts past
-   position 0, as a long prompt's later chunk and a chat's follow-up after its snapshot do;
+3. a prompt prefilled in two chunks: the second starts past position 0, as a long prompt's later
+   chunk and a chat's follow-up after its snapshot do;
 4. a sampled answer with log-probabilities (temperature, top-k, top-p, the seeded generator, the
    log-probability entries).
 
@@ -49,8 +49,8 @@ class WarmUpSizes:
 
     prompt: int  # the greedy answer's prompt, one prefill chunk
     answer: int  # its decode steps: a few speculative verify rounds
-    split_at: int  # the first chunk of the prompt prefilled in two (0: a whole prefill chunk)
-    split_prompt: int  # that prompt's tokens after it
+    split_prompt: int  # the prompt prefilled in two chunks
+    split_at: int  # where its second chunk starts
     sampled_prompt: int  # the sampled answer's prompt
 
     @staticmethod
@@ -61,28 +61,24 @@ class WarmUpSizes:
         context = runtime.context
         answer = max(1, min(wanted.answer, context // 4))
         prompt = max(1, min(wanted.prompt, runtime.chunk, context - answer))
-        split_at = wanted.split_at or runtime.chunk
-        split_prompt = min(split_at + wanted.split_prompt, context)
-        split_at = max(1, min(split_at, split_prompt - 1))
+        split_prompt = min(wanted.split_prompt, context)
+        split_at = max(1, min(wanted.split_at, split_prompt - 1))
         sampled_prompt = max(1, min(wanted.sampled_prompt, context - SAMPLED_TOKENS))
-        return WarmUpSizes(prompt, answer, split_at, split_prompt, sampled_prompt)
+        return WarmUpSizes(prompt, answer, split_prompt, split_at, sampled_prompt)
 
 
 # On a GPU the prompt is long enough for the paths that start at a length: DeepSeek-V4's 128-token
 # compression, the matmuls past the GEMV row limits (8 and 16 rows), the prefill attention kernels;
 # compute there is cheap. Triton compiles a kernel once per specialization of its integer arguments
 # (equal to 1, divisible by 16, neither): 250 tokens is the common case of a prompt (not a multiple
-# of 16), and the other requests' 16 tokens and whole chunks cover the rest. The two-chunk prompt
-# is a whole prefill chunk, then 250 tokens after it: the shapes of a first long prompt (a chunk's
-# matmuls, attention of a later chunk over more keys than it has), whose kernels a fresh process
-# otherwise loads and picks during the first answer; short prompts run on the prompt-piece graphs.
+# of 16), and the other requests' 8, 24 and 16 tokens cover the rest.
 # On the CPU compute is what costs: a forward of more than 16 tokens leaves
 # the fused C step (models/cpu_decode.py) for packed matmuls that dequantize every weight once per
 # forward, whatever its length. So one prompt of 17 tokens takes that path once, and the rest stays
 # in the fused step (the two-chunk prompt's second chunk starts past position 0 there).
 _SIZES = {
-    "cuda": WarmUpSizes(prompt=250, answer=8, split_at=0, split_prompt=250, sampled_prompt=16),
-    "cpu": WarmUpSizes(prompt=17, answer=4, split_at=1, split_prompt=3, sampled_prompt=1),
+    "cuda": WarmUpSizes(prompt=250, answer=8, split_prompt=32, split_at=8, sampled_prompt=16),
+    "cpu": WarmUpSizes(prompt=17, answer=4, split_prompt=4, split_at=1, sampled_prompt=1),
 }
 
 

@@ -252,22 +252,6 @@ def _fields(request: LoadRequest) -> dict[str, object]:
 # ---- the runtime on its own: any context fits ------------------------------------------------------
 
 
-def test_on_a_gpu_the_two_chunk_prompt_starts_with_a_whole_chunk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GPU's sizes (tried on a CPU runtime): a whole prefill chunk, then 250 tokens, fitted to
-    the context where it is shorter."""
-    from ds4desk.engine import warm_up
-
-    monkeypatch.setitem(warm_up._SIZES, "cpu", warm_up._SIZES["cuda"])
-    model = load_model(
-        save_tiny("llama", tmp_path / "llama", seed=5)[1], torch.device("cpu"), torch.float32
-    ).model
-    for context, chunk, expected in ((1024, 512, (512, 762)), (600, 512, (512, 600)), (96, 512, (95, 96))):
-        sizes = WarmUpSizes.for_runtime(Runtime(model, torch.device("cpu"), context=context, chunk=chunk))
-        assert (sizes.split_at, sizes.split_prompt) == expected
-
-
 @pytest.mark.parametrize(("context", "chunk"), [(2, 1), (16, 4), (64, 64)])
 def test_the_warm_up_fits_any_context_and_leaves_the_answer_alone(
     tmp_path: Path, context: int, chunk: int
