@@ -55,7 +55,6 @@ class _Resident:
     snapshot: Snapshot
     state: dict[str, torch.Tensor]
     logits: torch.Tensor
-    nbytes: int
 
 
 @dataclass(slots=True)
@@ -416,7 +415,7 @@ class Runtime:
             limit = min(limit, torch.cuda.mem_get_info(self.device)[0] // 4)
         if nbytes > limit:
             return
-        while self._resident and sum(r.nbytes for r in self._resident) + nbytes > limit:
+        while self._resident and sum(r.snapshot.nbytes for r in self._resident) + nbytes > limit:
             self._resident.pop(0)
         try:
             # From the pinned host copy, asynchronously: the answer is already out.
@@ -424,7 +423,7 @@ class Runtime:
             logits = snap.logits.to(self.device, non_blocking=True, copy=True)
         except torch.OutOfMemoryError:
             return
-        self._resident.append(_Resident(snap, state, logits, nbytes))
+        self._resident.append(_Resident(snap, state, logits))
 
     def _prefill(
         self,
