@@ -183,7 +183,31 @@ def check_kernel(folder: Path, case: str, dtype: torch.dtype, prefill: int, step
     equals_one_prefill(comp, ours, rows, prefill + steps)
 
 
+def check_stop(folder: Path, case: str, dtype: torch.dtype, prefill: int, run) -> None:
+    """`run` (the kernel or the reference) with a stop: at pos >= stop (a prompt piece's padding)
+    nothing changes, windows that would close included; below it, the step without a stop."""
+    comp = compressor(folder, case, dtype)
+    comp.prefill(prefill)
+    state, rows = copy_state(comp.state), comp.rows.clone()
+    for pos in range(prefill, prefill + 2 * comp.rate + 1):
+        before, rows_before = copy_state(state), rows.clone()
+        for stop in (pos, pos - 1 if pos else pos):
+            run(*comp.step_args(state, rows, pos), torch.tensor([stop], device=DEVICE))
+            for a, b in zip(state.tensors(), before.tensors(), strict=True):
+                assert torch.equal(a, b), (case, pos, stop)
+            assert torch.equal(rows, rows_before), (case, pos, stop)
+        plain, plain_rows = copy_state(state), rows.clone()
+        v4_compress_step.reference(*comp.step_args(plain, plain_rows, pos))
+        run(*comp.step_args(state, rows, pos), torch.tensor([pos + 1], device=DEVICE))
+        compare(state, plain, rows, plain_rows, dtype == torch.float32)
+
+
 # --- the eager reference (no Triton needed) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["csa", "indexer", "hca"])
+def test_the_reference_leaves_the_state_alone_at_and_past_a_stop(tmp_path: Path, case: str) -> None:
+    check_stop(tmp_path, case, torch.float32, 2, v4_compress_step.reference)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -221,7 +245,7 @@ import sys
 from pathlib import Path
 import torch
 from tests.engine.kernels.deepseek_v4 import test_compress_step as test_v4_compress_step
-from tests.engine.kernels.deepseek_v4.test_compress_step import check_kernel
+from tests.engine.kernels.deepseek_v4.test_compress_step import check_kernel, check_stop
 
 if torch.cuda.is_available():
     test_v4_compress_step.DEVICE = torch.device("cuda")
@@ -231,6 +255,9 @@ cases = [("csa", 6, 14), ("indexer", 0, 13), ("hca", 13, 19), ("hca_rate_128", 1
 for case, prefill, steps in cases + [("hca_no_rows", 1, 5), ("hca_clamped", 2, 11)]:
     for dtype in (torch.float32, torch.bfloat16):
         check_kernel(folder / f"{case}-{dtype}", case, dtype, prefill, steps)
+kernel = test_v4_compress_step.v4_compress_step._triton_kernel()
+for case, prefill in (("csa", 2), ("indexer", 0), ("hca", 5)):
+    check_stop(folder / f"stop-{case}", case, torch.float32, prefill, kernel)
 print("triton ok")
 """
 
@@ -238,7 +265,8 @@ print("triton ok")
 def test_the_triton_kernel_equals_the_reference(tmp_path: Path) -> None:
     """On CUDA the real kernel; without a GPU, Triton's interpreter. CSA from a mid-window prefill,
     the indexer's compressor from nothing (window 0), HCA from mid-window, and rate 128 with several
-    row blocks; float32 tight, bf16 loose. Skipped where Triton is not installed."""
+    row blocks; float32 tight, bf16 loose; then steps with a stop. Skipped where Triton is not
+    installed."""
     stdout = run_triton_check(_KERNEL_CHECK.replace("sys.argv[1]", repr(str(tmp_path))))
     assert "triton ok" in stdout
 
@@ -354,10 +382,11 @@ def test_the_kernel_compiles_for_hopper_at_flash_shapes(tmp_path: Path, case: st
     assert kernel is not None
     pointers = {"kv": dtype, "gate": dtype, "bias": "fp32", "norm": "fp32", "state_kv": "fp32"}
     pointers |= {"state_gate": "fp32", "prev_kv": "fp32", "prev_gate": "fp32", "rows": dtype}
-    pointers |= {"pos_ptr": "i64", "cos": "fp32", "sin": "fp32"}
+    pointers |= {"pos_ptr": "i64", "stop_ptr": "i64", "cos": "fp32", "sin": "fp32"}
     signature = {name: "*" + kind for name, kind in pointers.items()}
     signature |= {"table_stride": "i32", "eps": "fp32", "count": "i32"}
-    constants = v4_compress_step.launch_constants(rate, width, overlap, rows, 32)
+    # A prompt piece's stop on CSA's shapes (the branch wraps the whole body).
+    constants = v4_compress_step.launch_constants(rate, width, overlap, rows, 32, stop=case == "csa")
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
     source = ASTSource(
