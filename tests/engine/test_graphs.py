@@ -124,11 +124,18 @@ def _greedy(runtime: Runtime, ids: list[int], count: int, **more: object) -> Run
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_short_prompts_and_follow_ups_run_on_the_prompt_piece_graphs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
+def test_short_prompts_and_follow_ups_run_on_the_prompt_piece_graphs(tmp_path: Path, family: str) -> None:
     """On a GPU: a short prompt (its last piece padded) and a follow-up's suffix after a snapshot
     kept on the device run on the prompt-piece graphs; a second follow-up so near the end of the
     context that a padded piece would pass it runs eagerly; all answer as the eager runtime does."""
-    source = save_tiny("llama", tmp_path / "llama", max_position_embeddings=320)[1]
+    if family == "llama":
+        source = save_tiny("llama", tmp_path / "llama", max_position_embeddings=320)[1]
+    else:
+        from ds4desk.engine.make_tiny import make_tiny
+
+        make_tiny("deepseek_v4", tmp_path / "v4")
+        source = source_from_folder(tmp_path / "v4")
     device = torch.device("cuda")
     prompt = [int(t) for t in torch.randint(0, 256, (180,), generator=torch.Generator().manual_seed(9))]
     results = []

@@ -104,10 +104,14 @@ class GraphableDecode:
         if stop < cfg.num_layers:
             return (streams if last is None else ops.expand(streams, *last)), token, pos
         h = self._hc_head(streams) if last is None else self._hc_head_fused(streams, last)
+        return (self._one_row_logits(h),)
+
+    def _one_row_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head of one row h [1, D]: float32 logits [V]."""
         head = self.head_weight()
         if decode_kernels.one_row(h, head):
-            return (decode_kernels.gemv(h, head, h.new_empty((1, head.shape[0]), dtype=torch.float32))[0],)
-        return (torch.mm(h, head.t()).float()[0],)
+            return decode_kernels.gemv(h, head, h.new_empty((1, head.shape[0]), dtype=torch.float32))[0]
+        return torch.mm(h, head.t()).float()[0]
 
     def _decode_layers_fused(
         self,
@@ -153,11 +157,9 @@ class GraphableDecode:
         span: int,
         turns: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        cfg, cache, steps = self.config, self._cache, self._steps
-        assert cache is not None and steps is not None
-        state = cache.layers[index]
+        cfg = self.config
         layer_type = cfg.layer_types[index]
-        heads, dim, window, eps = cfg.num_heads, cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
+        heads, dim, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
         table = "main" if layer_type == SLIDING else "compress"
         cos, sin = self._tables[table]
         if table not in turns:
@@ -179,26 +181,50 @@ class GraphableDecode:
             q = ops.norm_rope(q, None, eps, turn)  # [H, d]
             kv = ops.norm_rope(ops.linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
 
-        # Write first, then attend over the whole ring in physical order: slot s holds the latest
-        # position ≡ s (mod W), which is in this query's window, or was never written by this
-        # request while pos < W - 1 (slots above pos: masked).
-        ring = state.ring
-        ring.index_copy_(0, pos % window, kv)
-        extra = extra_ready = picks = None
-        if attn.compressor is not None:
-            extra, extra_ready, picks = self._decode_compressed(
-                layer_type, attn.compressor, state, x, q_res, pos, span, turn
-            )
-        # One softmax over raw and compressed keys (each with the position from which it is
-        # visible) and the per-head sink logit (no value), the rope dims rotated back: [H, d].
-        out = decode_attention(
-            q, ring, steps[:window], extra, extra_ready, picks, attn.sinks, pos, dim**-0.5, turn
-        )
+        out = self._attend_one(index, attn, x, q_res, q, kv, pos, span, turn)
 
         groups = cfg.o_groups
         o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
         low = torch.bmm(out.view(groups, 1, -1), o_a.transpose(1, 2)).view(1, -1)  # heads are grouped
         return ops.linear(low, attn.o_b_proj)
+
+    def _attend_one(
+        self,
+        index: int,
+        attn: Attention,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        pos: torch.Tensor,
+        span: int,
+        turn: torch.Tensor,
+        stop: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One query's cache writes and attention at `pos` (int64 [1]): layer input x [1, D], its
+        normed low-rank query q_res [1, r], rotated query q [H, d] and key kv [1, d]; the output
+        [H, d] with the rope dims rotated back. With `stop` (a prompt piece): only when pos < stop
+        does the token change the cache (padding writes nothing)."""
+        cfg, cache, steps = self.config, self._cache, self._steps
+        assert cache is not None and steps is not None
+        state, window = cache.layers[index], cfg.sliding_window
+        # Write first, then attend over the whole ring in physical order: slot s holds the latest
+        # position ≡ s (mod W), which is in this query's window, or was never written by this
+        # request while pos < W - 1 (slots above pos: masked).
+        ring, slot = state.ring, pos % window
+        if stop is not None:
+            kv = torch.where(pos < stop, kv, ring.index_select(0, slot))
+        ring.index_copy_(0, slot, kv)
+        extra = extra_ready = picks = None
+        if attn.compressor is not None:
+            extra, extra_ready, picks = self._decode_compressed(
+                cfg.layer_types[index], attn.compressor, state, x, q_res, pos, span, turn, stop
+            )
+        # One softmax over raw and compressed keys (each with the position from which it is
+        # visible) and the per-head sink logit (no value), the rope dims rotated back: [H, d].
+        return decode_attention(
+            q, ring, steps[:window], extra, extra_ready, picks, attn.sinks, pos, cfg.head_dim**-0.5, turn
+        )
 
     def _decode_compressed(
         self,
@@ -210,24 +236,30 @@ class GraphableDecode:
         pos: torch.Tensor,
         span: int,
         turn: torch.Tensor,
+        stop: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Feed the token to the compressor(s) and return the compressed keys with the positions
-        from which each is visible, the first span // rate rows [rows, d] and [rows], and which of
-        them attention scores: HCA every one (None), CSA the indexer's picks [k] (indices: the
-        attention kernel gathers the rows itself). (None, None, None) when the span holds no whole
-        window."""
+        """Feed the token to the compressor(s) (with `stop`: only when pos < stop) and return the
+        compressed keys with the positions from which each is visible, the first span // rate rows
+        [rows, d] and [rows], and which of them attention scores: HCA every one (None), CSA the
+        indexer's picks [k] (indices: the attention kernel gathers the rows itself). (None, None,
+        None) when the span holds no whole window."""
         cfg, steps = self.config, self._steps
         assert steps is not None
         assert state.entries is not None and state.compressor is not None
         rate = cfg.rate(layer_type)
         csa = layer_type == CSA
         # The compressor and the indexer's (CSA) share the window arithmetic: same rate, same rows.
-        at = self._window_step(pos, rate, state.entries.shape[0], csa)
-        self._decode_compress(comp, state.compressor, state.entries, x, at, csa)
+        # A stop needs the op (the eager branch-free form has none): its reference runs off the GPU.
+        at = (
+            _WindowStep(pos)
+            if stop is not None
+            else self._window_step(pos, rate, state.entries.shape[0], csa)
+        )
+        self._decode_compress(comp, state.compressor, state.entries, x, at, csa, stop)
         indexer = comp.indexer if csa else None
         if isinstance(indexer, Indexer):
             assert state.index_entries is not None and state.indexer is not None
-            self._decode_compress(indexer, state.indexer, state.index_entries, x, at, True)
+            self._decode_compress(indexer, state.indexer, state.index_entries, x, at, True, stop)
         rows = span // rate
         if rows == 0:  # pos < span <= rate - 1: no window has closed yet
             return None, None, None
@@ -264,6 +296,7 @@ class GraphableDecode:
         x: torch.Tensor,
         at: _WindowStep,
         overlap: bool,
+        stop: torch.Tensor | None = None,
     ) -> None:
         """_compress for one token without branches: the entry of the window holding pos is pooled
         every step and written back unchanged unless pos closes it; the open window takes the token
@@ -284,6 +317,7 @@ class GraphableDecode:
                 cos,
                 sin,
                 self.config.rms_norm_eps,
+                stop,
             )
             return
         kv = (x @ comp.kv_proj.weight.t()).float()  # [1, width]

@@ -25,8 +25,9 @@ was written by this request.
 
 This module holds the model itself: loading and placement, the cache's allocation, export and
 import, and the prefill forward. The layer math lives in mixins, one job each: HyperConnectionSites
-(hyper.py), PrefillAttention (attention.py), MixtureOfExperts (moe.py) and GraphableDecode
-(decode.py, the CUDA-graph capturable step); ops.py has the math on tensors they share.
+(hyper.py), PrefillAttention (attention.py), MixtureOfExperts (moe.py), GraphableDecode
+(decode.py, the CUDA-graph capturable step) and GraphablePiece (piece.py, a capturable prompt piece);
+ops.py has the math on tensors they share.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from ds4desk.engine.models.deepseek_v4.modules import (
 )
 from ds4desk.engine.models.deepseek_v4.moe import MixtureOfExperts
 from ds4desk.engine.models.deepseek_v4.mtp import MtpTracking
+from ds4desk.engine.models.deepseek_v4.piece import GraphablePiece
 from ds4desk.engine.models.deepseek_v4.verify import VerifyRollback
 from ds4desk.engine.split import materialize_parameters
 
@@ -74,6 +76,7 @@ class DeepseekV4Model(
     PrefillAttention,
     MixtureOfExperts,
     GraphableDecode,
+    GraphablePiece,
     VerifyRollback,
     MtpTracking,
     CausalLM,

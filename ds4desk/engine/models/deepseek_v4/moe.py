@@ -49,7 +49,8 @@ class MixtureOfExperts:
     # Graphable MoE: None picks by cost (see _decode_moe); True / False force all experts / a gather.
     graph_dense_moe: bool | None = None
 
-    def _moe(self, moe: Moe, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _route(self, moe: Moe, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's experts and their weights, float32: [T, k] each (no host read)."""
         cfg = self.config
         gate = moe.gate
         scores = F.softplus((x @ gate.weight.t()).float()).sqrt()  # [T, E]
@@ -59,7 +60,11 @@ class MixtureOfExperts:
         else:
             chosen = (scores + gate.e_score_correction_bias).topk(cfg.experts_per_token, dim=-1).indices
         weights = scores.gather(1, chosen)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        return chosen, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+
+    def _moe(self, moe: Moe, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        chosen, weights = self._route(moe, x, ids)
 
         # Grouped by expert: the (token, slot) pairs sorted by expert and one host read of the group
         # sizes; no per-token work.

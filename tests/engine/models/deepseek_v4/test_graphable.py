@@ -318,3 +318,67 @@ def test_contexts_that_end_inside_a_compressed_window(tmp_path: Path, context: i
             ours = stepper.step(ids[pos], pos, context)
             assert relative_error(ours, eager.forward(torch.tensor([ids[pos]]), pos, "last")) < 1e-5, pos
         assert_same_state(graphable, eager, context)
+
+
+PIECE = 16  # DeepseekV4Model.prefill_piece_tokens
+
+
+def assert_same_carried_state(ours: DeepseekV4Model, ref: DeepseekV4Model, length: int) -> None:
+    """assert_same_state over what a later position reads: of each compressor's open window
+    (carry tensors 0 and 1) only the rows of positions already fed (length mod rate); the rest
+    is left over from earlier windows, differently by a chunk and by steps, and always rewritten
+    before the window closes."""
+    a, b = ours.export_state(length), ref.export_state(length)
+    assert a.keys() == b.keys()
+    for name in a:
+        layer, *part = name.split(".")
+        ours_t, ref_t = a[name], b[name]
+        if part[0] in ("compressor", "indexer") and part[1] in ("0", "1"):
+            fed = length % ours.config.rate(ours.config.layer_types[int(layer)])
+            ours_t, ref_t = ours_t[:fed], ref_t[:fed]
+        assert torch.allclose(ours_t, ref_t, rtol=1e-5, atol=1e-5), name
+
+
+@pytest.mark.parametrize("dense", [None, False])
+@pytest.mark.parametrize(("start", "real"), [(0, 16), (0, 5), (9, 3), (14, 1), (37, 11)])
+def test_a_padded_prompt_piece_equals_forward(source: ModelSource, start: int, real: int, dense) -> None:
+    """A piece of `real` tokens padded to 16 (the padding random ids, not zeros) leaves the state
+    forward leaves for those tokens alone, returns its last logits, and decoding on from it equals
+    decoding on from forward. Pieces cross CSA and HCA window ends and wrap the sliding ring."""
+    piece, eager = load(source), load(source)
+    piece.graph_dense_moe = dense
+    ids = tokens(source, start + real + 8, seed=start + real)
+    padding = tokens(source, PIECE - real, seed=99)
+    with torch.inference_mode():
+        if start:
+            piece.forward(torch.tensor(ids[:start]), 0, "none")
+            eager.forward(torch.tensor(ids[:start]), 0, "none")
+        ref = eager.forward(torch.tensor(ids[start : start + real]), start, "last")
+        ours = piece.prefill_graphable(
+            torch.tensor(ids[start : start + real] + padding),
+            torch.tensor([start]),
+            torch.tensor([real]),
+            smallest_bucket(start + PIECE - 1),
+        )
+        assert ours is not None and ours.shape == ref.shape and ours.dtype == torch.float32
+        assert relative_error(ours, ref) < 1e-5
+        piece.set_length(start + real)
+        assert_same_carried_state(piece, eager, start + real)
+        stepper = Stepper(piece)
+        for pos in range(start + real, len(ids)):
+            ours = stepper.step(ids[pos], pos, smallest_bucket(pos))
+            ref = eager.forward(torch.tensor([ids[pos]]), pos, "last")
+            assert relative_error(ours, ref) < 1e-5, pos
+
+
+def test_a_split_model_has_no_prompt_piece_step(source: ModelSource) -> None:
+    model = load(source)
+    model._boundaries = {2: CPU}  # what a split leaves; its pieces run eagerly
+    with torch.inference_mode():
+        step = model.prefill_graphable(
+            torch.zeros(PIECE, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long),
+            32,
+        )
+    assert step is None

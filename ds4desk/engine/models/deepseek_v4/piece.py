@@ -1,0 +1,166 @@
+"""DeepSeek-V4's prompt piece as a CUDA-graph capturable step: a follow-up's short suffix.
+
+A piece of T tokens (the model's prefill_piece_tokens, the first `count` real, the rest padding) at
+device positions pos..pos+T-1. What reads the weights runs once for all T rows: the projections,
+the hyper-connection sites, the MoE and the head. What writes the cache runs a token at a time,
+exactly as the graphable decode step (decode.py) does, so each query sees the ring and the
+compressed rows as they stand after its own position: the ring slot is written, the compressors
+fed, then the query attends. Padding changes nothing (`stop` = pos + count): its ring writes put
+the old rows back and the compressor op skips it, since a padded position would close windows and
+move the overlap state a later real token still needs.
+
+The MoE runs every expert on all T rows, the unchosen weighing zero, where that reads no more than
+the T tokens' own picks would (few experts, float weights; graph_dense_moe forces either way);
+otherwise each row goes through the decode step's MoE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
+from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
+from ds4desk.engine.models.deepseek_v4 import ops
+from ds4desk.engine.models.deepseek_v4.cache import RopeTables, V4Cache
+from ds4desk.engine.models.deepseek_v4.config import SLIDING, DeepseekV4Config
+from ds4desk.engine.models.deepseek_v4.modules import Attention, Backbone, Moe
+
+
+class GraphablePiece:
+    """DeepseekV4Model's prefill_graphable (a mixin over GraphableDecode, HyperConnectionSites and
+    MixtureOfExperts)."""
+
+    config: DeepseekV4Config
+    model: Backbone
+    _cache: V4Cache | None
+    _context: int
+    _tables: RopeTables
+    _boundaries: dict[int, torch.device]
+    graph_dense_moe: bool | None
+
+    def prefill_graphable(
+        self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, span: int
+    ) -> torch.Tensor | None:
+        """See CausalLM.prefill_graphable: one shard only (a split runs pieces eagerly)."""
+        cache = self._cache
+        if cache is None:
+            raise RuntimeError("prefill_graphable before allocate_cache")
+        if self._boundaries:
+            return None
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        cfg = self.config
+        size = tokens.shape[0]
+        cache.length = 0  # until set_length: forward and export_state refuse to continue from here
+        positions = pos + torch.arange(size, device=pos.device)  # [T]
+        stop = pos + count  # [1]: padding from here on
+        x = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, D]
+        streams = x.unsqueeze(1).expand(size, cfg.hc_mult, cfg.hidden_size).contiguous()
+        turns: dict[str, torch.Tensor] = {}  # the rotation at each position, per table: [T, r / 2]
+        last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        fused = v4_hc_fused.enabled(streams, cfg.hc_mult)
+        for index, layer in enumerate(self.model.layers):
+            if fused:
+                streams, h, post, comb = self._hc_site_fused(
+                    streams, last, layer.attn_hc, layer.input_layernorm
+                )
+            else:
+                h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
+            y = self._piece_attention(index, layer.self_attn, h, pos, positions, stop, span, turns)
+            if fused:
+                streams, h, post, comb = self._hc_site_fused(
+                    streams, (y, post, comb), layer.ffn_hc, layer.post_attention_layernorm
+                )
+            else:
+                streams = ops.expand(streams, y, post, comb)
+                h, post, comb = self._hc_site(streams, layer.ffn_hc, layer.post_attention_layernorm.weight)
+            y = self._piece_moe(layer.mlp, h, tokens)
+            if fused:
+                last = (y, post, comb)
+            else:
+                streams = ops.expand(streams, y, post, comb)
+        row = count - 1  # the last real token's row
+        streams = streams.index_select(0, row)
+        if last is None:
+            h = self._hc_head(streams)
+        else:
+            h = self._hc_head_fused(streams, tuple(t.index_select(0, row) for t in last))
+        return self._one_row_logits(h)
+
+    def _piece_attention(
+        self,
+        index: int,
+        attn: Attention,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        positions: torch.Tensor,
+        stop: torch.Tensor,
+        span: int,
+        turns: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Layer `index`'s attention for the piece x [T, D]: projections for all rows (as prefill's
+        _attention), the cache writes and attention a query at a time (decode's _attend_one)."""
+        cfg = self.config
+        size = x.shape[0]
+        heads, dim, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+        table = "main" if cfg.layer_types[index] == SLIDING else "compress"
+        cos, sin = self._tables[table]
+        if table not in turns:
+            turns[table] = ops.rotation(cos.index_select(0, positions), sin.index_select(0, positions))
+        turn = turns[table]
+        if v4_norm_rope.enabled(x):  # rows at consecutive positions from pos, read on the device
+            rope = 2 * cos.shape[-1]
+            q_a = ops.linear(x, attn.q_a_proj)
+            q_res = v4_norm_rope.norm_rope(q_a, attn.q_a_norm.weight, eps, cos, sin, pos, 0, q_a.dtype)
+            q = ops.linear(q_res, attn.q_b_proj).view(size * heads, dim)
+            q = v4_norm_rope.norm_rope(q, None, eps, cos, sin, pos, rope, q.dtype, heads).view(
+                size, heads, dim
+            )
+            kv = ops.linear(x, attn.kv_proj)
+            kv = v4_norm_rope.norm_rope(kv, attn.kv_norm.weight, eps, cos, sin, pos, rope, kv.dtype, 1)
+        else:
+            q_res = ops.rms_norm(ops.linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
+            q = ops.linear(q_res, attn.q_b_proj).view(size, heads, dim)
+            q = ops.norm_rope(q, None, eps, turn.unsqueeze(1))
+            kv = ops.norm_rope(ops.linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
+        out = torch.stack(
+            [
+                self._attend_one(
+                    index,
+                    attn,
+                    x[t : t + 1],
+                    q_res[t : t + 1],
+                    q[t],
+                    kv[t : t + 1],
+                    positions[t : t + 1],
+                    span,
+                    turn[t : t + 1],
+                    stop,
+                )
+                for t in range(size)
+            ]
+        )  # [T, H, d]
+        groups = cfg.o_groups
+        grouped = out.reshape(size, groups, -1).transpose(0, 1)  # [G, T, H d / G]
+        o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
+        low = torch.bmm(grouped, o_a.transpose(1, 2)).transpose(0, 1).reshape(size, -1)
+        return ops.linear(low, attn.o_b_proj)
+
+    def _piece_moe(self, moe: Moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The MoE of the piece's rows x [T, D]: every expert at once where they are few and in a
+        float dtype, else the decode step's MoE a row at a time."""
+        cfg = self.config
+        size, experts = x.shape[0], moe.experts
+        dense = self.graph_dense_moe
+        if dense is None:
+            dense = cfg.num_experts <= size * cfg.experts_per_token
+        if not dense or cfg.gguf_experts or experts.gate_up_proj.dtype == torch.uint8:
+            return torch.cat([self._decode_moe(moe, x[t : t + 1], tokens[t : t + 1]) for t in range(size)])
+        chosen, weights = self._route(moe, x, tokens)  # [T, k] each
+        dense = weights.new_zeros((size, cfg.num_experts)).scatter_(1, chosen, weights)  # [T, E]
+        limit = cfg.swiglu_limit
+        hidden = ops.swiglu(*torch.matmul(x, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1), limit)
+        ys = torch.bmm(hidden, experts.down_proj.transpose(1, 2))  # [E, T, D]
+        routed = torch.einsum("te,etd->td", dense, ys.float()).to(x.dtype)
+        return routed + ops.shared_expert(moe.shared_experts, x, limit)
