@@ -166,16 +166,15 @@ def child(config: dict[str, Any]) -> None:
         vocab = config["vocab"]
         ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(config["tokens"])]
         runs = []
-        for _ in range(2):
-            started = time.time()
-            result = engine.generate(
-                GenerateRequest(
-                    prompt_tokens=ids,
-                    max_new_tokens=config["new_tokens"],
-                    stop_tokens=[],
-                    use_snapshots=False,
-                )
+        for name in ("first", "second"):
+            request = GenerateRequest(
+                prompt_tokens=ids, max_new_tokens=config["new_tokens"], stop_tokens=[], use_snapshots=False
             )
+            started = time.time()
+            if config.get("profile"):
+                result = _profiled(engine, request, Path(config["profile"]) / f"{name}.txt")
+            else:
+                result = engine.generate(request)
             if not result.ok:
                 raise SystemExit(f"generate failed: {result.error}")
             runs.append((started, result))
@@ -200,6 +199,27 @@ def child(config: dict[str, Any]) -> None:
             }
         )
     )
+
+
+def _profiled(engine: Any, request: Any, table: Path) -> Any:
+    """engine.generate under torch's profiler (host and device activity); its table of ops by host
+    time goes to `table`. The profiler slows every op, so these runs' times are not reported."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        result = engine.generate(request)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    averages = prof.key_averages()
+    table.write_text(
+        averages.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=70)
+        + "\n\n"
+        + averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
+    )
+    return result
 
 
 def spawn(config: dict[str, Any]) -> dict[str, Any]:
@@ -239,6 +259,11 @@ def main() -> None:
     parser.add_argument("--cache", choices=("user", "fresh"), default="user")
     parser.add_argument("--work", type=Path, help="where synthetic models go (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="also write the JSON under this folder")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="instead: one run with warm-up, both requests under torch's profiler; tables to this folder",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -269,6 +294,20 @@ def main() -> None:
 
         if args.cache == "user":  # compiled kernels on disk first, as after any earlier start
             spawn({**base, "warm_up": False, "cache_dir": cache_dir("prime")})
+        if args.profile is not None:
+            print(
+                json.dumps(
+                    spawn(
+                        {
+                            **base,
+                            "warm_up": True,
+                            "cache_dir": cache_dir("profile"),
+                            "profile": str(args.profile),
+                        }
+                    )
+                )
+            )
+            return
         runs: dict[str, list[dict[str, Any]]] = {"warm_up": [], "no_warm_up": []}
         for repeat in range(args.repeats):
             for warm in (True, False):
