@@ -210,14 +210,17 @@ def _profiled(engine: Any, request: Any, table: Path) -> Any:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    # The engine runs requests on a thread of its own: record every thread's ops.
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=activities, experimental_config=every_thread) as prof:
         result = engine.generate(request)
     table.parent.mkdir(parents=True, exist_ok=True)
     averages = prof.key_averages()
+    orders = ["cpu_time_total", "self_cpu_time_total"]
+    if torch.cuda.is_available():
+        orders.append("self_device_time_total")
     table.write_text(
-        averages.table(sort_by="cpu_time_total", row_limit=60, max_name_column_width=70)
-        + "\n\n"
-        + averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
+        "\n\n".join(averages.table(sort_by=order, row_limit=50, max_name_column_width=70) for order in orders)
     )
     return result
 
