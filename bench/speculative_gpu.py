@@ -1,9 +1,9 @@
 """Speculative decoding on a GPU: what a verify step of k drafted tokens costs against one plain
 decode step, the tokens/s that gives at a chosen acceptance, and greedy identity in bf16.
 
-    python3 bench/speculative_gpu.py --vocab DIR [--work DIR] [--out bench/results] [--v4]
+    python3 bench/speculative_gpu.py [--vocab DIR] [--work DIR] [--out bench/results] [--v4]
 
-`--vocab`: the tokenizer folder `bench/gpu_speed.py prepare` writes.
+`--vocab`: the tokenizer folder `bench/gpu_speed.py prepare` writes (without it, only `--v4` runs).
 
 On the dense 1.07B model of bench/gpu_speed.py (random bf16 weights, written here). A plain step
 replays the captured CUDA graph (as `ds4desk generate` decodes); a verify step of k + 1 tokens
@@ -12,8 +12,7 @@ is also timed as the eager forward it replaces. All are timed at position 512 wi
 median of 50 after a warm-up. From plain and graphed verify: tokens/s at an acceptance a, k drafts
 a step = (1 + a·k) / verify(k), against 1 / plain.
 
-`--v4` first times the plain step and the eager verify of bench/gpu_deepseek_v4.py's synthetic
-DeepSeek-V4 (its verify step has no graph yet).
+`--v4` first times the same steps on bench/gpu_deepseek_v4.py's synthetic DeepSeek-V4.
 
 Then three answers of 256 tokens to a prompt that repeats itself: speculation off, prompt lookup and
 the model as its own draft (every draft accepted: the ceiling), with their tokens compared; a
@@ -54,9 +53,9 @@ def timed(fn, repeats: int = 50) -> float:
     return statistics.median(samples)
 
 
-def step_costs(folder: Path, graphed_verify: bool = True) -> dict:
-    """`graphed_verify`: the model has a graphable verify step (the dense family); without one
-    (DeepSeek-V4) only the eager verify is timed, each call from the same cache length."""
+def step_costs(folder: Path) -> dict:
+    """A plain graphed step, and for k = 1..8 the graphed verify of k + 1 tokens and the eager forward
+    it replaces, each call from the same cache length."""
     from ds4desk.engine.loader import load_model
     from ds4desk.engine.loading.detect import read_source
     from ds4desk.engine.runtime import Runtime
@@ -81,11 +80,25 @@ def step_costs(folder: Path, graphed_verify: bool = True) -> dict:
                 model.forward(block, 512, "all")
 
             eager[k] = timed(forward)
-            if graphed_verify:
-                verify[k] = timed(lambda block=block: graphs.verify(block, 512))
-        assert not graphed_verify or len(graphs._verify_graphs) == 8, "a verify step ran eagerly"
+            verify[k] = timed(lambda block=block: graphs.verify(block, 512))
+        assert len(graphs._verify_graphs) == 8, "a verify step ran eagerly"
     runtime.close()
-    return {"plain_s": plain, "verify_s": verify or eager, "verify_eager_s": eager}
+    return {"plain_s": plain, "verify_s": verify, "verify_eager_s": eager}
+
+
+def report(name: str, costs: dict) -> dict:
+    """Print step_costs' figures; returns tokens/s at acceptance 0.6, 0.8 and 1.0 per k."""
+    plain = costs["plain_s"]
+    print(f"{name}: plain graphed step {plain * 1e6:.1f} us ({1 / plain:.1f} tok/s)")
+    rates = {}
+    for k, seconds in costs["verify_s"].items():
+        rates[k] = {a: (1 + a * k) / seconds for a in (0.6, 0.8, 1.0)}
+        print(
+            f"verify k={k}: {seconds * 1e6:8.1f} us = {seconds / plain:5.2f}x a plain step "
+            f"(eager {costs['verify_eager_s'][k] * 1e6:8.1f} us); tok/s at "
+            + ", ".join(f"a={a}: {r:7.1f} ({r * plain:4.2f}x)" for a, r in rates[k].items())
+        )
+    return rates
 
 
 def answers(folder: Path) -> dict:
@@ -135,7 +148,7 @@ def answers(folder: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=Path, required=True)
+    parser.add_argument("--vocab", type=Path)
     parser.add_argument("--work", type=Path)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -150,25 +163,21 @@ def main() -> None:
         v4_folder = work / "v4"
         if not (v4_folder / "config.json").exists():
             gpu_deepseek_v4.write_model(v4_folder)
-        v4_costs = step_costs(v4_folder, graphed_verify=False)
-        v4_plain = v4_costs["plain_s"]
-        print(f"V4 synthetic: plain graphed step {v4_plain * 1e6:.1f} us")
-        for k, seconds in v4_costs["verify_eager_s"].items():
-            print(f"V4 eager verify k={k}: {seconds * 1e6:8.1f} us = {seconds / v4_plain:5.2f}x a plain step")
+        v4_costs = step_costs(v4_folder)
+        v4_costs["rates"] = report("V4 synthetic", v4_costs)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"speculative_gpu_{stamp}.json"
+    meta = {"date": stamp, "device": torch.cuda.get_device_name(), "model": "dense 1.07B random bf16"}
+    if args.vocab is None:
+        path.write_text(json.dumps({**meta, "model": None, "deepseek_v4": v4_costs}))
+        print(f"wrote {path}")
+        return
     folder = work / "dense"
     if not (folder / "config.json").exists():
         write_hf(folder, random_dense_state(), args.vocab)
     costs = step_costs(folder)
-    plain = costs["plain_s"]
-    print(f"plain graphed step {plain * 1e6:.1f} us ({1 / plain:.1f} tok/s)")
-    rates = {}
-    for k, seconds in costs["verify_s"].items():
-        rates[k] = {a: (1 + a * k) / seconds for a in (0.6, 0.8, 1.0)}
-        print(
-            f"verify k={k}: {seconds * 1e6:8.1f} us = {seconds / plain:5.2f}x a plain step "
-            f"(eager {costs['verify_eager_s'][k] * 1e6:8.1f} us); tok/s at "
-            + ", ".join(f"a={a}: {r:7.1f} ({r * plain:4.2f}x)" for a, r in rates[k].items())
-        )
+    rates = report("dense 1.07B", costs)
     runs = answers(folder)
     base = runs["off"]["tokens"]
     margins = runs["off"]["margins"]
@@ -182,10 +191,6 @@ def main() -> None:
             f" of {run['drafted']} ({rate:.2f}), first difference from off: {first}"
             + (f" (top-2 margin there {margins[first]:.3f})" if first is not None else "")
         )
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"speculative_gpu_{stamp}.json"
-    meta = {"date": stamp, "device": torch.cuda.get_device_name(), "model": "dense 1.07B random bf16"}
     for run in runs.values():
         run.pop("margins", None)
     path.write_text(json.dumps({**meta, **costs, "rates": rates, "runs": runs, "deepseek_v4": v4_costs}))

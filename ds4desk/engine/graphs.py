@@ -146,9 +146,10 @@ class GraphedDecode:
         the graph of (T, the smallest span that holds them), in a buffer the next verify of that
         size overwrites; None where the model has no graphable verify (then forward runs it).
 
-        A (T, span) seen for the first time is captured here, inside the request: the warm-up run
-        that precedes a capture feeds these very tokens at these positions, so what it writes to
-        the cache is what the replay writes again."""
+        A (T, span) seen for the first time is captured here, inside the request: the eager run that
+        precedes a capture feeds these very tokens at these positions, and its logits are this
+        call's (the capture itself runs nothing; a replay now would feed the tokens a second time,
+        which DeepSeek-V4's compressor carries do not absorb)."""
         count = tokens.shape[0]
         if not self._verifies or not 1 <= count <= MAX_VERIFY_TOKENS:
             return None
@@ -157,12 +158,14 @@ class GraphedDecode:
         self._verify_pos.fill_(pos)
         captured = self._verify_graphs.get((count, span))
         if captured is None:
-            captured = self._capture_verify(count, span)
-            if captured is None:
+            logits = self._capture_verify(count, span)
+            if logits is None:
                 self._verifies = False
                 return None
-        graph, logits = captured
-        graph.replay()
+        else:
+            graph, logits = captured
+            graph.replay()
+            self.model.verify_replayed(count, span)
         self._next_pos = None  # `token` and `pos` no longer hold the decode chain's next input
         self.model.set_length(pos + count)
         return logits
@@ -211,20 +214,25 @@ class GraphedDecode:
         self._piece_graphs[span] = (graph, logits)
         return True
 
-    def _capture_verify(self, count: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+    def _capture_verify(self, count: int, span: int) -> torch.Tensor | None:
+        """Run the verify of (count, span) eagerly, then capture its graph; the eager logits, or
+        None where the model has no graphable verify."""
         tokens = self._verify_tokens[:count]
+        current = torch.cuda.current_stream(self.device)
         side = self._streams[self.device]
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(current)
         with torch.inference_mode(), torch.cuda.stream(side):
-            if self.model.verify_graphable(tokens, self._verify_pos, span) is None:
+            first = self.model.verify_graphable(tokens, self._verify_pos, span)
+            if first is None:
                 return None
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        current.wait_stream(side)
+        first.record_stream(current)  # made on the side stream, read on this one
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._verify_pool, stream=side):
             logits = self.model.verify_graphable(tokens, self._verify_pos, span)
         assert logits is not None
         self._verify_graphs[(count, span)] = (graph, logits)
-        return graph, logits
+        return first
 
     def _run(self, shard: int, span: int) -> tuple[torch.Tensor, ...]:
         if len(self.devices) == 1:

@@ -257,6 +257,10 @@ class CausalLM(nn.Module, ABC):
         model (or its split) has no such step, and verifies run eagerly through forward."""
         return None
 
+    def verify_replayed(self, count: int, span: int) -> None:
+        """After a replay of the verify graph of `count` tokens and `span`: what a family's roll-back
+        needs from it that its eager verify would have handed over on the host."""
+
     # The tokens of a prompt-piece graph (prefill_graphable), shorter pieces padded up to it. A piece
     # costs about a read of the weights whatever its length, so longer ones mean fewer replays, as
     # long as what a piece's attention holds at once stays small.

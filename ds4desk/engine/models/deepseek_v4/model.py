@@ -118,6 +118,7 @@ class DeepseekV4Model(
         # Speculative decoding (verify.py, mtp.py): an open verify's stashed compressor inputs, and
         # the MTP block's cache while it follows the target.
         self._verify_inputs: dict[int, list[torch.Tensor]] | None = None
+        self._graph_verify_inputs: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         self._mtp_state = None
 
     @property
@@ -196,6 +197,7 @@ class DeepseekV4Model(
     def free_cache(self) -> None:
         self._cache = None
         self._verify_inputs = None
+        self._graph_verify_inputs = {}  # the graphs go with the cache
         self.set_mtp_tracking(False)  # its cache was sized for this context: asked for again per request
         self._tables = {}
         self._per_device = {}

@@ -1,4 +1,5 @@
-"""DeepSeek-V4's prompt piece as a CUDA-graph capturable step: a follow-up's short suffix.
+"""DeepSeek-V4's prompt piece and verify step as CUDA-graph capturable steps: a follow-up's
+short suffix, and a speculative verify of a few drafted tokens.
 
 A piece of T tokens (the model's prefill_piece_tokens, the first `count` real, the rest padding) at
 device positions pos..pos+T-1. What reads the weights runs once for all T rows: the projections,
@@ -37,24 +38,62 @@ class GraphablePiece:
     _context: int
     _tables: RopeTables
     _boundaries: dict[int, torch.device]
+    _verify_inputs: dict[int, list[torch.Tensor]] | None
     graph_dense_moe: bool | None
+    mtp_tracking: bool
+    # The compressed layers' inputs of each captured verify graph, by (tokens, span): static
+    # buffers its replays rewrite (held here, so no later capture reuses their memory).
+    _graph_verify_inputs: dict[tuple[int, int], dict[int, torch.Tensor]]
 
     def prefill_graphable(
         self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, span: int
     ) -> torch.Tensor | None:
         """See CausalLM.prefill_graphable: one shard only (a split runs pieces eagerly)."""
-        cache = self._cache
-        if cache is None:
-            raise RuntimeError("prefill_graphable before allocate_cache")
         if self._boundaries:
             return None
+        return self._rows_graphable(tokens, pos, pos + count, span, count - 1, None)[0]
+
+    def verify_graphable(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor | None:
+        """See CausalLM.verify_graphable: a piece whose rows are all real, the head on every row.
+        One shard, and not while the MTP block follows the target (a graph step does not feed it).
+        A roll-back (verify.py) needs the compressed layers' inputs: an eager call hands them over
+        as forward does, a graph's are kept by (tokens, span) for verify_replayed."""
+        if self._boundaries or self.mtp_tracking:
+            return None
+        inputs: dict[int, torch.Tensor] = {}
+        logits = self._rows_graphable(tokens, pos, pos + tokens.shape[0], span, None, inputs)
+        if tokens.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._graph_verify_inputs[(tokens.shape[0], span)] = inputs
+        elif self._verify_inputs is not None:
+            self._verify_inputs = {index: [x] for index, x in inputs.items()}
+        return logits
+
+    def verify_replayed(self, count: int, span: int) -> None:
+        """After a replay of the verify graph of (count, span): its compressed layers' inputs are
+        what a roll-back recomputes from."""
+        if self._verify_inputs is not None:
+            self._verify_inputs = {i: [x] for i, x in self._graph_verify_inputs[(count, span)].items()}
+
+    def _rows_graphable(
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        stop: torch.Tensor,
+        span: int,
+        row: torch.Tensor | None,
+        inputs: dict[int, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Tokens [T] at device positions pos.., those from `stop` on padding; float32 logits of
+        `row` [1, V] (None: of every row, [T, V]). `inputs` collects the compressed layers' inputs."""
+        cache = self._cache
+        if cache is None:
+            raise RuntimeError("a graphable piece before allocate_cache")
         if not 0 < span <= self._context:
             raise ValueError(f"span must be in 1..{self._context}, got {span}")
         cfg = self.config
         size = tokens.shape[0]
         cache.length = 0  # until set_length: forward and export_state refuse to continue from here
         positions = pos + torch.arange(size, device=pos.device)  # [T]
-        stop = pos + count  # [1]: padding from here on
         x = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(size, cfg.hc_mult, cfg.hidden_size).contiguous()
         turns: dict[str, torch.Tensor] = {}  # the rotation at each position, per table: [T, r / 2]
@@ -67,6 +106,8 @@ class GraphablePiece:
                 )
             else:
                 h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
+            if inputs is not None and layer.self_attn.compressor is not None:
+                inputs[index] = h
             y = self._piece_attention(index, layer.self_attn, h, pos, positions, stop, span, turns)
             if fused:
                 streams, h, post, comb = self._hc_site_fused(
@@ -80,13 +121,17 @@ class GraphablePiece:
                 last = (y, post, comb)
             else:
                 streams = ops.expand(streams, y, post, comb)
-        row = count - 1  # the last real token's row
-        streams = streams.index_select(0, row)
-        if last is None:
-            h = self._hc_head(streams)
-        else:
-            h = self._hc_head_fused(streams, tuple(t.index_select(0, row) for t in last))
-        return self._one_row_logits(h)
+        if row is not None:
+            streams = streams.index_select(0, row)
+            last = (
+                None
+                if last is None
+                else (last[0].index_select(0, row), *(t.index_select(0, row) for t in last[1:]))
+            )
+        h = self._hc_head(streams) if last is None else self._hc_head_fused(streams, last)
+        if row is not None:
+            return self._one_row_logits(h).unsqueeze(0)
+        return torch.mm(h, self.head_weight().t()).float()
 
     def _piece_attention(
         self,
