@@ -327,6 +327,9 @@ class Engine(Parking):
                 ErrorCode.BAD_REQUEST, f"weights must be one of {modes}, got {request.weights!r}"
             )
         check_mode(request.speculative)
+        beside = self._load_draft_beside(request)
+        if beside is not None:
+            return beside
         if on_progress is not None:
             on_progress(0, 0, "tensors")  # planning: the amount is not known yet
         path = Path(request.path).expanduser() if request.path else default_model_path()

@@ -1,12 +1,15 @@
 """The engine thread's memory jobs: what the model holds (the memory readout), park and unpark of
-the model and of its draft. Engine inherits them; they run on its thread like every command."""
+the model and of its draft, and a draft loaded beside the model. Engine inherits them; they run on
+its thread like every command."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ds4desk.engine.api import (
@@ -164,3 +167,31 @@ class Parking:
             return ParkResult(selector, self.parked, seconds=time.perf_counter() - started, error=error)
         taken = self._held_bytes() - before
         return ParkResult(selector, self.parked, bytes=taken, seconds=time.perf_counter() - started)
+
+    def _load_draft_beside(self, request: LoadRequest) -> ModelInfo | None:
+        """A load that asks for the loaded model with another draft (File > Load draft model): only
+        the draft is replaced; the model stays, with its graphs and its snapshots. None when the
+        request differs from the loaded one in more than its draft (then it is a load like any)."""
+        from ds4desk.engine.devices import check_fits
+
+        loaded = self._loaded
+        if (
+            loaded is None
+            or not request.draft
+            or dataclasses.replace(request, draft=loaded.request.draft) != loaded.request
+        ):
+            return None
+        runtime = loaded.runtime
+        plan = plan_draft(request, None, runtime)  # a draft that cannot draft for it: refused here
+        old = runtime.draft.bytes() if runtime.draft is not None else 0
+        name = Path(request.draft).expanduser().name
+        check_fits(sum(plan.needs.values()), runtime.device, f"{name} as the draft model", old)
+        # The old draft goes first (its memory may be what the new one needs); should the new one
+        # fail, the model answers on without a draft, and unpark("draft") brings the old one back.
+        self._park_draft("draft")
+        runtime.draft = start_draft(plan, runtime, None)
+        loaded.request = request
+        loaded.info = dataclasses.replace(
+            loaded.info, draft=runtime.draft.path, draft_weight_bytes=runtime.draft.weight_bytes
+        )
+        return loaded.info

@@ -198,9 +198,10 @@ class ModelLoading:
         return self.load_draft(path) if path else None
 
     def load_draft(self, path: str) -> asyncio.Task[LoadResult] | None:
-        """Load `path` as the draft model beside the loaded one. The engine takes a draft with a load
-        of its target, so the target is loaded again with it (its snapshots start over); a draft
-        that cannot draft for it (another vocabulary) is refused and the model stays as it was."""
+        """Load `path` as the draft model beside the loaded one: a load of the same model with this
+        draft, which the engine answers by loading the draft alone (the model, its graphs and its
+        snapshots stay); a draft that cannot draft for it (another vocabulary) is refused and the
+        model stays as it was."""
         info = self.backend.model_info
         if info is None or is_remote(info) or self.current_model_path is None:
             self.set_status("Load a local model first: a draft model drafts for it.", error=True)

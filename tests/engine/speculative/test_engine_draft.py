@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds4desk.engine import Engine, ErrorCode, GenerateRequest, LoadRequest
+from ds4desk.engine import Engine, ErrorCode, GenerateRequest, LoadRequest, SaveSnapshot
 from ds4desk.engine.api import EngineFailure
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import inspect_folder
@@ -130,6 +130,49 @@ def test_a_draft_with_another_vocabulary_is_refused(engine: Engine, folders: dic
     info = engine.model_info
     assert info is not None and info.path == str(folders["target"]) and info.draft == ""
     assert ask(engine, "off").tokens == first.tokens
+
+
+def test_a_draft_loaded_beside_the_model_keeps_the_model_and_its_snapshots(
+    engine: Engine, folders: dict[str, Path]
+) -> None:
+    """File > Load draft model asks for the loaded model with a draft: only the draft is loaded
+    (the model's weights are the same objects), the snapshot a chat saved still serves its
+    follow-up, and a later draft replaces the first. A draft that cannot draft for it is refused
+    and the one loaded stays."""
+    assert load(engine, folders, None).ok
+    before = engine._loaded
+    assert before is not None
+    weights = before.runtime.model
+    saved = engine.generate(
+        GenerateRequest(
+            prompt_tokens=PROMPT,
+            sampling=GREEDY,
+            max_new_tokens=6,
+            stop_tokens=[],
+            save_snapshot=SaveSnapshot(),
+        )
+    )
+    assert saved.ok and saved.snapshot_slot is not None
+    for draft in ("draft", "llama"):
+        swapped = load(engine, folders, draft)
+        assert swapped.ok, swapped.error
+        assert swapped.info is not None and swapped.info.draft == str(folders[draft])
+        assert swapped.info.draft_weight_bytes > 0 and swapped.info.weight_bytes == before.info.weight_bytes
+        loaded = engine._loaded
+        assert loaded is not None and loaded.runtime.model is weights
+        assert loaded.runtime.draft is not None and loaded.runtime.draft.path == str(folders[draft])
+        assert [slot.slot for slot in engine.slots().slots] == [saved.snapshot_slot]
+        follow_up = [*PROMPT, *saved.tokens, 7, 8, 9]
+        answer = engine.generate(
+            GenerateRequest(prompt_tokens=follow_up, sampling=GREEDY, max_new_tokens=12, stop_tokens=[])
+        )
+        assert answer.ok and answer.stats.reused_tokens > 0
+        assert answer.stats.speculative == "draft" and answer.stats.drafted_tokens > 0
+    refused = load(engine, folders, "wide")
+    assert not refused.ok and refused.error is not None and refused.error.code == ErrorCode.LOAD_FAILED
+    info = engine.model_info
+    assert info is not None and info.draft == str(folders["llama"])
+    assert engine._loaded is not None and engine._loaded.runtime.model is weights
 
 
 def test_a_bad_speculative_word_is_refused(engine: Engine, folders: dict[str, Path]) -> None:
