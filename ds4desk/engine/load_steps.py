@@ -82,7 +82,10 @@ def start_draft(plan: LoadPlan, runtime: Runtime, tick: Callable[[int, int], Non
 
     loaded = fill(plan, tick)
     context = min(plan.context, runtime.context)
-    return DraftModel(loaded.model, context, runtime.chunk, str(plan.source.origin), loaded.weight_bytes)
+    graphs = runtime.graphs is not None or runtime.graphs_pending  # the draft decodes as its target
+    return DraftModel(
+        loaded.model, context, runtime.chunk, str(plan.source.origin), loaded.weight_bytes, graphs
+    )
 
 
 def model_bytes(runtime: Runtime, info: ModelInfo) -> int:

@@ -5,6 +5,10 @@ the target emitted since (the whole prompt on a request's first step), then draf
 step; after the target's verify, `settle` rolls the cache back to the drafts the target kept, so
 `fed` is always a prefix of the sequence. A later request continues from `fed` when its prompt
 starts with it (a chat's next turn), else the draft prefills from position 0.
+
+On a GPU whose target decodes through captured graphs the draft does too: its drafting steps replay
+its own decode graphs, and a short catch-up (the tokens the target kept) its prompt-piece graphs, so
+a proposal of k tokens costs k replays rather than k eager forwards' launches.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 
 from ds4desk.engine.api import EngineFailure, ErrorCode, SamplingParams
+from ds4desk.engine.graphs import GraphedDecode
 from ds4desk.engine.models.base import CausalLM
 from ds4desk.engine.speculative.accept import draw, probabilities
 from ds4desk.engine.speculative.drafter import Proposal
@@ -43,7 +48,10 @@ class DraftModel:
 
     name = "draft"
 
-    def __init__(self, model: CausalLM, context: int, chunk: int, path: str, weight_bytes: int) -> None:
+    def __init__(
+        self, model: CausalLM, context: int, chunk: int, path: str, weight_bytes: int, graphs: bool = False
+    ) -> None:
+        """`graphs`: capture the draft's own decode graphs (a CUDA device)."""
         hooks = rollback_of(model)
         if hooks is None:
             raise EngineFailure(ErrorCode.LOAD_FAILED, f"the draft model {path} cannot roll its cache back")
@@ -54,11 +62,15 @@ class DraftModel:
         self._hooks: Rollback = hooks
         model.allocate_cache(context)
         self.context = context
+        self.graphs = GraphedDecode(model, model.device) if graphs else None
         self.fed: list[int] = []
         # The last proposal's roll-back: (checkpoint, first draft position, drafts fed, tokens).
         self._pending: tuple[Any, int, list[int]] | None = None
 
     def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
         self.model.free_cache()
         self.fed = []
         self._pending = None
@@ -93,11 +105,12 @@ class DraftModel:
         if fed < len(self.fed) and not getattr(model, "rewinds", True):
             fed = 0  # a model that only continues (DeepSeek-V4's compressors) cannot feed it again
         ids = torch.tensor(list(seq[fed:]), dtype=torch.long, device=device)
-        logits: torch.Tensor | None = None
-        for begin in range(0, ids.shape[0], self.chunk):
-            part = ids[begin : begin + self.chunk]
-            last = begin + self.chunk >= ids.shape[0]
-            logits = model.forward(part, fed + begin, "last" if last else "none")
+        logits = self.graphs.prefill(ids, fed) if self.graphs is not None else None
+        if logits is None:
+            for begin in range(0, ids.shape[0], self.chunk):
+                part = ids[begin : begin + self.chunk]
+                last = begin + self.chunk >= ids.shape[0]
+                logits = model.forward(part, fed + begin, "last" if last else "none")
         assert logits is not None
         start = len(seq)
         saved = self._hooks.verify_checkpoint(start, count - 1) if count > 1 else None
@@ -112,7 +125,10 @@ class DraftModel:
                 rows.append(q)
             picks.append(pick)
             if index + 1 < count:
-                logits = model.forward(pick.view(1), start + index, "last")
+                if self.graphs is not None:  # the logits in the graph's buffer: read before the next
+                    logits = self.graphs.step(pick.view(1), start + index)[0]
+                else:
+                    logits = model.forward(pick.view(1), start + index, "last")
                 assert logits is not None
         tokens = [int(t) for t in torch.stack(picks).tolist()]  # the one host sync of the proposal
         self.fed = list(seq) + tokens[: count - 1]

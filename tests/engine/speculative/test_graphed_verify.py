@@ -91,19 +91,29 @@ def test_a_padded_prompt_piece_equals_forward(sources, real: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v4"])
 def test_speculation_through_verify_graphs_keeps_the_tokens(tmp_path: Path, family: str) -> None:
-    """On a GPU with decode graphs, prompt lookup verifies through captured graphs (one per size
-    and span seen) and answers with the tokens of speculation off, in float32 (DeepSeek-V4: its
-    roll-backs recompute compressor carries from a replayed graph's inputs)."""
+    """On a GPU with decode graphs, speculation verifies through captured graphs (one per size and
+    span seen) and answers with the tokens of speculation off, in float32: the dense family with
+    prompt lookup; DeepSeek-V4 (whose random tiny answer never quotes its prompt) with another
+    random V4 as its draft, decoding through its own graphs, so nearly every draft is rejected and
+    each roll-back recomputes compressor carries from a replayed graph's inputs."""
+    from ds4desk.engine.speculative.draft_model import DraftModel
+
+    device = torch.device("cuda")
+    mode = "lookup"
     if family == "deepseek_v4":
         from ds4desk.engine.make_tiny import make_tiny
 
-        make_tiny("deepseek_v4", tmp_path / family)
+        make_tiny("deepseek_v4", tmp_path / family, seed=0)
+        make_tiny("deepseek_v4", tmp_path / "draft", seed=1)
         source = source_from_folder(tmp_path / family)
+        mode = "draft"
     else:
         source = save_tiny(family, tmp_path / family, max_position_embeddings=1024)[1]
-    device = torch.device("cuda")
     runtime = Runtime(load_model(source, device, torch.float32).model, device, context=1024, graphs=True)
     assert runtime.graphs is not None
+    if mode == "draft":
+        draft = load_model(source_from_folder(tmp_path / "draft"), device, torch.float32).model
+        runtime.draft = DraftModel(draft, 1024, 64, "draft", 0, graphs=True)
     prompt = REPEATING * 4
 
     def answer(mode: str):
@@ -111,11 +121,50 @@ def test_speculation_through_verify_graphs_keeps_the_tokens(tmp_path: Path, fami
             prompt, SamplingParams(), 300, set(), lambda _t: None, lambda: False, speculative=mode
         )
 
-    off, on = answer("off"), answer("lookup")
+    off, on = answer("off"), answer(mode)
     assert on.tokens == off.tokens
     assert on.logprobs == pytest.approx(off.logprobs, abs=1e-3)
-    assert on.stats.drafted_tokens > 0 and on.stats.accepted_tokens > 0
+    assert on.stats.drafted_tokens > 0
+    if mode == "lookup":
+        assert on.stats.accepted_tokens > 0
     captured = runtime.graphs._verify_graphs
     assert captured, "no verify step ran through a graph"
     assert all(count <= 8 and span in runtime.graphs.spans for count, span in captured)
+    if runtime.draft is not None:
+        runtime.draft.close()
+    runtime.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("draft_seed", [1, 2], ids=["itself", "another"])
+def test_a_draft_model_drafts_through_its_own_graphs(tmp_path: Path, draft_seed: int) -> None:
+    """On a GPU with decode graphs, a draft model's steps replay its own graphs (and its short
+    catch-ups its prompt-piece graphs): greedy answers keep the tokens of speculation off, with a
+    draft that always agrees (the target's own weights) and one that mostly does not."""
+    from ds4desk.engine.speculative.draft_model import DraftModel
+
+    device = torch.device("cuda")
+    source = save_tiny("llama", tmp_path / "target", seed=1, max_position_embeddings=1024)[1]
+    draft_source = save_tiny("llama", tmp_path / "draft", seed=draft_seed, max_position_embeddings=1024)[1]
+    runtime = Runtime(load_model(source, device, torch.float32).model, device, context=1024, graphs=True)
+    draft = DraftModel(
+        load_model(draft_source, device, torch.float32).model, 1024, 64, "draft", 0, graphs=True
+    )
+    runtime.draft = draft
+    assert draft.graphs is not None
+    prompt = REPEATING * 2
+
+    def answer(mode: str):
+        return runtime.generate(
+            prompt, SamplingParams(), 120, set(), lambda _t: None, lambda: False, speculative=mode
+        )
+
+    off, on = answer("off"), answer("draft")
+    assert on.tokens == off.tokens
+    assert on.stats.drafted_tokens > 0
+    if draft_seed == 1:  # the target as its own draft: nearly every draft kept
+        assert on.stats.accepted_tokens >= 0.9 * on.stats.drafted_tokens
+    again = answer("draft")  # the draft's cache is rewritten from position 0
+    assert again.tokens == off.tokens
+    draft.close()
     runtime.close()
