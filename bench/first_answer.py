@@ -148,6 +148,9 @@ def child(config: dict[str, Any]) -> None:
         os.environ["TRITON_CACHE_DIR"] = str(Path(config["cache_dir"]) / "triton")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(config["cache_dir"]) / "torchinductor")
     from ds4desk.engine import Engine, GenerateRequest, LoadRequest
+    from ds4desk.engine import runtime as runtime_module
+
+    runtime_module.CUDNN_ATTENTION = config.get("cudnn_attention", False)
 
     imported = time.time()
     engine = Engine()
@@ -263,6 +266,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="where synthetic models go (default: a temporary folder)")
     parser.add_argument("--out", type=Path, help="also write the JSON under this folder")
     parser.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="let torch's attention pick cuDNN (the runtime's CUDNN_ATTENTION), to compare",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         help="instead: one run with warm-up, both requests under torch's profiler; tables to this folder",
@@ -278,6 +286,7 @@ def main() -> None:
         model = str(synthetic_folder(args.synthetic, work)) if args.synthetic else args.model
         vocab = _vocab_of(model)
         base = {
+            "cudnn_attention": args.cudnn_attention,
             "model": model,
             "device": args.device,
             "dtype": args.dtype,
@@ -327,6 +336,7 @@ def main() -> None:
         "device": first["device"],
         "dtype": first["dtype"],
         "prompt_tokens": args.tokens,
+        "cudnn_attention": args.cudnn_attention,
         "new_tokens": args.new_tokens,
         "cache": args.cache,
         "repeats": args.repeats,
@@ -338,7 +348,8 @@ def main() -> None:
     print(line)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"first_answer_{args.synthetic or 'model'}_{args.device.replace(':', '')}.json"
+        variant = f"{args.tokens}{'_cudnn' if args.cudnn_attention else ''}"
+        name = f"first_answer_{args.synthetic or 'model'}_{args.device.replace(':', '')}_{variant}.json"
         (args.out / name).write_text(line + "\n")
 
 

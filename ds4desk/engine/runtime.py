@@ -46,6 +46,11 @@ RESIDENT_SNAPSHOT_BYTES = 2**30
 # captured prompt-piece graphs (GraphedDecode.prefill): eagerly, its forward costs the launches of
 # a whole prefill chunk, about 20 ms on an H200 whatever its length.
 GRAPHED_SUFFIX_TOKENS = 64
+# torch's SDPA may pick cuDNN's attention on NVIDIA GPUs, which builds an execution plan for every
+# new sequence length: on an H200 the first 3,000-token prompt of a 28-layer model spent 45 ms in
+# it (bench/first_answer.py --profile), and every prompt of a length not seen before pays again.
+# Flash attention has no plan to build. Off by default; True lets SDPA choose as it would.
+CUDNN_ATTENTION = False
 
 
 @dataclass(slots=True)
@@ -91,6 +96,8 @@ class Runtime:
         self.device = device
         self.context = context
         self.chunk = chunk
+        if device.type == "cuda":
+            torch.backends.cuda.enable_cudnn_sdp(CUDNN_ATTENTION)  # process-wide, as SDPA's choice is
         try:
             model.allocate_cache(context)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
