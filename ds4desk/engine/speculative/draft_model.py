@@ -6,9 +6,9 @@ step; after the target's verify, `settle` rolls the cache back to the drafts the
 `fed` is always a prefix of the sequence. A later request continues from `fed` when its prompt
 starts with it (a chat's next turn), else the draft prefills from position 0.
 
-On a GPU whose target decodes through captured graphs the draft does too: its drafting steps replay
-its own decode graphs, and a short catch-up (the tokens the target kept) its prompt-piece graphs, so
-a proposal of k tokens costs k replays rather than k eager forwards' launches.
+On a GPU whose target decodes through captured graphs a dense draft does too: its drafting steps
+replay its own decode graphs, and a short catch-up (the tokens the target kept) its prompt-piece
+graphs, so a proposal of k tokens costs k replays rather than k eager forwards' launches.
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ def check_draft_pair(target: CausalLM, draft: CausalLM, draft_name: str) -> None
         )
 
 
+def _rolls_back_graph_steps(model: CausalLM) -> bool:
+    """Whether `model`'s roll-back undoes steps a graph replayed: a family whose verify runs in a
+    graph (its roll-back reads nothing an eager forward records on the host) and that may feed a
+    position again. DeepSeek-V4 recomputes compressor carries from inputs its eager forward stashes;
+    Qwen3.5 and Gemma 3 verify eagerly."""
+    graphed_verify = type(model).verify_graphable is not CausalLM.verify_graphable
+    return graphed_verify and getattr(model, "rewinds", True)
+
+
 class DraftModel:
     """Owns `model`'s cache for `context` positions; `path` and `weight_bytes` describe it."""
 
@@ -51,7 +60,8 @@ class DraftModel:
     def __init__(
         self, model: CausalLM, context: int, chunk: int, path: str, weight_bytes: int, graphs: bool = False
     ) -> None:
-        """`graphs`: capture the draft's own decode graphs (a CUDA device)."""
+        """`graphs`: capture the draft's own decode graphs (a CUDA device), where its roll-back
+        undoes what they write."""
         hooks = rollback_of(model)
         if hooks is None:
             raise EngineFailure(ErrorCode.LOAD_FAILED, f"the draft model {path} cannot roll its cache back")
@@ -62,7 +72,9 @@ class DraftModel:
         self._hooks: Rollback = hooks
         model.allocate_cache(context)
         self.context = context
-        self.graphs = GraphedDecode(model, model.device) if graphs else None
+        self.graphs = (
+            GraphedDecode(model, model.device) if graphs and _rolls_back_graph_steps(model) else None
+        )
         self.fed: list[int] = []
         # The last proposal's roll-back: (checkpoint, first draft position, drafts fed, tokens).
         self._pending: tuple[Any, int, list[int]] | None = None

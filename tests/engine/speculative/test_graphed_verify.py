@@ -94,8 +94,9 @@ def test_speculation_through_verify_graphs_keeps_the_tokens(tmp_path: Path, fami
     """On a GPU with decode graphs, speculation verifies through captured graphs (one per size and
     span seen) and answers with the tokens of speculation off, in float32: the dense family with
     prompt lookup; DeepSeek-V4 (whose random tiny answer never quotes its prompt) with another
-    random V4 as its draft, decoding through its own graphs, so nearly every draft is rejected and
-    each roll-back recomputes compressor carries from a replayed graph's inputs."""
+    random V4 as its draft (eager: its roll-back needs what its eager steps stash), so nearly every
+    draft is rejected and each roll-back recomputes compressor carries from a replayed graph's
+    inputs."""
     from ds4desk.engine.speculative.draft_model import DraftModel
 
     device = torch.device("cuda")

@@ -29,8 +29,8 @@ from ds4desk.engine.models.deepseek_v4.modules import Attention, Backbone, Moe
 
 
 class GraphablePiece:
-    """DeepseekV4Model's prefill_graphable (a mixin over GraphableDecode, HyperConnectionSites and
-    MixtureOfExperts)."""
+    """DeepseekV4Model's prefill_graphable and verify_graphable (a mixin over GraphableDecode,
+    HyperConnectionSites and MixtureOfExperts)."""
 
     config: DeepseekV4Config
     model: Backbone
@@ -123,11 +123,9 @@ class GraphablePiece:
                 streams = ops.expand(streams, y, post, comb)
         if row is not None:
             streams = streams.index_select(0, row)
-            last = (
-                None
-                if last is None
-                else (last[0].index_select(0, row), *(t.index_select(0, row) for t in last[1:]))
-            )
+            if last is not None:
+                y, post, comb = (t.index_select(0, row) for t in last)
+                last = (y, post, comb)
         h = self._hc_head(streams) if last is None else self._hc_head_fused(streams, last)
         if row is not None:
             return self._one_row_logits(h).unsqueeze(0)
@@ -203,9 +201,9 @@ class GraphablePiece:
         if not dense or cfg.gguf_experts or experts.gate_up_proj.dtype == torch.uint8:
             return torch.cat([self._decode_moe(moe, x[t : t + 1], tokens[t : t + 1]) for t in range(size)])
         chosen, weights = self._route(moe, x, tokens)  # [T, k] each
-        dense = weights.new_zeros((size, cfg.num_experts)).scatter_(1, chosen, weights)  # [T, E]
+        mixing = weights.new_zeros((size, cfg.num_experts)).scatter_(1, chosen, weights)  # [T, E]
         limit = cfg.swiglu_limit
         hidden = ops.swiglu(*torch.matmul(x, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1), limit)
         ys = torch.bmm(hidden, experts.down_proj.transpose(1, 2))  # [E, T, D]
-        routed = torch.einsum("te,etd->td", dense, ys.float()).to(x.dtype)
+        routed = torch.einsum("te,etd->td", mixing, ys.float()).to(x.dtype)
         return routed + ops.shared_expert(moe.shared_experts, x, limit)
