@@ -49,26 +49,11 @@ class PrefillAttention:
             # An open verify (verify.py): a roll-back feeds the kept rows to the compressor again.
             self._verify_inputs.setdefault(index, []).append(x)
         count = x.shape[0]
-        heads, dim, window = cfg.num_heads, cfg.head_dim, cfg.sliding_window
-        eps = cfg.rms_norm_eps
+        dim, window = cfg.head_dim, cfg.sliding_window
         cos, sin = self._tables["main" if layer_type == SLIDING else "compress"]
         turn = ops.rotation(cos[start : start + count], sin[start : start + count])  # [T, r / 2]
 
-        if v4_norm_rope.enabled(x):
-            # One kernel each, without float32 copies of the [T, H, d] query.
-            at, rope = ops.position(start, x.device), 2 * cos.shape[-1]
-            q_a = ops.linear(x, attn.q_a_proj)
-            q_res = v4_norm_rope.norm_rope(q_a, attn.q_a_norm.weight, eps, cos, sin, at, 0, q_a.dtype)
-            q = ops.linear(q_res, attn.q_b_proj).view(count * heads, dim)
-            q = v4_norm_rope.norm_rope(q, None, eps, cos, sin, at, rope, q.dtype, heads)
-            q = q.view(count, heads, dim)
-            kv = ops.linear(x, attn.kv_proj)
-            kv = v4_norm_rope.norm_rope(kv, attn.kv_norm.weight, eps, cos, sin, at, rope, kv.dtype, 1)
-        else:
-            q_res = ops.rms_norm(ops.linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
-            q = ops.linear(q_res, attn.q_b_proj).view(count, heads, dim)
-            q = ops.norm_rope(q, None, eps, turn.unsqueeze(1))
-            kv = ops.norm_rope(ops.linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
+        q_res, q, kv = self._queries_and_keys(attn, x, start, cos, sin, turn)
 
         # Raw keys: each query t sees exactly the W positions t - W + 1 .. t, so every query gets
         # a window of its own, rows t .. t + W - 1 of [padding | ring rows before this chunk, in
@@ -98,7 +83,44 @@ class PrefillAttention:
         # V = K carries the key's rotation; rotating back by the query's angle leaves relative ones.
         out = ops.rope_(out, torch.conj_physical(turn).unsqueeze(1))
 
-        groups = cfg.o_groups
+        return self._output(attn, out)
+
+    def _queries_and_keys(
+        self,
+        attn: Attention,
+        x: torch.Tensor,
+        start: int | torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        turn: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For rows x [T, D] at consecutive positions from `start` (a host int, or int64 [1] on the
+        device): the normed low-rank query q_res [T, r], the rotated query q [T, H, d] and key kv
+        [T, d]. `turn` [T, r / 2] is the rotation at each row's position (cos, sin: its table)."""
+        cfg = self.config
+        count, heads, dim, eps = x.shape[0], cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+        if v4_norm_rope.enabled(x):
+            # One kernel each, without float32 copies of the [T, H, d] query.
+            at = start if isinstance(start, torch.Tensor) else ops.position(start, x.device)
+            rope = 2 * cos.shape[-1]
+            q_a = ops.linear(x, attn.q_a_proj)
+            q_res = v4_norm_rope.norm_rope(q_a, attn.q_a_norm.weight, eps, cos, sin, at, 0, q_a.dtype)
+            q = ops.linear(q_res, attn.q_b_proj).view(count * heads, dim)
+            q = v4_norm_rope.norm_rope(q, None, eps, cos, sin, at, rope, q.dtype, heads)
+            q = q.view(count, heads, dim)
+            kv = ops.linear(x, attn.kv_proj)
+            kv = v4_norm_rope.norm_rope(kv, attn.kv_norm.weight, eps, cos, sin, at, rope, kv.dtype, 1)
+        else:
+            q_res = ops.rms_norm(ops.linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
+            q = ops.linear(q_res, attn.q_b_proj).view(count, heads, dim)
+            q = ops.norm_rope(q, None, eps, turn.unsqueeze(1))
+            kv = ops.norm_rope(ops.linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
+        return q_res, q, kv
+
+    def _output(self, attn: Attention, out: torch.Tensor) -> torch.Tensor:
+        """The grouped low-rank output projection of the attention output out [T, H, d]: [T, D]."""
+        cfg = self.config
+        count, groups = out.shape[0], cfg.o_groups
         grouped = out.reshape(count, groups, -1).transpose(0, 1)  # [G, T, H d / G]
         o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
         low = torch.bmm(grouped, o_a.transpose(1, 2)).transpose(0, 1).reshape(count, -1)

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
-from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
 from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.cache import RopeTables, V4Cache
 from ds4desk.engine.models.deepseek_v4.config import SLIDING, DeepseekV4Config
@@ -142,31 +141,16 @@ class GraphablePiece:
         span: int,
         turns: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """Layer `index`'s attention for the piece x [T, D]: projections for all rows (as prefill's
-        _attention), the cache writes and attention a query at a time (decode's _attend_one)."""
+        """Layer `index`'s attention for the piece x [T, D]: projections for all rows (prefill's
+        _queries_and_keys and _output), the cache writes and attention a query at a time (decode's
+        _attend_one)."""
         cfg = self.config
-        size = x.shape[0]
-        heads, dim, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
         table = "main" if cfg.layer_types[index] == SLIDING else "compress"
         cos, sin = self._tables[table]
         if table not in turns:
             turns[table] = ops.rotation(cos.index_select(0, positions), sin.index_select(0, positions))
         turn = turns[table]
-        if v4_norm_rope.enabled(x):  # rows at consecutive positions from pos, read on the device
-            rope = 2 * cos.shape[-1]
-            q_a = ops.linear(x, attn.q_a_proj)
-            q_res = v4_norm_rope.norm_rope(q_a, attn.q_a_norm.weight, eps, cos, sin, pos, 0, q_a.dtype)
-            q = ops.linear(q_res, attn.q_b_proj).view(size * heads, dim)
-            q = v4_norm_rope.norm_rope(q, None, eps, cos, sin, pos, rope, q.dtype, heads).view(
-                size, heads, dim
-            )
-            kv = ops.linear(x, attn.kv_proj)
-            kv = v4_norm_rope.norm_rope(kv, attn.kv_norm.weight, eps, cos, sin, pos, rope, kv.dtype, 1)
-        else:
-            q_res = ops.rms_norm(ops.linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)
-            q = ops.linear(q_res, attn.q_b_proj).view(size, heads, dim)
-            q = ops.norm_rope(q, None, eps, turn.unsqueeze(1))
-            kv = ops.norm_rope(ops.linear(x, attn.kv_proj), attn.kv_norm.weight, eps, turn)
+        q_res, q, kv = self._queries_and_keys(attn, x, pos, cos, sin, turn)
         out = torch.stack(
             [
                 self._attend_one(
@@ -181,14 +165,10 @@ class GraphablePiece:
                     turn[t : t + 1],
                     stop,
                 )
-                for t in range(size)
+                for t in range(x.shape[0])
             ]
         )  # [T, H, d]
-        groups = cfg.o_groups
-        grouped = out.reshape(size, groups, -1).transpose(0, 1)  # [G, T, H d / G]
-        o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
-        low = torch.bmm(grouped, o_a.transpose(1, 2)).transpose(0, 1).reshape(size, -1)
-        return ops.linear(low, attn.o_b_proj)
+        return self._output(attn, out)
 
     def _piece_moe(self, moe: Moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The MoE of the piece's rows x [T, D]: every expert at once where they are few and in a
