@@ -141,15 +141,17 @@ def reference_rope_write(
     eps: float,
 ) -> None:
     kv_heads, dim = cache.shape[1], cache.shape[3]
-    rows = qkv.view(heads + 2 * kv_heads, dim)
-    qk = rows[: heads + kv_heads]
-    src = qk.float()
-    if qk_norm is not None:
-        src = F.rms_norm(src, (dim,), None, eps).to(qkv.dtype).float() * qk_norm.float()
     swap = torch.arange(dim, device=qkv.device).roll(dim // 2)
-    c, s = cos.index_select(0, pos).float(), sin.index_select(0, pos).float()
-    qk.copy_(src * c + src[:, swap] * s)
-    cache.index_copy_(2, pos, rows[heads:].view(2, kv_heads, 1, dim))
+    for token in range(qkv.shape[0]):
+        at = pos + token
+        rows = qkv[token].view(heads + 2 * kv_heads, dim)
+        qk = rows[: heads + kv_heads]
+        src = qk.float()
+        if qk_norm is not None:
+            src = F.rms_norm(src, (dim,), None, eps).to(qkv.dtype).float() * qk_norm.float()
+        c, s = cos.index_select(0, at).float(), sin.index_select(0, at).float()
+        qk.copy_(src * c + src[:, swap] * s)
+        cache.index_copy_(2, at, rows[heads:].view(2, kv_heads, 1, dim))
 
 
 # --- the kernels ----------------------------------------------------------------------------------
@@ -238,9 +240,9 @@ def rope_write(
     qk_norm: torch.Tensor | None,
     eps: float,
 ) -> None:
-    """Rotate the queries of qkv [1, (H + 2 KV) D] in place and write the rotated keys and the values
-    into cache [2, KV, context, D] at the position in pos (int64 [1]); cos / sin [context, D] are the
-    model's tables (the sign of rotate_half folded into sin)."""
+    """Rotate the queries of qkv [T, (H + 2 KV) D] in place and write the rotated keys and the
+    values into cache [2, KV, context, D] at positions pos..pos+T-1 (pos: int64 [1] on the device);
+    cos / sin [context, D] are the model's tables (the sign of rotate_half folded into sin)."""
     kernels = _kernels()
     assert kernels is not None
     kernels.rope_write(qkv, cos, sin, pos, cache, heads, qk_norm, eps)
@@ -344,6 +346,7 @@ def _kernels() -> _Kernels | None:
         cache,
         qk_norm,
         eps,
+        stride_row,
         stride_table,
         stride_kind,
         stride_head,
@@ -358,9 +361,10 @@ def _kernels() -> _Kernels | None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         head = tl.program_id(0)  # queries, then keys, then values
-        pos = tl.load(pos_ptr)
+        token = tl.program_id(1)  # the token's row of qkv, at the position after the first's
+        pos = tl.load(pos_ptr) + token
         d = tl.arange(0, D)
-        row = qkv + head * D
+        row = qkv + token * stride_row + head * D
         v = tl.load(row + d).to(tl.float32)
         if head < HEADS + KV:
             partner = tl.load(row + (d + D // 2) % D).to(tl.float32)
@@ -439,7 +443,7 @@ def _kernels() -> _Kernels | None:
     ) -> None:
         kv_heads, dim = cache.shape[1], cache.shape[3]
         use_pdl = pdl(qkv)
-        rope_write_kernel[(heads + 2 * kv_heads,)](
+        rope_write_kernel[(heads + 2 * kv_heads, qkv.shape[0])](
             qkv,
             cos,
             sin,
@@ -447,6 +451,7 @@ def _kernels() -> _Kernels | None:
             cache,
             qk_norm if qk_norm is not None else qkv,
             eps,
+            qkv.stride(0),
             cos.stride(0),
             cache.stride(0),
             cache.stride(1),

@@ -1,0 +1,212 @@
+"""GEMVs of a few rows (2..16) for the graphed verify step and prompt piece: the weight read once.
+
+A verify step scores k + 1 tokens; a follow-up turn's prompt piece runs up to 16. cuBLAS picks a
+GEMM for that row count whose tiles are built for many rows, and the torch path around it adds an
+RMSNorm, an activation and residual copies as kernels of their own. Here each program streams a
+BLOCK_N x BLOCK_K weight tile once and multiplies it with all rows on the tensor cores (`tl.dot`,
+the rows padded to 16), so T rows cost about what one does; the RMSNorm (every program computes the
+rows' norms from the L2-hot input), SiLU(gate) · up and the residual add are folded in, as the
+one-row kernels in gemv.py fold them.
+
+The kernels run where gemv.py's do (its SWITCH); `fits` says which weights the tiles cover.
+The torch forms the tests compare against are gemv.py's `reference_*`, row by row the same math.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+
+from ds4desk.engine.kernels.dense import gemv
+from ds4desk.engine.kernels.launch import on_its_device, pdl
+
+MAX_ROWS = 16  # the rows one tl.dot operand holds; more rows take the torch path
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) forced for every shape: what the sweep tries settings with.
+OVERRIDE: tuple[int, int, int, int] | None = None
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether a [N, K] weight can take the row kernels (rows contiguous, tiles that divide it)."""
+    n, k = weight.shape
+    return weight.stride(1) == 1 and n % 16 == 0 and k % 64 == 0
+
+
+def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [T, K] @ weightᵀ runs on the row kernels here."""
+    return (
+        1 <= x.shape[0] <= MAX_ROWS
+        and x.stride(-1) == 1
+        and x.dtype == weight.dtype
+        and gemv.enabled(x.device)
+        and fits(weight)
+    )
+
+
+def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 16 weight rows a program (the smallest tl.dot
+    side: the most programs), 256 columns a tile with 4 tiles in flight, so even the 2,048-row
+    projections keep enough bytes in flight on every SM."""
+    if OVERRIDE is not None:
+        return OVERRIDE
+    block_k = next(size for size in (256, 128, 64) if k % size == 0)
+    return 16, block_k, 4, 4
+
+
+def norm_gemv(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out [T, N] = RMSNorm(x [T, K]; norm) @ weightᵀ (+ bias), in out's dtype (float32 for logits)."""
+    _launch(x, weight, out, bias, norm, eps, with_norm=True, silu=False, residual=False)
+    return out
+
+
+def gemv_add_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool
+) -> torch.Tensor:
+    """residual [T, N] += x @ weightᵀ (+ bias), rounded once; silu: x is [T, 2K] gate | up and the
+    input is SiLU(gate) · up."""
+    _launch(x, weight, residual, bias, None, 0.0, with_norm=False, silu=silu, residual=True)
+    return residual
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: torch.Tensor | None,
+    eps: float,
+    *,
+    with_norm: bool,
+    silu: bool,
+    residual: bool,
+) -> None:
+    kernel = _kernel()
+    assert kernel is not None and x.shape[0] <= MAX_ROWS and out.stride(-1) == 1
+    kernel(x, weight, out, bias, norm, eps, with_norm=with_norm, silu=silu, residual=residual)
+
+
+@functools.cache
+def _kernel() -> Callable[..., None] | None:
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # no Triton: the torch path runs
+        return None
+
+    @triton.jit
+    def rows_kernel(
+        x,
+        w,
+        out,
+        bias,
+        norm,
+        rows,
+        stride_x,
+        stride_w,
+        stride_out,
+        eps,
+        K: tl.constexpr,
+        NORM: tl.constexpr,
+        SILU: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        IEEE: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        STAGES: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, ROWS)
+        live = (r < rows)[:, None]
+        kk = tl.arange(0, BLOCK_K)
+        tiles = w + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
+        inputs = x + r[:, None] * stride_x + kk[None, :]
+        if PDL:  # the input rows come from the kernel before: wait for it, let the next one start
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = tl.full((ROWS,), 1.0, tl.float32)
+        if NORM:  # the rows are a few KB each and hot in L2: every program computes their norms
+            squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                v = tl.load(inputs + k0, mask=live, other=0.0).to(tl.float32)
+                squares += v * v
+            rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            tile = tl.load(tiles + k0)
+            # The input rows rounded to the weight dtype, as torch's normed or activated rows are.
+            if SILU:
+                g = tl.load(inputs + k0, mask=live, other=0.0).to(tl.float32)
+                u = tl.load(inputs + K + k0, mask=live, other=0.0).to(tl.float32)
+                v = (g * tl.sigmoid(g) * u).to(w.dtype.element_ty)
+            elif NORM:
+                v = tl.load(inputs + k0, mask=live, other=0.0).to(tl.float32) * rstd[:, None]
+                v = (v * tl.load(norm + k0 + kk).to(tl.float32)[None, :]).to(w.dtype.element_ty)
+            else:
+                v = tl.load(inputs + k0, mask=live, other=0.0)
+            if IEEE:  # float32 products, not TF32 (bf16 ones are exact in float32)
+                acc += tl.dot(tile.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(tile, tl.trans(v))
+        if HAS_BIAS:
+            acc += tl.load(bias + n).to(tl.float32)[:, None]
+        at = out + r[None, :] * stride_out + n[:, None]
+        if RESIDUAL:
+            acc += tl.load(at, mask=tl.trans(live), other=0.0).to(tl.float32)
+        tl.store(at, acc.to(out.dtype.element_ty), mask=tl.trans(live))
+
+    def launch(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm: torch.Tensor | None,
+        eps: float,
+        *,
+        with_norm: bool,
+        silu: bool,
+        residual: bool,
+    ) -> None:
+        n, k = weight.shape
+        block_n, block_k, warps, stages = rows_config(n, k)
+        use_pdl = pdl(x)
+        rows_kernel[(n // block_n,)](
+            x,
+            weight,
+            out,
+            bias if bias is not None else out,
+            norm if norm is not None else x,
+            x.shape[0],
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            eps,
+            K=k,
+            NORM=with_norm,
+            SILU=silu,
+            RESIDUAL=residual,
+            HAS_BIAS=bias is not None,
+            # Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16): float32 there.
+            IEEE=weight.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+            ROWS=MAX_ROWS,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            STAGES=stages,
+            PDL=use_pdl,
+            num_warps=warps,
+            launch_pdl=use_pdl,
+        )
+
+    return on_its_device(launch)
