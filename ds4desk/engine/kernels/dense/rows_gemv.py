@@ -56,6 +56,22 @@ def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
     return 16, block_k, 4, 4
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weightᵀ in x's dtype: gemv.py's kernel for one row, the row kernel for 2..16 rows where
+    they run (DeepSeek-V4's linears in a decode step, verify step or prompt piece), else torch."""
+    if gemv.one_row(x, weight):
+        return gemv.gemv(x, weight, x.new_empty((1, weight.shape[0])))
+    if x.shape[0] > 1 and runs(x, weight):
+        return gemv_rows(x, weight, x.new_empty((x.shape[0], weight.shape[0])))
+    return x @ weight.t()
+
+
+def gemv_rows(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [T, N] = x [T, K] @ weightᵀ, in out's dtype (float32 for logits)."""
+    _launch(x, weight, out, None, None, 0.0, with_norm=False, silu=False, residual=False)
+    return out
+
+
 def norm_gemv(
     x: torch.Tensor,
     norm: torch.Tensor,

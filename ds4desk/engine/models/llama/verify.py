@@ -4,7 +4,13 @@
 PrefillSteps runs the same T tokens, but its positions are host integers that slice the rotary
 tables and the cache, so every verify would be a new shape to a CUDA graph. Here the positions are
 device values (index_select / index_copy_ / a mask made from them), so a graph captured once per
-(T, span) replays every verify of that size, as GraphedDecode does for one token.
+(T, span) replays every verify of that size, as GraphedDecode does for one token. A prompt piece
+(`prefill_graphable`) is the same step with the head on its last real row.
+
+Two paths: `VerifySteps` (torch projections; attention by SDPA under a mask or the split-span decode
+kernel) and, on NVIDIA GPUs where every projection is a float weight the tiles cover,
+`KernelVerifySteps`: the one-token step's fused kernels for T rows (kernels/dense/rows_gemv.py), each
+weight read once for all T, about the cost of one decode step rather than a GEMM per projection.
 """
 
 from __future__ import annotations

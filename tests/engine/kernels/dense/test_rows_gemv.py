@@ -59,6 +59,18 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
                 cases += 1
 rg.OVERRIDE = None
 
+# The plain product DeepSeek-V4's linears call: one row on gemv.py's kernel, 2..16 on the row kernel
+# (float32 out for its verify head), more on torch.
+for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
+    w = rand(64, 128, scale=0.05).to(dtype)
+    for rows in (1, 7, 17):
+        x = rand(rows, 128).to(dtype)
+        torch.testing.assert_close(rg.linear(x, w).float(), x.float() @ w.float().t(), rtol=tol, atol=tol)
+        cases += 1
+    logits = rg.gemv_rows(x[:9], w, torch.empty(9, 64, device=device))
+    torch.testing.assert_close(logits, x[:9].float() @ w.float().t(), rtol=tol, atol=tol)
+    cases += 1
+
 # RoPE + cache write for T tokens at positions pos..pos+T-1.
 heads, kv, dim, context = 4, 2, 32, 24
 angles = torch.outer(torch.arange(context).float(), torch.rand(dim // 2, generator=gen))
@@ -84,8 +96,9 @@ print("kernels ok", cases)
 
 def test_each_row_kernel_equals_its_torch_form() -> None:
     """Norm + GEMV (with and without bias, float32 logits), GEMV + residual (plain and SiLU·up) for
-    1, 3, 5 and 16 rows under three tilings, and RoPE + cache write for several tokens."""
-    assert "kernels ok 104" in run_triton_check(_KERNEL_CHECK)
+    1, 3, 5 and 16 rows under three tilings, the plain product by row count, and RoPE + cache
+    write for several tokens."""
+    assert "kernels ok 112" in run_triton_check(_KERNEL_CHECK)
 
 
 _MODEL_CHECK = """
