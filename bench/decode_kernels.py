@@ -170,7 +170,7 @@ def bench_rows(
     row["torch_us"] = graph_time(torch_side, copies) * 1e6
     row["one_row_us"] = graph_time(one_row, copies) * 1e6
     rg.OVERRIDE = None
-    row["default_config"] = list(rg.rows_config(n, k))
+    row["default_config"] = list(rg.rows_config(n, k, rows))
     row["kernel_us"] = graph_time(kernel_side, copies) * 1e6
     row["kernel_tb_s"] = size / row["kernel_us"] / 1e6
     if configs:
@@ -198,7 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     configs: list[tuple[int, ...]] | None = None
     if args.sweep and args.rows > 1:
-        configs = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (2, 4)))
+        configs = list(itertools.product((2, 4, 8), (64, 128, 256, 512), (4, 8)))
     elif args.sweep:
         configs = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)))
     rows = [bench_shape(*shape, configs, args.rows) for shape in SHAPES]

@@ -2,11 +2,13 @@
 
 A verify step scores k + 1 tokens; a follow-up turn's prompt piece runs up to 16. cuBLAS picks a
 GEMM for that row count whose tiles are built for many rows, and the torch path around it adds an
-RMSNorm, an activation and residual copies as kernels of their own. Here each program streams a
-BLOCK_N x BLOCK_K weight tile once and multiplies it with all rows on the tensor cores (`tl.dot`,
-the rows padded to 16), so T rows cost about what one does; the RMSNorm (every program computes the
-rows' norms from the L2-hot input), SiLU(gate) · up and the residual add are folded in, as the
-one-row kernels in gemv.py fold them.
+RMSNorm, an activation and residual copies as kernels of their own. Here each program holds a tile
+of 4 weight rows in registers, as the one-row GEMV does, and multiplies it with every input row
+before loading the next, so the weight is read once and T rows cost little more than one; the
+RMSNorm (its 1/rms scales each row's sums at the end, so the input is read once), SiLU(gate) · up
+and the residual add are folded in, as the one-row kernels in gemv.py fold them. (Tensor-core
+tiles need 16 weight rows a program: too few programs to stream the 2,048-row projections, and
+slower than cuBLAS on the H200.)
 
 The kernels run where gemv.py's do (its SWITCH); `fits` says which weights the tiles cover.
 The torch forms the tests compare against are gemv.py's `reference_*`, row by row the same math.
@@ -15,24 +17,23 @@ The torch forms the tests compare against are gemv.py's `reference_*`, row by ro
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 
 from ds4desk.engine.kernels.dense import gemv
-from ds4desk.engine.kernels.launch import on_its_device, pdl
+from ds4desk.engine.kernels.launch import next_power_of_two, on_its_device, pdl
 
-MAX_ROWS = 16  # the rows one tl.dot operand holds; more rows take the torch path
+MAX_ROWS = 16  # past it the accumulators leave the registers: more rows take the torch path
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) forced for every shape: what the sweep tries settings with.
-OVERRIDE: tuple[int, int, int, int] | None = None
+# (BLOCK_N, BLOCK_K, num_warps) forced for every shape: what the sweep tries settings with.
+OVERRIDE: tuple[int, int, int] | None = None
 
 
 def fits(weight: torch.Tensor) -> bool:
     """Whether a [N, K] weight can take the row kernels (rows contiguous, tiles that divide it)."""
     n, k = weight.shape
-    return weight.stride(1) == 1 and n % 16 == 0 and k % 64 == 0
+    return weight.stride(1) == 1 and n % 4 == 0 and k % 64 == 0
 
 
 def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -46,14 +47,14 @@ def runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): 16 weight rows a program (the smallest tl.dot
-    side: the most programs), 256 columns a tile with 4 tiles in flight, so even the 2,048-row
-    projections keep enough bytes in flight on every SM."""
+def rows_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): the one-row GEMV's tiles of 4 weight rows (many programs, long
+    runs of each row), narrower as the rows' accumulators grow so that they stay in registers."""
     if OVERRIDE is not None:
         return OVERRIDE
-    block_k = next(size for size in (256, 128, 64) if k % size == 0)
-    return 16, block_k, 4, 4
+    width = 512 if rows <= 2 else 256 if rows <= 8 else 128
+    block_k = next(size for size in (width, 256, 128, 64) if size <= width and k % size == 0)
+    return 4, block_k, 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -136,11 +137,9 @@ def _kernel() -> Callable[..., None] | None:
         SILU: tl.constexpr,
         RESIDUAL: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        IEEE: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        STAGES: tl.constexpr,
         PDL: tl.constexpr,
     ):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,39 +148,40 @@ def _kernel() -> Callable[..., None] | None:
         kk = tl.arange(0, BLOCK_K)
         tiles = w + n.to(tl.int64)[:, None] * stride_w + kk[None, :]
         inputs = x + r[:, None] * stride_x + kk[None, :]
+        # No earlier kernel writes the weights: the first tile streams in while that kernel ends.
+        tile = tl.load(tiles)
         if PDL:  # the input rows come from the kernel before: wait for it, let the next one start
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        rstd = tl.full((ROWS,), 1.0, tl.float32)
-        if NORM:  # the rows are a few KB each and hot in L2: every program computes their norms
-            squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                v = tl.load(inputs + k0, mask=live, other=0.0).to(tl.float32)
-                squares += v * v
-            rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
-        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            tile = tl.load(tiles + k0)
-            # The input rows rounded to the weight dtype, as torch's normed or activated rows are.
+        squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            # The input rows rounded to the weight dtype before the product, as torch's are. The
+            # norm's 1/rms is a factor of each row: it scales the row's sums after the loop, so the
+            # rows are read once (torch rounds the row after that factor: a rounding apart).
             if SILU:
                 g = tl.load(inputs + k0, mask=live, other=0.0).to(tl.float32)
                 u = tl.load(inputs + K + k0, mask=live, other=0.0).to(tl.float32)
-                v = (g * tl.sigmoid(g) * u).to(w.dtype.element_ty)
+                v = (g * tl.sigmoid(g) * u).to(w.dtype.element_ty).to(tl.float32)
             elif NORM:
-                v = tl.load(inputs + k0, mask=live, other=0.0).to(tl.float32) * rstd[:, None]
+                v = tl.load(inputs + k0, mask=live, other=0.0).to(tl.float32)
+                squares += v * v
                 v = (v * tl.load(norm + k0 + kk).to(tl.float32)[None, :]).to(w.dtype.element_ty)
+                v = v.to(tl.float32)
             else:
-                v = tl.load(inputs + k0, mask=live, other=0.0)
-            if IEEE:  # float32 products, not TF32 (bf16 ones are exact in float32)
-                acc += tl.dot(tile.to(tl.float32), tl.trans(v.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(tile, tl.trans(v))
+                v = tl.load(inputs + k0, mask=live, other=0.0).to(tl.float32)
+            # Every row times the tile held in registers: the weight is read once for all rows.
+            acc += tile.to(tl.float32)[None, :, :] * v[:, None, :]
+            tile = tl.load(tiles + k0 + BLOCK_K, mask=k0 + BLOCK_K < K, other=0.0)
+        y = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+        if NORM:
+            y *= tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
         if HAS_BIAS:
-            acc += tl.load(bias + n).to(tl.float32)[:, None]
-        at = out + r[None, :] * stride_out + n[:, None]
+            y += tl.load(bias + n).to(tl.float32)[None, :]
+        at = out + r[:, None] * stride_out + n[None, :]
         if RESIDUAL:
-            acc += tl.load(at, mask=tl.trans(live), other=0.0).to(tl.float32)
-        tl.store(at, acc.to(out.dtype.element_ty), mask=tl.trans(live))
+            y += tl.load(at, mask=live, other=0.0).to(tl.float32)
+        tl.store(at, y.to(out.dtype.element_ty), mask=live)
 
     def launch(
         x: torch.Tensor,
@@ -196,7 +196,8 @@ def _kernel() -> Callable[..., None] | None:
         residual: bool,
     ) -> None:
         n, k = weight.shape
-        block_n, block_k, warps, stages = rows_config(n, k)
+        rows = x.shape[0]
+        block_n, block_k, warps = rows_config(n, k, rows)
         use_pdl = pdl(x)
         rows_kernel[(n // block_n,)](
             x,
@@ -204,7 +205,7 @@ def _kernel() -> Callable[..., None] | None:
             out,
             bias if bias is not None else out,
             norm if norm is not None else x,
-            x.shape[0],
+            rows,
             x.stride(0),
             weight.stride(0),
             out.stride(0),
@@ -214,12 +215,9 @@ def _kernel() -> Callable[..., None] | None:
             SILU=silu,
             RESIDUAL=residual,
             HAS_BIAS=bias is not None,
-            # Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16): float32 there.
-            IEEE=weight.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-            ROWS=MAX_ROWS,
+            ROWS=next_power_of_two(rows),
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            STAGES=stages,
             PDL=use_pdl,
             num_warps=warps,
             launch_pdl=use_pdl,
