@@ -1,17 +1,13 @@
 """Time the dense decode step's fused GEMVs (ds4desk/engine/kernels/dense/gemv.py) against the
 cuBLAS calls they replace, on the 1.07B benchmark model's shapes, inside CUDA graphs (as the step runs).
 
-    PYTHONPATH=. python3 bench/decode_kernels.py [--sweep] [--rows T] [--out FILE.json]
+    PYTHONPATH=. python3 bench/decode_kernels.py [--sweep] [--out FILE.json]
 
 Each timing replays a graph of 40 calls that cycle through enough copies of the weight to exceed the
 L2 cache (a real step streams 2 GB of weights: nothing is L2-resident), median of 5 replays.
 torch's side: RMSNorm + mm (the norm rows), addmm_ into the residual (o / down: SiLU·up first for
 down), the head's norm + mm + float. --sweep tries every (BLOCK_N, BLOCK_K, warps) and prints the
 best per shape (what gemv_config's rule follows).
-
---rows T times the few-row kernels of the verify step and prompt piece (kernels/dense/rows_gemv.py)
-on T rows instead, against cuBLAS at T rows and against the one-row GEMV (`one_row_us`: what a plain
-decode step pays for the same weight); --sweep then tries rows_config's settings.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ import torch.nn.functional as F
 
 from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.dense import gemv as kd
-from ds4desk.engine.kernels.dense import rows_gemv as rg
 
 HIDDEN, FFN, QKV, VOCAB = 2048, 8192, 3072, 49152
 # (name, N, K, kind): kind says what the torch side and the kernel do.
@@ -67,9 +62,7 @@ def graph_time(fn: Callable[[int], None], copies: int) -> float:
     return statistics.median(times[1:])
 
 
-def bench_shape(
-    name: str, n: int, k: int, kind: str, configs: list[tuple[int, ...]] | None, rows: int = 1
-) -> dict:
+def bench_shape(name: str, n: int, k: int, kind: str, configs: list[tuple[int, int, int]] | None) -> dict:
     device = torch.device("cuda")
     dtype = torch.bfloat16
     size = n * k * 2
@@ -77,11 +70,9 @@ def bench_shape(
     weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies)]
     norm = torch.ones(k, device=device, dtype=dtype)
     width = 2 * k if kind == "silu_add" else k
-    x = torch.randn(rows, width, device=device, dtype=dtype)
-    residual = torch.randn(rows, n, device=device, dtype=dtype)
-    out = torch.empty(rows, n, device=device, dtype=torch.float32 if kind == "head" else dtype)
-    if rows > 1:
-        return bench_rows(name, n, k, kind, configs, weights, copies, (x, norm, residual, out))
+    x = torch.randn(1, width, device=device, dtype=dtype)
+    residual = torch.randn(1, n, device=device, dtype=dtype)
+    out = torch.empty(1, n, device=device, dtype=torch.float32 if kind == "head" else dtype)
 
     def torch_side(i: int) -> None:
         w = weights[i]
@@ -129,79 +120,15 @@ def bench_shape(
     return row
 
 
-def bench_rows(
-    name: str,
-    n: int,
-    k: int,
-    kind: str,
-    configs: list[tuple[int, ...]] | None,
-    weights: list[torch.Tensor],
-    copies: int,
-    tensors: tuple[torch.Tensor, ...],
-) -> dict:
-    """bench_shape for T > 1 rows: the row kernel against cuBLAS at T rows and the one-row GEMV."""
-    x, norm, residual, out = tensors
-    rows = x.shape[0]
-
-    def torch_side(i: int) -> None:
-        w = weights[i]
-        if kind in ("norm", "head"):
-            y = torch.mm(F.rms_norm(x, (k,), norm, 1e-5), w.t())
-            out.copy_(y.float() if kind == "head" else y)
-        elif kind == "add":
-            residual.addmm_(x, w.t())
-        else:
-            residual.addmm_(F.silu(x[:, :k]) * x[:, k:], w.t())
-
-    def kernel_side(i: int) -> None:
-        if kind in ("norm", "head"):
-            rg.norm_gemv(x, norm, weights[i], None, 1e-5, out=out)
-        else:
-            rg.gemv_add_(residual, x, weights[i], None, silu=kind == "silu_add")
-
-    def one_row(i: int) -> None:
-        if kind in ("norm", "head"):
-            kd.norm_gemv(x[:1], norm, weights[i], None, 1e-5, out=out[:1])
-        else:
-            kd.gemv_add_(residual[:1], x[:1], weights[i], None, silu=kind == "silu_add")
-
-    size = n * k * 2
-    row: dict[str, object] = {"shape": name, "n": n, "k": k, "rows": rows, "mbytes": size / 1e6}
-    row["torch_us"] = graph_time(torch_side, copies) * 1e6
-    row["one_row_us"] = graph_time(one_row, copies) * 1e6
-    rg.OVERRIDE = None
-    row["default_config"] = list(rg.rows_config(n, k, rows))
-    row["kernel_us"] = graph_time(kernel_side, copies) * 1e6
-    row["kernel_tb_s"] = size / row["kernel_us"] / 1e6
-    if configs:
-        tried = []
-        for config in configs:
-            if n % config[0] or k % config[1]:
-                continue
-            rg.OVERRIDE = config  # type: ignore[assignment]
-            try:
-                tried.append((graph_time(kernel_side, copies) * 1e6, config))
-            except Exception as exc:  # a setting that does not compile is skipped, not fatal
-                print(f"  {name} {config}: {type(exc).__name__}", flush=True)
-        rg.OVERRIDE = None
-        tried.sort()
-        row["best"] = [{"us": us, "config": list(c)} for us, c in tried[:5]]
-    print(json.dumps(row), flush=True)
-    return row
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--rows", type=int, default=1, help="rows of input (the verify step's T)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/decode_kernels.json"))
     args = parser.parse_args()
-    configs: list[tuple[int, ...]] | None = None
-    if args.sweep and args.rows > 1:
-        configs = list(itertools.product((2, 4, 8), (64, 128, 256, 512), (4, 8)))
-    elif args.sweep:
+    configs = None
+    if args.sweep:
         configs = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)))
-    rows = [bench_shape(*shape, configs, args.rows) for shape in SHAPES]
+    rows = [bench_shape(*shape, configs) for shape in SHAPES]
     result = {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
@@ -212,13 +139,6 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=1))
     total_torch = sum(r["torch_us"] for r in rows)
     total_kernel = sum(r["kernel_us"] for r in rows)
-    if args.rows > 1:
-        one_row = sum(r["one_row_us"] for r in rows)
-        print(
-            f"sum over the five shapes at {args.rows} rows: torch {total_torch:.1f} us, row kernels "
-            f"{total_kernel:.1f} us; the one-row GEMV {one_row:.1f} us"
-        )
-        return
     no_pdl = sum(r["kernel_no_pdl_us"] for r in rows)
     print(
         f"sum over the five shapes: torch {total_torch:.1f} us, kernels {total_kernel:.1f} us "

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds4desk.engine.kernels.dense import rows_gemv
+from ds4desk.engine.kernels.dense import gemv as decode_kernels
 from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, nvidia, on_its_device
 
 # Default: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable; NVIDIA only: the
@@ -68,8 +68,8 @@ def projections(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch
         or gate.data_ptr() != both.data_ptr() + kv.numel() * kv.element_size()
         or both.shape[0] != kv.shape[0] + gate.shape[0]
     ):
-        return rows_gemv.linear(x, kv), rows_gemv.linear(x, gate)
-    out = rows_gemv.linear(x, both)
+        return decode_kernels.linear(x, kv), decode_kernels.linear(x, gate)
+    out = decode_kernels.linear(x, both)
     return out[:, : kv.shape[0]], out[:, kv.shape[0] :]
 
 

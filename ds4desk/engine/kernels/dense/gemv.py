@@ -69,6 +69,13 @@ def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weightᵀ in x's dtype: the GEMV kernel for one row where it runs, else torch."""
+    if one_row(x, weight):
+        return gemv(x, weight, x.new_empty((1, weight.shape[0])))
+    return x @ weight.t()
+
+
 def fits_heads(head_dim: int) -> bool:
     """rope_write holds a head in one power-of-two block."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds4desk.engine.kernels.dense import rows_gemv
+from ds4desk.engine.kernels.dense import gemv as decode_kernels
 from ds4desk.engine.kernels.quant.fp8 import fp8_linear
 from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
 
@@ -80,7 +80,7 @@ def linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
     weight = holder.weight
     if weight.dtype == torch.float8_e4m3fn:
         return fp8_linear(x, weight, holder.weight_scale_inv)
-    return rows_gemv.linear(x, weight)
+    return decode_kernels.linear(x, weight)
 
 
 def shared_expert(shared: SharedExpert, x: torch.Tensor, limit: float) -> torch.Tensor:
@@ -97,4 +97,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 def index_weights(x: torch.Tensor, indexer: Indexer, heads: int, dim: int) -> torch.Tensor:
     """The indexer's per-head weights with both scales folded in, float32 [T, Hi]: the score is
     Σ_h w_h Hi^-½ ReLU(q_h · k) di^-½ = Σ_h (w_h Hi^-½ di^-½) ReLU(q_h · k)."""
-    return rows_gemv.linear(x, indexer.scorer.weights_proj.weight).float() * (heads**-0.5 * dim**-0.5)
+    return decode_kernels.linear(x, indexer.scorer.weights_proj.weight).float() * (heads**-0.5 * dim**-0.5)

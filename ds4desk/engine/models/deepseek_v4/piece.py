@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
-from ds4desk.engine.kernels.dense import rows_gemv
 from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.cache import RopeTables, V4Cache
 from ds4desk.engine.models.deepseek_v4.config import SLIDING, DeepseekV4Config
@@ -129,10 +128,7 @@ class GraphablePiece:
         h = self._hc_head(streams) if last is None else self._hc_head_fused(streams, last)
         if row is not None:
             return self._one_row_logits(h).unsqueeze(0)
-        head = self.head_weight()
-        if rows_gemv.runs(h, head):
-            return rows_gemv.gemv_rows(h, head, h.new_empty((h.shape[0], head.shape[0]), dtype=torch.float32))
-        return torch.mm(h, head.t()).float()
+        return torch.mm(h, self.head_weight().t()).float()
 
     def _piece_attention(
         self,

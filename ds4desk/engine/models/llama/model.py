@@ -26,7 +26,6 @@ from torch import nn
 
 from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.kernels.dense import gemv as kernels
-from ds4desk.engine.kernels.dense import rows_gemv
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
 from ds4desk.engine.models.base import CausalLM, LogitsMode, load_failure
 from ds4desk.engine.models.llama.config import DenseConfig
@@ -46,7 +45,7 @@ from ds4desk.engine.models.llama.layer import (
     rms_norm,
     silu_pair_input,
 )
-from ds4desk.engine.models.llama.verify import KernelVerifySteps, VerifySteps, norm_rows, rows_fit
+from ds4desk.engine.models.llama.verify import VerifySteps
 from ds4desk.engine.models.packed import Fused, embedding, fuse_group, group_projection, linear, projection_of
 from ds4desk.engine.models.packed import embed as packed_embed
 from ds4desk.engine.split import materialize_parameters
@@ -352,21 +351,14 @@ class DenseModel(CausalLM):
         self, tokens: torch.Tensor, pos: torch.Tensor, span: int, row: torch.Tensor | None
     ) -> torch.Tensor:
         """T tokens at device positions pos.. on one shard; logits [T, V], or [1, V] of `row`."""
-        cfg, shard, count = self.config, self._shards[0], tokens.shape[0]
-        x = packed_embed(self.model.embed_tokens, tokens)  # [T, hidden], a fresh tensor
+        cfg, shard = self.config, self._shards[0]
+        x = packed_embed(self.model.embed_tokens, tokens)  # [T, hidden]
         kernel = self.decode_attention == "triton" and fused_decode.enabled(shard.device)
-        on_kernels = kernel and count <= rows_gemv.MAX_ROWS and self._rows_fit(shard)
-        steps: LayerSteps
-        if on_kernels:
-            steps = KernelVerifySteps(cfg, shard, pos, span, count)
-        else:
-            steps = VerifySteps(cfg, self.one_pass_norm, shard, pos, span, count, kernel)
+        steps = VerifySteps(cfg, self.one_pass_norm, shard, pos, span, tokens.shape[0], kernel)
         for plan in shard.plans:
             x = steps.layer(x, plan)
         if row is not None:
             x = x.index_select(0, row)
-        if on_kernels:
-            return norm_rows(x, self.model.norm.weight, self.head_projection(), cfg.rms_norm_eps)
         x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.one_pass_norm)
         return self.logits_from(x, "all", x)
 
@@ -404,15 +396,6 @@ class DenseModel(CausalLM):
             return (norm_project(x, self.model.norm.weight, head, cfg.rms_norm_eps, logits)[0],)
         x = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps, self.one_pass_norm)
         return (self.logits_from(x, "last", x),)
-
-    def _rows_fit(self, shard: Shard) -> bool:
-        """Whether the shard's graphed verify step can run on the row kernels (KernelVerifySteps)."""
-        if not kernels.enabled(shard.device) or not kernels.fits_heads(self.config.head_dim):
-            return False
-        projections = [self.head_projection()]
-        for plan in shard.plans:
-            projections += [plan.qkv, plan.o, plan.gate_up, plan.down]
-        return all(rows_fit(p, self.dtype) for p in projections)
 
     def _kernels_fit(self, shard: Shard) -> bool:
         """Whether the shard's graphed step can run on the fused kernels (KernelDecodeSteps)."""

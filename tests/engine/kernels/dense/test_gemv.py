@@ -91,8 +91,8 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
     cos = torch.cat([angles.cos(), angles.cos()], 1).to(device, dtype)
     sin = torch.cat([-angles.sin(), angles.sin()], 1).to(device, dtype)
     for qk_norm in (None, (1 + 0.1 * rand(heads + kv, dim)).to(dtype)):
-        for pos in (0, 7, context - 1):
-            qkv = rand(1, (heads + 2 * kv) * dim).to(dtype)
+        for pos, tokens in ((0, 1), (7, 1), (context - 1, 1), (3, 5), (context - 6, 6)):
+            qkv = rand(tokens, (heads + 2 * kv) * dim).to(dtype)
             cache = rand(2, kv, context, dim).to(dtype)
             at = torch.tensor([pos], device=device)
             want_qkv, want_cache = qkv.float().clone(), cache.float().clone()
@@ -100,7 +100,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
                                     None if qk_norm is None else qk_norm.float(), 1e-6)
             kd.rope_write(qkv, cos, sin, at, cache, heads, qk_norm, 1e-6)
             queries = heads * dim
-            torch.testing.assert_close(qkv[0, :queries].float(), want_qkv[0, :queries], rtol=tol, atol=tol)
+            torch.testing.assert_close(qkv[:, :queries].float(), want_qkv[:, :queries], rtol=tol, atol=tol)
             torch.testing.assert_close(cache.float(), want_cache, rtol=tol, atol=tol)
             cases += 1
 print("kernels ok", cases)
@@ -109,8 +109,9 @@ print("kernels ok", cases)
 
 def test_each_kernel_equals_its_torch_form() -> None:
     """Norm + GEMV (with and without bias, bf16 and float32 out), GEMV + residual (plain and SiLU·up
-    input), RoPE + cache write (with and without per-head norms, first and last position)."""
-    assert "kernels ok 42" in run_triton_check(_KERNEL_CHECK)
+    input), RoPE + cache write (with and without per-head norms, first and last position, one token
+    and several: a verify step's)."""
+    assert "kernels ok 50" in run_triton_check(_KERNEL_CHECK)
 
 
 _MODEL_CHECK = """
@@ -155,6 +156,65 @@ for family in ("llama", "mistral", "qwen2", "qwen3"):
 def test_the_step_on_the_kernels_equals_the_unfused_step() -> None:
     stdout = run_triton_check(_MODEL_CHECK)
     for family in ("llama", "mistral", "qwen2", "qwen3"):
+        assert f"{family} ok" in stdout
+
+
+_VERIFY_CHECK = """
+import tempfile
+from pathlib import Path
+import torch
+from ds4desk.engine.kernels.dense import gemv as kd
+from ds4desk.engine.kernels.dense import decode_attention as da
+from ds4desk.engine.loader import load_model
+from tests.engine.tiny_dense import save_tiny
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+da.SWITCH.forced = True
+calls = {"rope_write": 0}
+def counted(*args, _real=kd.rope_write, **kwargs):
+    calls["rope_write"] += 1
+    return _real(*args, **kwargs)
+kd.rope_write = counted
+root = Path(tempfile.mkdtemp())
+for family in ("llama", "mistral", "qwen3"):
+    source = save_tiny(family, root / family)[1]
+    model = load_model(source, device, torch.float32).model
+    model.decode_attention = "triton"
+    model.allocate_cache(64)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)).to(device)
+    layers = len(model._shards[0].plans)
+    with torch.inference_mode():
+        model.forward(prompt, 0, "none")
+        for pos, count in ((9, 5), (12, 16)):  # past mistral's window of 8
+            tokens = torch.randint(0, 256, (count,), generator=torch.Generator().manual_seed(pos)).to(device)
+            at, last = torch.tensor([pos], device=device), torch.tensor([count], device=device)
+            before = model._cache.clone()
+            with kd.SWITCH.force(False):
+                expected = model.verify_graphable(tokens, at, 48)
+                expected_cache = model._cache.clone()
+                model._cache.copy_(before)
+                expected_piece = model.prefill_graphable(tokens, at, last, 48)
+            model._cache.copy_(before)
+            done = calls["rope_write"]
+            with kd.SWITCH.force(True):
+                got = model.verify_graphable(tokens, at, 48)
+                torch.testing.assert_close(model._cache, expected_cache, rtol=1e-5, atol=1e-5)
+                model._cache.copy_(before)
+                got_piece = model.prefill_graphable(tokens, at, last, 48)
+            assert calls["rope_write"] - done == 2 * layers
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got_piece, expected_piece, rtol=1e-4, atol=1e-4)
+            model._cache.copy_(before)
+    print(family, "ok")
+"""
+
+
+def test_the_verify_step_on_the_rope_kernel_equals_the_torch_steps() -> None:
+    """The graphable verify step and prompt piece with RoPE and the cache write of all T tokens
+    in the decode step's kernel (Llama, Mistral's window, Qwen3's per-head norms; 5 and 16 tokens)
+    give the logits and cache of the torch steps."""
+    stdout = run_triton_check(_VERIFY_CHECK)
+    for family in ("llama", "mistral", "qwen3"):
         assert f"{family} ok" in stdout
 
 
