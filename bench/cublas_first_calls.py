@@ -28,6 +28,7 @@ import torch
 # (N, K, residual add) of Qwen3-0.6B's qkv, o, gate/up and down projections.
 SHAPES = [(4096, 1024, False), (1024, 2048, True), (6144, 1024, False), (1024, 3072, True)]
 SLOW_MS = 1.0  # a call this long is a first call (a warm one at 4,096 rows takes under 0.6 ms)
+RANDOM_ROW_COUNTS = 60  # tried after a warm-up sweep, each on every shape
 
 
 def measure(stride: int | None) -> dict:
@@ -63,11 +64,12 @@ def measure(stride: int | None) -> dict:
     random.seed(0)
     missed = [
         [m, i, round(ms, 2)]
-        for m in random.sample(range(17, 4097), 60)
+        for m in random.sample(range(17, 4097), RANDOM_ROW_COUNTS)
         for i in range(len(SHAPES))
         if (ms := timed(i, m)) > SLOW_MS
     ]
-    return {"stride": stride, "warm_s": warm_s, "slow_in_warm_up": slow, "tried": 240, "missed": missed}
+    tried = RANDOM_ROW_COUNTS * len(SHAPES)
+    return {"stride": stride, "warm_s": warm_s, "slow_in_warm_up": slow, "tried": tried, "missed": missed}
 
 
 def child(args: list[str], env: dict[str, str] | None = None) -> dict:
@@ -96,7 +98,8 @@ def main() -> None:
     for sweep in sweeps:
         print(
             f"warm every {sweep['stride']} rows: {sweep['warm_s']:.2f} s, {sweep['slow_in_warm_up']} first "
-            f"calls in it; then {len(sweep['missed'])} of 240 calls at random row counts were first calls"
+            f"calls in it; then {len(sweep['missed'])} of {sweep['tried']} calls at random row counts "
+            "were first calls"
         )
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     args.out.mkdir(parents=True, exist_ok=True)
