@@ -89,10 +89,11 @@ def compress_step(
     eps: float,
     stop: torch.Tensor | None = None,
 ) -> None:
-    """Feed the token at `pos` (int64 [1], on the device) to a compressor, in place; with `stop`
-    (int64 [1]) only when pos < stop: a prompt piece's padding leaves the state as it was.
+    """Feed the T tokens at pos, pos + 1, .. (`pos`: int64 [1], on the device) to a compressor in
+    order, in place; with `stop` (int64 [1]) only those below it: a prompt piece's padding leaves
+    the state as it was. One kernel for all T (a verify step's or a prompt piece's tokens).
 
-    kv, gate: the token's projections [1, width], contiguous (model dtype, gate without its bias);
+    kv, gate: the tokens' projections [T, width], rows contiguous (model dtype, gate without its bias);
     bias: position_bias [rate, width] float32; norm: kv_norm's weight [dim] float32; state_kv,
     state_gate: the open window [rate, width] float32; prev_kv, prev_gate: CSA's last closed
     window's first halves [rate, dim] float32 (None: no overlap, width = dim); rows: the entries
@@ -116,6 +117,43 @@ def compress_step(
 
 
 def reference(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor,
+    norm: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_gate: torch.Tensor,
+    prev_kv: torch.Tensor | None,
+    prev_gate: torch.Tensor | None,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    stop: torch.Tensor | None = None,
+) -> None:
+    """The eager form of compress_step: one token at a time (`_reference_one`)."""
+    for t in range(kv.shape[0]):
+        at = pos + t
+        _reference_one(
+            kv[t : t + 1],
+            gate[t : t + 1],
+            bias,
+            norm,
+            state_kv,
+            state_gate,
+            prev_kv,
+            prev_gate,
+            rows,
+            at,
+            cos,
+            sin,
+            eps,
+            stop,
+        )
+
+
+def _reference_one(
     kv: torch.Tensor,
     gate: torch.Tensor,
     bias: torch.Tensor,
@@ -218,8 +256,10 @@ def _jit_kernel() -> Any:
 
     @triton.jit
     def kernel(
-        kv,
-        gate,
+        kv_rows,
+        gate_rows,
+        kv_stride,
+        gate_stride,
         bias,
         norm,
         state_kv,
@@ -245,143 +285,155 @@ def _jit_kernel() -> Any:
         OVERLAP: tl.constexpr,
         HAS_ROWS: tl.constexpr,
         HAS_STOP: tl.constexpr,
+        TOKENS: tl.constexpr,
     ):
-        pos = tl.load(pos_ptr)
+        first = tl.load(pos_ptr)
         if HAS_STOP:  # noqa: SIM108 (a constexpr branch: stop_ptr is never read without it)
             stop = tl.load(stop_ptr)
         else:
-            stop = pos + 1
-        if pos < stop:  # else a prompt piece's padding: nothing changes
-            slot = pos % RATE
-            if slot != RATE - 1:
-                # The window stays open: the token's row, its gate with the position bias.
-                c = tl.arange(0, WIDTH_P2)
-                live = c < WIDTH
-                new_kv = tl.load(kv + c, mask=live, other=0.0).to(tl.float32)
-                new_gate = tl.load(gate + c, mask=live, other=0.0).to(tl.float32)
-                new_gate += tl.load(bias + slot * WIDTH + c, mask=live, other=0.0)
-                tl.store(state_kv + slot * WIDTH + c, new_kv, mask=live)
-                tl.store(state_gate + slot * WIDTH + c, new_gate, mask=live)
-            else:
-                # pos closes its window (slot = RATE - 1): the token's own row stays in registers, the
-                # open-window state is left as it is (the next window overwrites it row by row).
-                if HAS_ROWS:
-                    # Channels in even / odd halves, so each rotary pair (2i, 2i + 1) is one lane.
-                    i = tl.arange(0, HALF_P2)
-                    lane = i < DIM // 2
-                    off = DIM if OVERLAP else 0  # the pooled (second) half of a CSA row
-                    even = off + 2 * i
-                    tok_kv_e = tl.load(kv + even, mask=lane, other=0.0).to(tl.float32)
-                    tok_kv_o = tl.load(kv + even + 1, mask=lane, other=0.0).to(tl.float32)
-                    tok_g_e = tl.load(gate + even, mask=lane, other=0.0).to(tl.float32)
-                    tok_g_e += tl.load(bias + slot * WIDTH + even, mask=lane, other=0.0)
-                    tok_g_o = tl.load(gate + even + 1, mask=lane, other=0.0).to(tl.float32)
-                    tok_g_o += tl.load(bias + slot * WIDTH + even + 1, mask=lane, other=0.0)
+            stop = first + TOKENS
+        # The tokens in order, each seeing the state the one before left (the barrier makes its
+        # stores visible to every thread of the program).
+        for t in range(TOKENS):
+            pos = first + t
+            kv = kv_rows + t * kv_stride
+            gate = gate_rows + t * gate_stride
+            if pos < stop:  # else a prompt piece's padding: nothing changes
+                slot = pos % RATE
+                if slot != RATE - 1:
+                    # The window stays open: the token's row, its gate with the position bias.
+                    c = tl.arange(0, WIDTH_P2)
+                    live = c < WIDTH
+                    new_kv = tl.load(kv + c, mask=live, other=0.0).to(tl.float32)
+                    new_gate = tl.load(gate + c, mask=live, other=0.0).to(tl.float32)
+                    new_gate += tl.load(bias + slot * WIDTH + c, mask=live, other=0.0)
+                    tl.store(state_kv + slot * WIDTH + c, new_kv, mask=live)
+                    tl.store(state_gate + slot * WIDTH + c, new_gate, mask=live)
+                else:
+                    # pos closes its window (slot = RATE - 1): the token's own row stays in registers, the
+                    # open-window state is left as it is (the next window overwrites it row by row).
+                    if HAS_ROWS:
+                        # Channels in even / odd halves, so each rotary pair (2i, 2i + 1) is one lane.
+                        i = tl.arange(0, HALF_P2)
+                        lane = i < DIM // 2
+                        off = DIM if OVERLAP else 0  # the pooled (second) half of a CSA row
+                        even = off + 2 * i
+                        tok_kv_e = tl.load(kv + even, mask=lane, other=0.0).to(tl.float32)
+                        tok_kv_o = tl.load(kv + even + 1, mask=lane, other=0.0).to(tl.float32)
+                        tok_g_e = tl.load(gate + even, mask=lane, other=0.0).to(tl.float32)
+                        tok_g_e += tl.load(bias + slot * WIDTH + even, mask=lane, other=0.0)
+                        tok_g_o = tl.load(gate + even + 1, mask=lane, other=0.0).to(tl.float32)
+                        tok_g_o += tl.load(bias + slot * WIDTH + even + 1, mask=lane, other=0.0)
 
-                    # Online softmax per channel over the window's rows (and the predecessor's).
-                    m_e = tl.full([HALF_P2], -float("inf"), tl.float32)
-                    m_o = tl.full([HALF_P2], -float("inf"), tl.float32)
-                    l_e = tl.zeros([HALF_P2], tl.float32)
-                    l_o = tl.zeros([HALF_P2], tl.float32)
-                    a_e = tl.zeros([HALF_P2], tl.float32)
-                    a_o = tl.zeros([HALF_P2], tl.float32)
-                    for r0 in range(0, RATE, BLOCK_R):
-                        r = r0 + tl.arange(0, BLOCK_R)
-                        old = (r < RATE - 1)[:, None] & lane[None, :]  # rows before the token's
-                        tok = (r == RATE - 1)[:, None]
-                        at = r[:, None] * WIDTH + even[None, :]
-                        ke = tl.where(tok, tok_kv_e[None, :], tl.load(state_kv + at, mask=old, other=0.0))
-                        ko = tl.where(tok, tok_kv_o[None, :], tl.load(state_kv + at + 1, mask=old, other=0.0))
-                        ge = tl.load(state_gate + at, mask=old, other=-float("inf"))
-                        go = tl.load(state_gate + at + 1, mask=old, other=-float("inf"))
-                        ge = tl.where(tok, tok_g_e[None, :], ge)
-                        go = tl.where(tok, tok_g_o[None, :], go)
-                        top_e = tl.max(ge, axis=0)
-                        top_o = tl.max(go, axis=0)
-                        if OVERLAP:
-                            held = (r < RATE)[:, None] & lane[None, :]
-                            p_at = r[:, None] * DIM + 2 * i[None, :]
-                            pke = tl.load(prev_kv + p_at, mask=held, other=0.0)
-                            pko = tl.load(prev_kv + p_at + 1, mask=held, other=0.0)
-                            gone = held & (pos >= RATE)  # window 0: no predecessor (weight 0)
-                            pge = tl.load(prev_gate + p_at, mask=gone, other=-float("inf"))
-                            pgo = tl.load(prev_gate + p_at + 1, mask=gone, other=-float("inf"))
-                            top_e = tl.maximum(top_e, tl.max(pge, axis=0))
-                            top_o = tl.maximum(top_o, tl.max(pgo, axis=0))
-                        # The token's row is in the first block or a later one; until a finite gate
-                        # is seen, a lane's max is -inf: guard the rescale (exp(-inf - -inf) is NaN).
-                        new_e = tl.maximum(m_e, top_e)
-                        new_o = tl.maximum(m_o, top_o)
-                        safe_e = tl.where(new_e == -float("inf"), 0.0, new_e)
-                        safe_o = tl.where(new_o == -float("inf"), 0.0, new_o)
-                        keep_e = tl.exp(m_e - safe_e)
-                        keep_o = tl.exp(m_o - safe_o)
-                        w_e = tl.exp(ge - safe_e[None, :])
-                        w_o = tl.exp(go - safe_o[None, :])
-                        l_e = l_e * keep_e + tl.sum(w_e, axis=0)
-                        l_o = l_o * keep_o + tl.sum(w_o, axis=0)
-                        a_e = a_e * keep_e + tl.sum(w_e * ke, axis=0)
-                        a_o = a_o * keep_o + tl.sum(w_o * ko, axis=0)
-                        if OVERLAP:
-                            pw_e = tl.exp(pge - safe_e[None, :])
-                            pw_o = tl.exp(pgo - safe_o[None, :])
-                            l_e += tl.sum(pw_e, axis=0)
-                            l_o += tl.sum(pw_o, axis=0)
-                            a_e += tl.sum(pw_e * pke, axis=0)
-                            a_o += tl.sum(pw_o * pko, axis=0)
-                        m_e = new_e
-                        m_o = new_o
-                    pooled_e = tl.where(lane, a_e / l_e, 0.0)
-                    pooled_o = tl.where(lane, a_o / l_o, 0.0)
+                        # Online softmax per channel over the window's rows (and the predecessor's).
+                        m_e = tl.full([HALF_P2], -float("inf"), tl.float32)
+                        m_o = tl.full([HALF_P2], -float("inf"), tl.float32)
+                        l_e = tl.zeros([HALF_P2], tl.float32)
+                        l_o = tl.zeros([HALF_P2], tl.float32)
+                        a_e = tl.zeros([HALF_P2], tl.float32)
+                        a_o = tl.zeros([HALF_P2], tl.float32)
+                        for r0 in range(0, RATE, BLOCK_R):
+                            r = r0 + tl.arange(0, BLOCK_R)
+                            old = (r < RATE - 1)[:, None] & lane[None, :]  # rows before the token's
+                            tok = (r == RATE - 1)[:, None]
+                            at = r[:, None] * WIDTH + even[None, :]
+                            ke = tl.where(tok, tok_kv_e[None, :], tl.load(state_kv + at, mask=old, other=0.0))
+                            ko = tl.where(
+                                tok, tok_kv_o[None, :], tl.load(state_kv + at + 1, mask=old, other=0.0)
+                            )
+                            ge = tl.load(state_gate + at, mask=old, other=-float("inf"))
+                            go = tl.load(state_gate + at + 1, mask=old, other=-float("inf"))
+                            ge = tl.where(tok, tok_g_e[None, :], ge)
+                            go = tl.where(tok, tok_g_o[None, :], go)
+                            top_e = tl.max(ge, axis=0)
+                            top_o = tl.max(go, axis=0)
+                            if OVERLAP:
+                                held = (r < RATE)[:, None] & lane[None, :]
+                                p_at = r[:, None] * DIM + 2 * i[None, :]
+                                pke = tl.load(prev_kv + p_at, mask=held, other=0.0)
+                                pko = tl.load(prev_kv + p_at + 1, mask=held, other=0.0)
+                                gone = held & (pos >= RATE)  # window 0: no predecessor (weight 0)
+                                pge = tl.load(prev_gate + p_at, mask=gone, other=-float("inf"))
+                                pgo = tl.load(prev_gate + p_at + 1, mask=gone, other=-float("inf"))
+                                top_e = tl.maximum(top_e, tl.max(pge, axis=0))
+                                top_o = tl.maximum(top_o, tl.max(pgo, axis=0))
+                            # The token's row is in the first block or a later one; until a finite gate
+                            # is seen, a lane's max is -inf: guard the rescale (exp(-inf - -inf) is NaN).
+                            new_e = tl.maximum(m_e, top_e)
+                            new_o = tl.maximum(m_o, top_o)
+                            safe_e = tl.where(new_e == -float("inf"), 0.0, new_e)
+                            safe_o = tl.where(new_o == -float("inf"), 0.0, new_o)
+                            keep_e = tl.exp(m_e - safe_e)
+                            keep_o = tl.exp(m_o - safe_o)
+                            w_e = tl.exp(ge - safe_e[None, :])
+                            w_o = tl.exp(go - safe_o[None, :])
+                            l_e = l_e * keep_e + tl.sum(w_e, axis=0)
+                            l_o = l_o * keep_o + tl.sum(w_o, axis=0)
+                            a_e = a_e * keep_e + tl.sum(w_e * ke, axis=0)
+                            a_o = a_o * keep_o + tl.sum(w_o * ko, axis=0)
+                            if OVERLAP:
+                                pw_e = tl.exp(pge - safe_e[None, :])
+                                pw_o = tl.exp(pgo - safe_o[None, :])
+                                l_e += tl.sum(pw_e, axis=0)
+                                l_o += tl.sum(pw_o, axis=0)
+                                a_e += tl.sum(pw_e * pke, axis=0)
+                                a_o += tl.sum(pw_o * pko, axis=0)
+                            m_e = new_e
+                            m_o = new_o
+                        pooled_e = tl.where(lane, a_e / l_e, 0.0)
+                        pooled_o = tl.where(lane, a_o / l_o, 0.0)
 
-                    # RMS norm with kv_norm's weight, then rotate the trailing pairs by the window
-                    # start's angle (rows of the compress table at pos - slot).
-                    square = tl.sum(pooled_e * pooled_e, axis=0) + tl.sum(pooled_o * pooled_o, axis=0)
-                    inv = 1.0 / tl.sqrt(square / DIM + eps)
-                    x_e = pooled_e * inv * tl.load(norm + 2 * i, mask=lane, other=0.0)
-                    x_o = pooled_o * inv * tl.load(norm + 2 * i + 1, mask=lane, other=0.0)
-                    pair = i - (DIM // 2 - PAIRS)
-                    turns = lane & (pair >= 0)
-                    start = pos - slot
-                    c_t = tl.load(cos + start * table_stride + pair, mask=turns, other=1.0)
-                    s_t = tl.load(sin + start * table_stride + pair, mask=turns, other=0.0)
-                    out_e = x_e * c_t - x_o * s_t
-                    out_o = x_e * s_t + x_o * c_t
-                    window = tl.minimum(pos // RATE, count - 1)
-                    row = rows + window * DIM + 2 * i
-                    tl.store(row, out_e.to(rows.dtype.element_ty), mask=lane)
-                    tl.store(row + 1, out_o.to(rows.dtype.element_ty), mask=lane)
-                if OVERLAP:
-                    # Every thread has read the old overlap state before any overwrites it.
-                    tl.debug_barrier()
-                    d = tl.arange(0, DIM_P2)
-                    cols = d < DIM
-                    tok_kv = tl.load(kv + d, mask=cols, other=0.0).to(tl.float32)
-                    tok_gate = tl.load(gate + d, mask=cols, other=0.0).to(tl.float32)
-                    tok_gate += tl.load(bias + slot * WIDTH + d, mask=cols, other=0.0)
-                    for r0 in range(0, RATE, BLOCK_R):
-                        r = r0 + tl.arange(0, BLOCK_R)
-                        old = (r < RATE - 1)[:, None] & cols[None, :]
-                        tok = (r == RATE - 1)[:, None]
-                        src = r[:, None] * WIDTH + d[None, :]
-                        dst = r[:, None] * DIM + d[None, :]
-                        held = (r < RATE)[:, None] & cols[None, :]
-                        moved_kv = tl.where(
-                            tok, tok_kv[None, :], tl.load(state_kv + src, mask=old, other=0.0)
-                        )
-                        moved_gate = tl.where(
-                            tok, tok_gate[None, :], tl.load(state_gate + src, mask=old, other=0.0)
-                        )
-                        tl.store(prev_kv + dst, moved_kv, mask=held)
-                        tl.store(prev_gate + dst, moved_gate, mask=held)
+                        # RMS norm with kv_norm's weight, then rotate the trailing pairs by the window
+                        # start's angle (rows of the compress table at pos - slot).
+                        square = tl.sum(pooled_e * pooled_e, axis=0) + tl.sum(pooled_o * pooled_o, axis=0)
+                        inv = 1.0 / tl.sqrt(square / DIM + eps)
+                        x_e = pooled_e * inv * tl.load(norm + 2 * i, mask=lane, other=0.0)
+                        x_o = pooled_o * inv * tl.load(norm + 2 * i + 1, mask=lane, other=0.0)
+                        pair = i - (DIM // 2 - PAIRS)
+                        turns = lane & (pair >= 0)
+                        start = pos - slot
+                        c_t = tl.load(cos + start * table_stride + pair, mask=turns, other=1.0)
+                        s_t = tl.load(sin + start * table_stride + pair, mask=turns, other=0.0)
+                        out_e = x_e * c_t - x_o * s_t
+                        out_o = x_e * s_t + x_o * c_t
+                        window = tl.minimum(pos // RATE, count - 1)
+                        row = rows + window * DIM + 2 * i
+                        tl.store(row, out_e.to(rows.dtype.element_ty), mask=lane)
+                        tl.store(row + 1, out_o.to(rows.dtype.element_ty), mask=lane)
+                    if OVERLAP:
+                        # Every thread has read the old overlap state before any overwrites it.
+                        tl.debug_barrier()
+                        d = tl.arange(0, DIM_P2)
+                        cols = d < DIM
+                        tok_kv = tl.load(kv + d, mask=cols, other=0.0).to(tl.float32)
+                        tok_gate = tl.load(gate + d, mask=cols, other=0.0).to(tl.float32)
+                        tok_gate += tl.load(bias + slot * WIDTH + d, mask=cols, other=0.0)
+                        for r0 in range(0, RATE, BLOCK_R):
+                            r = r0 + tl.arange(0, BLOCK_R)
+                            old = (r < RATE - 1)[:, None] & cols[None, :]
+                            tok = (r == RATE - 1)[:, None]
+                            src = r[:, None] * WIDTH + d[None, :]
+                            dst = r[:, None] * DIM + d[None, :]
+                            held = (r < RATE)[:, None] & cols[None, :]
+                            moved_kv = tl.where(
+                                tok, tok_kv[None, :], tl.load(state_kv + src, mask=old, other=0.0)
+                            )
+                            moved_gate = tl.where(
+                                tok, tok_gate[None, :], tl.load(state_gate + src, mask=old, other=0.0)
+                            )
+                            tl.store(prev_kv + dst, moved_kv, mask=held)
+                            tl.store(prev_gate + dst, moved_gate, mask=held)
+            if TOKENS > 1:
+                tl.debug_barrier()
 
     return kernel
 
 
 def launch_constants(
-    rate: int, width: int, overlap: bool, rows: int, pairs: int, stop: bool = False
+    rate: int, width: int, overlap: bool, rows: int, pairs: int, stop: bool = False, tokens: int = 1
 ) -> dict[str, Any]:
-    """The kernel's compile-time arguments for a compressor's shapes (`stop`: the call has one)."""
+    """The kernel's compile-time arguments for a compressor's shapes (`stop`: the call has one;
+    `tokens`: how many it feeds)."""
     dim = width // 2 if overlap else width
     half_p2 = next_power_of_two(dim // 2)
     return {
@@ -398,6 +450,7 @@ def launch_constants(
         "OVERLAP": overlap,
         "HAS_ROWS": rows > 0,
         "HAS_STOP": stop,
+        "TOKENS": tokens,
     }
 
 
@@ -425,13 +478,15 @@ def _triton_kernel() -> Callable[..., None] | None:
         stop: torch.Tensor | None = None,
     ) -> None:
         rate, width = state_kv.shape
-        assert kv.is_contiguous() and gate.is_contiguous() and state_kv.is_contiguous()
+        assert kv.stride(-1) == 1 and gate.stride(-1) == 1 and state_kv.is_contiguous()
         overlap = prev_kv is not None
         count = rows.shape[0]
         dummy = state_kv  # never read without OVERLAP
         kernel[(1,)](
             kv,
             gate,
+            kv.stride(0),
+            gate.stride(0),
             bias,
             norm,
             state_kv,
@@ -446,7 +501,7 @@ def _triton_kernel() -> Callable[..., None] | None:
             cos.stride(0),
             eps,
             max(count, 1),
-            **launch_constants(rate, width, overlap, count, cos.shape[-1], stop is not None),
+            **launch_constants(rate, width, overlap, count, cos.shape[-1], stop is not None, kv.shape[0]),
             num_warps=4,
         )
 

@@ -49,12 +49,18 @@ SWITCH = Switch(
 
 # The launch blocking (see the module docstring); a launch's keyword arguments override it (the bench).
 LAUNCH_CONFIG: dict[str, int] = {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 2}
+# A few queries (a graphed prompt piece or verify step, T <= FEW_QUERIES): the grid is T x heads /
+# block_h programs each walking its whole window, so the time is one program's latency: smaller
+# head blocks give twice the programs and longer key blocks half the trips (on the H200, a CSA
+# layer of Flash's shapes with 256 picks: 23 us against 42 with LAUNCH_CONFIG, at T = 2..16).
+FEW_QUERIES = 16
+FEW_QUERIES_CONFIG: dict[str, int] = {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
 def reference(
     q: torch.Tensor,
     keys: torch.Tensor,
-    pad: int,
+    pad: int | torch.Tensor,
     entries: torch.Tensor | None,
     picks: torch.Tensor | None,
     extra_bias: torch.Tensor | None,
@@ -62,7 +68,8 @@ def reference(
     scale: float,
 ) -> torch.Tensor:
     """The eager form. q [T, H, d]; keys [W - 1 + T, d]: query t's window is rows t .. t + W - 1, of
-    which the first `pad` rows are never visible (positions before 0); entries [E, d] with picks
+    which the first `pad` rows are never visible (positions before 0; a host int, or int64 [1] on
+    the device where a CUDA graph replays the call at other positions); entries [E, d] with picks
     [T, k] (CSA) or None (HCA: every entry); extra_bias [T, E or k] float32 (0 or -inf); sinks [H].
     Returns [T, H, d] in q's dtype."""
     count, heads, _ = q.shape
@@ -70,7 +77,7 @@ def reference(
     # A copy: cuBLAS takes no overlapping batches (on the strided view the products ran 5x slower).
     windows = keys.unfold(0, window, 1).contiguous()  # [T, d, W]
     scores = [torch.bmm(q, windows).float().mul_(scale)]  # [T, H, W] float32
-    if pad:
+    if isinstance(pad, torch.Tensor) or pad:
         device = q.device
         slots = torch.arange(count, device=device).unsqueeze(1) + torch.arange(window, device=device)
         scores[0].masked_fill_((slots < pad).unsqueeze(1), -math.inf)
@@ -99,6 +106,7 @@ def _fused_op(
     q: torch.Tensor,
     keys: torch.Tensor,
     pad: int,
+    pad_at: torch.Tensor | None,
     entries: torch.Tensor | None,
     picks: torch.Tensor | None,
     extra_bias: torch.Tensor | None,
@@ -106,13 +114,14 @@ def _fused_op(
     scale: float,
 ) -> torch.Tensor:
     kernel = _triton_kernel() if SWITCH.kernel_runs_on(q) else None
+    padding = pad if pad_at is None else pad_at
     if kernel is None:
-        return reference(q, keys, pad, entries, picks, extra_bias, sinks, scale).contiguous()
-    return kernel(q, keys, pad, entries, picks, extra_bias, sinks, scale)
+        return reference(q, keys, padding, entries, picks, extra_bias, sinks, scale).contiguous()
+    return kernel(q, keys, padding, entries, picks, extra_bias, sinks, scale)
 
 
 @_fused_op.register_fake
-def _(q, keys, pad, entries, picks, extra_bias, sinks, scale):
+def _(q, keys, pad, pad_at, entries, picks, extra_bias, sinks, scale):
     return q.new_empty(q.shape)
 
 
@@ -124,7 +133,7 @@ def enabled(where: Where) -> bool:
 def prefill_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
-    pad: int,
+    pad: int | torch.Tensor,
     entries: torch.Tensor | None,
     picks: torch.Tensor | None,
     extra_bias: torch.Tensor | None,
@@ -138,7 +147,8 @@ def prefill_attention(
     return _fused_op(
         q.contiguous(),
         keys.contiguous(),
-        pad,
+        0 if isinstance(pad, torch.Tensor) else pad,
+        pad if isinstance(pad, torch.Tensor) else None,
         None if entries is None else entries.contiguous(),
         None if picks is None else picks.contiguous(),
         None if extra_bias is None else extra_bias.contiguous(),
@@ -169,12 +179,13 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         bias,
         sinks,
         out,
-        pad,
+        pad,  # a pointer to it with PAD_AT
         n_extra,
         heads,
         dim,
         scale,
         WINDOW: tl.constexpr,
+        PAD_AT: tl.constexpr,
         EXTRA_BLOCKS: tl.constexpr,
         HAS_EXTRA: tl.constexpr,
         HAS_PICKS: tl.constexpr,
@@ -194,6 +205,10 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         qt = tl.load(q_at, mask=hd, other=0.0)
         if UPCAST:
             qt = qt.to(tl.float32)
+        if PAD_AT:  # noqa: SIM108 (a constexpr branch: a pointer is loaded only with PAD_AT)
+            pad_rows = tl.load(pad)
+        else:
+            pad_rows = pad
 
         m = tl.load(sinks + h, mask=h_live, other=0.0).to(tl.float32)  # the sink: a logit, no value
         lsum = tl.full((BLOCK_H,), 1.0, tl.float32)
@@ -203,7 +218,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         # the first W - 1 queries of a prompt have any: masked, not skipped).
         for j0 in range(0, WINDOW, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
-            live = (j < WINDOW) & (t + j >= pad)
+            live = (j < WINDOW) & (t + j >= pad_rows)
             k = tl.load(
                 keys + (t + j)[:, None] * dim + d[None, :], mask=live[:, None] & d_live[None, :], other=0.0
             )
@@ -259,7 +274,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
     def launch(
         q: torch.Tensor,
         keys: torch.Tensor,
-        pad: int,
+        pad: int | torch.Tensor,
         entries: torch.Tensor | None,
         picks: torch.Tensor | None,
         extra_bias: torch.Tensor | None,
@@ -269,7 +284,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
     ) -> torch.Tensor:
         count, heads, dim = q.shape
         window = keys.shape[0] - count + 1
-        config = {**LAUNCH_CONFIG, **config}
+        config = {**(FEW_QUERIES_CONFIG if count <= FEW_QUERIES else LAUNCH_CONFIG), **config}
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         has_extra = entries is not None and extra_bias is not None and extra_bias.shape[1] > 0
         n_extra = extra_bias.shape[1] if has_extra and extra_bias is not None else 0
@@ -289,6 +304,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             dim,
             scale,
             WINDOW=window,
+            PAD_AT=isinstance(pad, torch.Tensor),
             EXTRA_BLOCKS=next_power_of_two(triton.cdiv(n_extra, config["block_n"])) if has_extra else 0,
             HAS_EXTRA=has_extra,
             HAS_PICKS=picks is not None,

@@ -202,6 +202,26 @@ def check_stop(folder: Path, case: str, dtype: torch.dtype, prefill: int, run) -
         compare(state, plain, rows, plain_rows, dtype == torch.float32)
 
 
+def check_tokens(
+    folder: Path, case: str, dtype: torch.dtype, prefill: int, count: int, stop: int | None, run
+) -> None:
+    """`run` fed `count` tokens in one call (their projections as the model makes them: row views
+    of one product) equals the reference fed one token a call; with a stop, the tokens from it on
+    change nothing."""
+    comp = compressor(folder, case, dtype)
+    comp.prefill(prefill)
+    ours, ref = copy_state(comp.state), copy_state(comp.state)
+    rows, ref_rows = comp.rows.clone(), comp.rows.clone()
+    kv, gate = v4_compress_step.projections(comp.module, comp.x[prefill : prefill + count])
+    _, _, *rest = comp.step_args(ours, rows, prefill)
+    run(kv, gate, *rest, None if stop is None else torch.tensor([stop], device=DEVICE))
+    for pos in range(prefill, prefill + count if stop is None else stop):
+        v4_compress_step.reference(*comp.step_args(ref, ref_rows, pos))
+    compare(ours, ref, rows, ref_rows, dtype == torch.float32)
+    if prefill + count >= comp.rate:
+        assert rows.abs().sum() > 0  # entries were really written
+
+
 # --- the eager reference (no Triton needed) ---------------------------------------------------------
 
 
@@ -219,6 +239,12 @@ def test_the_reference_steps_equal_one_prefill(tmp_path: Path, case: str, prefil
     stop = min(comp.x.shape[0], prefill + 3 * comp.rate + 2 if comp.rate < 100 else 2 * comp.rate + 5)
     ours, rows = run_steps(comp, prefill, stop, v4_compress_step.reference)
     equals_one_prefill(comp, ours, rows, stop)
+
+
+@pytest.mark.parametrize(("case", "stop"), [("csa", None), ("indexer", 9), ("hca", None)])
+def test_the_op_feeds_many_tokens_as_many_steps(tmp_path: Path, case: str, stop: int | None) -> None:
+    with v4_compress_step.SWITCH.force(True):
+        check_tokens(tmp_path, case, torch.float32, 3, 14, stop, v4_compress_step.compress_step)
 
 
 def test_the_custom_op_is_one_op_with_the_reference_result(tmp_path: Path) -> None:
@@ -245,7 +271,7 @@ import sys
 from pathlib import Path
 import torch
 from tests.engine.kernels.deepseek_v4 import test_compress_step as test_v4_compress_step
-from tests.engine.kernels.deepseek_v4.test_compress_step import check_kernel, check_stop
+from tests.engine.kernels.deepseek_v4.test_compress_step import check_kernel, check_stop, check_tokens
 
 if torch.cuda.is_available():
     test_v4_compress_step.DEVICE = torch.device("cuda")
@@ -258,6 +284,9 @@ for case, prefill, steps in cases + [("hca_no_rows", 1, 5), ("hca_clamped", 2, 1
 kernel = test_v4_compress_step.v4_compress_step._triton_kernel()
 for case, prefill in (("csa", 2), ("indexer", 0), ("hca", 5)):
     check_stop(folder / f"stop-{case}", case, torch.float32, prefill, kernel)
+for case, prefill, count, stop in (("csa", 2, 13, None), ("indexer", 0, 16, 11), ("hca", 5, 16, None)):
+    for dtype in (torch.float32, torch.bfloat16):
+        check_tokens(folder / f"tokens-{case}-{dtype}", case, dtype, prefill, count, stop, kernel)
 print("triton ok")
 """
 
@@ -380,13 +409,17 @@ def test_the_kernel_compiles_for_hopper_at_flash_shapes(tmp_path: Path, case: st
     rate, width, overlap, rows, dtype = FLASH_SHAPES[case]
     kernel = v4_compress_step._jit_kernel()
     assert kernel is not None
-    pointers = {"kv": dtype, "gate": dtype, "bias": "fp32", "norm": "fp32", "state_kv": "fp32"}
+    signature = {"kv_rows": f"*{dtype}", "gate_rows": f"*{dtype}", "kv_stride": "i32", "gate_stride": "i32"}
+    pointers = {"bias": "fp32", "norm": "fp32", "state_kv": "fp32"}
     pointers |= {"state_gate": "fp32", "prev_kv": "fp32", "prev_gate": "fp32", "rows": dtype}
     pointers |= {"pos_ptr": "i64", "stop_ptr": "i64", "cos": "fp32", "sin": "fp32"}
-    signature = {name: "*" + kind for name, kind in pointers.items()}
+    signature |= {name: "*" + kind for name, kind in pointers.items()}
     signature |= {"table_stride": "i32", "eps": "fp32", "count": "i32"}
-    # A prompt piece's stop on CSA's shapes (the branch wraps the whole body).
-    constants = v4_compress_step.launch_constants(rate, width, overlap, rows, 32, stop=case == "csa")
+    # A prompt piece's 16 tokens and stop on CSA's shapes (the loop and branch wrap the whole body).
+    piece = case == "csa"
+    constants = v4_compress_step.launch_constants(
+        rate, width, overlap, rows, 32, stop=piece, tokens=16 if piece else 1
+    )
     signature |= dict.fromkeys(constants, "constexpr")
     names = list(signature)
     source = ASTSource(

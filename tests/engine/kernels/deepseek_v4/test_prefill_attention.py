@@ -127,6 +127,17 @@ def test_the_custom_op_is_one_op_with_the_same_result(kind: str) -> None:
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("kind", "count", "start"), CASES)
+def test_a_pad_on_the_device_equals_the_host_pad(kind: str, count: int, start: int) -> None:
+    """Through the custom op (forced, the eager form on the CPU) and the eager form itself."""
+    q, keys, pad, *rest = inputs(kind, count, start, torch.float32, seed=count)
+    ref = v4_prefill_attention.reference(q, keys, pad, *rest, 0.125)
+    pad_at = torch.tensor([pad])
+    assert torch.equal(v4_prefill_attention.reference(q, keys, pad_at, *rest, 0.125), ref)
+    with v4_prefill_attention.SWITCH.force(True):
+        assert torch.equal(v4_prefill_attention.prefill_attention(q, keys, pad_at, *rest, 0.125), ref)
+
+
 def test_the_cpu_runs_the_eager_form_by_default() -> None:
     assert v4_prefill_attention.SWITCH.forced is None and not v4_prefill_attention.enabled(torch.zeros(1))
     seen = OpNames()
@@ -149,11 +160,17 @@ for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 4e-2)):
     for kind, count, start in CASES:
         args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in inputs(kind, count, start, dtype)]
         ref = v4_prefill_attention.reference(*args, scale)
-        for config in ({}, {"block_h": 16, "block_n": 16}):  # one head block, two
+        # The few-query default, the long-chunk blocking, and one head block against two.
+        for config in ({}, dict(v4_prefill_attention.LAUNCH_CONFIG), {"block_h": 16, "block_n": 16}):
             out = kernel(*args, scale, **config)
             assert out.dtype == dtype and out.shape == ref.shape
             what = f"{kind} {count} {start} {dtype} {config}"
             torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol, msg=what)
+        # The pad read from the device (a CUDA graph's prompt piece): the same numbers.
+        pad_at = torch.tensor([args[2]], device=device)
+        at = kernel(*args[:2], pad_at, *args[3:], scale)
+        assert torch.equal(at, kernel(*args, scale)), (kind, count, start, dtype)
+        assert torch.equal(v4_prefill_attention.reference(*args[:2], pad_at, *args[3:], scale), ref)
 if device == "cuda":  # Flash's heads, head dim, window and picks (the interpreter is too slow for them)
     flash = (64, 512, 128, 512)
     for kind, rate in (("sliding", 4), ("hca", 16), ("csa", 4)):
