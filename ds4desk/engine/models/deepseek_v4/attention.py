@@ -139,7 +139,8 @@ class PrefillAttention:
         queries score, the picks among them and the float32 bias (0 = visible, -inf = not): HCA
         every entry so far, [E, d], None and [T, E]; CSA the entries [E, d] with each query's
         indexer picks [T, k] and [T, k], so attention never scores the thousands of entries a long
-        context has (no picks while no entry exists)."""
+        context has (no picks, as HCA, while there are no more entries than index_topk: the top k
+        would be every one)."""
         cfg = self.config
         rate = cfg.rate(layer_type)
         assert state.entries is not None and state.compressor is not None
@@ -155,7 +156,7 @@ class PrefillAttention:
             assert isinstance(indexer, Indexer)
             assert state.index_entries is not None and state.indexer is not None
             self._compress(indexer, state.indexer, state.index_entries, x, start, rate, True)
-            if available:
+            if available > cfg.index_topk:  # else the top k are all of them: attend to every one
                 keys = state.index_entries[:available]
                 picks, visible = self._index_select(indexer, keys, x, q_res, start, visible)
         bias = torch.zeros(visible.shape, device=x.device, dtype=torch.float32)
@@ -217,33 +218,41 @@ class PrefillAttention:
         keys: torch.Tensor,
         x: torch.Tensor,
         q_res: torch.Tensor,
-        start: int,
+        start: int | torch.Tensor,
         visible: torch.Tensor,
+        turn: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The lightning indexer: per query, the top-k visible entries by Σ_h w_h · ReLU(q_h · k).
-        Returns the picks [T, k] and whether each is visible (too few visible: some are not)."""
+        Returns the picks [T, k] and whether each is visible (too few visible: some are not).
+        `start`: a host int, or int64 [1] on the device (a graphed prompt piece: then `visible`
+        masks the scores and `turn` [T, r / 2] is the compress table's rotation at each row)."""
         cfg = self.config
         count, heads, dim = x.shape[0], cfg.index_heads, cfg.index_head_dim
+        rate = cfg.rate(CSA)
         cos, sin = self._tables["compress"]
         q = ops.linear(q_res, indexer.q_b_proj)
         if v4_norm_rope.enabled(q):  # rotated in float32, cast once to the keys' dtype, as below
-            at, rope = ops.position(start, x.device), 2 * cos.shape[-1]
+            at = start if isinstance(start, torch.Tensor) else ops.position(start, x.device)
             q = v4_norm_rope.norm_rope(
-                q.view(count * heads, dim), None, None, cos, sin, at, rope, keys.dtype, heads
+                q.view(count * heads, dim), None, None, cos, sin, at, 2 * cos.shape[-1], keys.dtype, heads
             )
             q = q.view(count, heads, dim)
         else:
-            q = q.view(count, heads, dim)
-            q = ops.rope_(
-                q.float(), ops.rotation(cos[start : start + count], sin[start : start + count]).unsqueeze(1)
-            )
+            if turn is None:
+                assert isinstance(start, int)
+                turn = ops.rotation(cos[start : start + count], sin[start : start + count])
+            q = ops.rope_(q.view(count, heads, dim).float(), turn.unsqueeze(1))
         weights = ops.index_weights(x, indexer, heads, dim)  # [T, Hi]
         # The q·k products in the model's dtype (tensor cores for bf16), summed in float32; -inf
-        # where `visible` is False (visible_entries' rule, from the positions).
+        # where `visible` is False (visible_entries' rule, from the positions). A device start
+        # scores every entry (from a start at which all are visible) and masks after.
         q, total = q.to(keys.dtype), keys.shape[0]
+        host = start if isinstance(start, int) else total * rate
         if v4_index_scores.enabled(q):
-            scores = v4_index_scores.index_scores(q, keys, weights, start, cfg.rate(CSA))
+            scores = v4_index_scores.index_scores(q, keys, weights, host, rate)
         else:
-            scores = v4_index_scores.reference(q, keys, weights, start, cfg.rate(CSA))
-        picks = scores.topk(min(cfg.index_topk, total), dim=-1).indices
+            scores = v4_index_scores.reference(q, keys, weights, host, rate)
+        if isinstance(start, torch.Tensor):
+            scores.masked_fill_(~visible, -math.inf)
+        picks = scores.topk(cfg.index_topk, dim=-1).indices  # callers: more entries than index_topk
         return picks, visible.gather(1, picks)

@@ -199,12 +199,10 @@ class GraphableDecode:
         pos: torch.Tensor,
         span: int,
         turn: torch.Tensor,
-        stop: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query's cache writes and attention at `pos` (int64 [1]): layer input x [1, D], its
         normed low-rank query q_res [1, r], rotated query q [H, d] and key kv [1, d]; the output
-        [H, d] with the rope dims rotated back. With `stop` (a prompt piece): only when pos < stop
-        does the token change the cache (padding writes nothing)."""
+        [H, d] with the rope dims rotated back."""
         cfg, cache, steps = self.config, self._cache, self._steps
         assert cache is not None and steps is not None
         state, window = cache.layers[index], cfg.sliding_window
@@ -212,13 +210,11 @@ class GraphableDecode:
         # position ≡ s (mod W), which is in this query's window, or was never written by this
         # request while pos < W - 1 (slots above pos: masked).
         ring, slot = state.ring, pos % window
-        if stop is not None:
-            kv = torch.where(pos < stop, kv, ring.index_select(0, slot))
         ring.index_copy_(0, slot, kv)
         extra = extra_ready = picks = None
         if attn.compressor is not None:
             extra, extra_ready, picks = self._decode_compressed(
-                cfg.layer_types[index], attn.compressor, state, x, q_res, pos, span, turn, stop
+                cfg.layer_types[index], attn.compressor, state, x, q_res, pos, span, turn
             )
         # One softmax over raw and compressed keys (each with the position from which it is
         # visible) and the per-head sink logit (no value), the rope dims rotated back: [H, d].
@@ -236,37 +232,31 @@ class GraphableDecode:
         pos: torch.Tensor,
         span: int,
         turn: torch.Tensor,
-        stop: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Feed the token to the compressor(s) (with `stop`: only when pos < stop) and return the
+        """Feed the token to the compressor(s) and return the
         compressed keys with the positions from which each is visible, the first span // rate rows
         [rows, d] and [rows], and which of them attention scores: HCA every one (None), CSA the
-        indexer's picks [k] (indices: the attention kernel gathers the rows itself). (None, None,
-        None) when the span holds no whole window."""
+        indexer's picks [k] (indices: the attention kernel gathers the rows itself; None, every
+        one, while rows <= index_topk). (None, None, None) when the span holds no whole window."""
         cfg, steps = self.config, self._steps
         assert steps is not None
         assert state.entries is not None and state.compressor is not None
         rate = cfg.rate(layer_type)
         csa = layer_type == CSA
         # The compressor and the indexer's (CSA) share the window arithmetic: same rate, same rows.
-        # A stop needs the op (the eager branch-free form has none): its reference runs off the GPU.
-        at = (
-            _WindowStep(pos)
-            if stop is not None
-            else self._window_step(pos, rate, state.entries.shape[0], csa)
-        )
-        self._decode_compress(comp, state.compressor, state.entries, x, at, csa, stop)
+        at = self._window_step(pos, rate, state.entries.shape[0], csa)
+        self._decode_compress(comp, state.compressor, state.entries, x, at, csa)
         indexer = comp.indexer if csa else None
         if isinstance(indexer, Indexer):
             assert state.index_entries is not None and state.indexer is not None
-            self._decode_compress(indexer, state.indexer, state.index_entries, x, at, True, stop)
+            self._decode_compress(indexer, state.indexer, state.index_entries, x, at, True)
         rows = span // rate
         if rows == 0:  # pos < span <= rate - 1: no window has closed yet
             return None, None, None
         # Entry w pools tokens up to (w + 1) rate - 1: visible from that token on.
         ready = steps[rate - 1 : rows * rate : rate]  # [rows]
         entries = state.entries[:rows]
-        if isinstance(indexer, Indexer):
+        if isinstance(indexer, Indexer) and rows > cfg.index_topk:  # else the top k would be every row
             assert state.index_entries is not None
             picks = self._decode_index(indexer, state.index_entries[:rows], x, q_res, pos, turn, ready <= pos)
             return entries, ready, picks
@@ -296,7 +286,6 @@ class GraphableDecode:
         x: torch.Tensor,
         at: _WindowStep,
         overlap: bool,
-        stop: torch.Tensor | None = None,
     ) -> None:
         """_compress for one token without branches: the entry of the window holding pos is pooled
         every step and written back unchanged unless pos closes it; the open window takes the token
@@ -317,7 +306,6 @@ class GraphableDecode:
                 cos,
                 sin,
                 self.config.rms_norm_eps,
-                stop,
             )
             return
         kv = (x @ comp.kv_proj.weight.t()).float()  # [1, width]
@@ -359,7 +347,7 @@ class GraphableDecode:
         turn: torch.Tensor,
         visible: torch.Tensor,
     ) -> torch.Tensor:
-        """_index_select for one query over a fixed candidate count: the top min(index_topk, rows)
+        """_index_select for one query over a fixed candidate count: the top index_topk of the rows
         by score [k], invisible candidates scored -inf (fewer visible than k: the rest are not,
         and attention masks them). `turn` is the compress table's rotation at `pos`."""
         cfg = self.config
@@ -376,4 +364,4 @@ class GraphableDecode:
         # The q·k products in the keys' dtype, summed in float32, as in prefill (_index_select).
         part = torch.relu_(torch.mm(q.to(keys.dtype), keys.t()).float())  # [Hi, rows]
         scores = torch.where(visible, torch.mm(weights, part), -math.inf)  # [1, rows]
-        return scores.topk(min(cfg.index_topk, keys.shape[0]), dim=-1).indices.view(-1)
+        return scores.topk(cfg.index_topk, dim=-1).indices.view(-1)  # rows > index_topk

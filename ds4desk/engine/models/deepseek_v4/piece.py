@@ -2,13 +2,15 @@
 short suffix, and a speculative verify of a few drafted tokens.
 
 A piece of T tokens (the model's prefill_piece_tokens, the first `count` real, the rest padding) at
-device positions pos..pos+T-1. What reads the weights runs once for all T rows: the projections,
-the hyper-connection sites, the MoE and the head. What writes the cache runs a token at a time,
-exactly as the graphable decode step (decode.py) does, so each query sees the ring and the
-compressed rows as they stand after its own position: the ring slot is written, the compressors
-fed, then the query attends. Padding changes nothing (`stop` = pos + count): its ring writes put
-the old rows back and the compressor op skips it, since a padded position would close windows and
-move the overlap state a later real token still needs.
+device positions pos..pos+T-1 runs as prefill runs a chunk, every part once for all T rows: the
+projections, the hyper-connection sites, the MoE, the head and the attention. Attention takes
+prefill's layout and op: each query's window of raw keys from the ring's W - 1 positions before
+the piece and the piece's own keys, masked from the device values (pos, and a pad for positions
+before 0), so one captured graph serves every position. The compressors take all T tokens in one
+op, in order; then every query scores the entries as they stand after the piece, an entry closed by
+a later token being visible only from that token's position on. Padding changes nothing (`stop` =
+pos + count): the ring keeps its old rows there and the compressor op skips it, since a padded
+position would close windows and move the overlap state a later real token still needs.
 
 The MoE runs every expert on all T rows, the unchosen weighing zero, where that reads no more than
 the T tokens' own picks would (few experts, float weights; graph_dense_moe forces either way);
@@ -17,14 +19,53 @@ otherwise each row goes through the decode step's MoE.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
+from ds4desk.engine.kernels.deepseek_v4.prefill_attention import prefill_attention
 from ds4desk.engine.models.deepseek_v4 import ops
-from ds4desk.engine.models.deepseek_v4.cache import RopeTables, V4Cache
-from ds4desk.engine.models.deepseek_v4.config import SLIDING, DeepseekV4Config
-from ds4desk.engine.models.deepseek_v4.modules import Attention, Backbone, Moe
+from ds4desk.engine.models.deepseek_v4.cache import CompressorState, LayerState, RopeTables, V4Cache
+from ds4desk.engine.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
+from ds4desk.engine.models.deepseek_v4.modules import Attention, Backbone, Compressor, Indexer, Moe
+
+
+@dataclass(slots=True)
+class _PieceLayout:
+    """What every layer of a piece shares, from the device values pos and stop: computed once a
+    piece, not once a layer (each is a few small kernels, and a graph replays every one)."""
+
+    positions: torch.Tensor  # [T]: pos, pos + 1, ..
+    before: torch.Tensor  # [W - 1]: the ring slots of positions pos - W + 1 .. pos - 1, in order
+    pad: torch.Tensor  # [1]: how many of those are before position 0 (never visible)
+    # Slot s takes the key of the latest real position of the piece (below stop) that is s mod W,
+    # if there is one: one rewrite of the whole ring, whatever T and W are, with no duplicate index
+    # (T may exceed W) and no padding written.
+    fresh: torch.Tensor  # [W, 1]: slot s takes a key of the piece
+    rows: torch.Tensor  # [W]: which row of the piece (clamped into range where not fresh)
+    # Per rope table: the rotation at each position [T, r / 2] and its conjugate (rotating back).
+    turns: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Per compression rate: which of the first span // rate entries each query sees [T, rows],
+    # and the same as attention's float32 bias (0 or -inf).
+    masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @staticmethod
+    def of(window: int, pos: torch.Tensor, stop: torch.Tensor, size: int) -> _PieceLayout:
+        steps = torch.arange(max(window, size), device=pos.device)
+        before = torch.remainder(steps[1:window] - window + pos, window)
+        latest = stop - 1 - torch.remainder(stop - 1 - steps[:window], window)  # [W]
+        return _PieceLayout(
+            pos + steps[:size],
+            before,
+            torch.clamp(window - 1 - pos, min=0),
+            (latest >= pos).unsqueeze(1),
+            torch.clamp(latest - pos, 0, size - 1),
+        )
 
 
 class GraphablePiece:
@@ -38,6 +79,7 @@ class GraphablePiece:
     _tables: RopeTables
     _boundaries: dict[int, torch.device]
     _verify_inputs: dict[int, list[torch.Tensor]] | None
+    _steps: torch.Tensor | None
     graph_dense_moe: bool | None
     mtp_tracking: bool
     # The compressed layers' inputs of each captured verify graph, by (tokens, span): static
@@ -92,10 +134,9 @@ class GraphablePiece:
         cfg = self.config
         size = tokens.shape[0]
         cache.length = 0  # until set_length: forward and export_state refuse to continue from here
-        positions = pos + torch.arange(size, device=pos.device)  # [T]
         x = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, D]
         streams = x.unsqueeze(1).expand(size, cfg.hc_mult, cfg.hidden_size).contiguous()
-        turns: dict[str, torch.Tensor] = {}  # the rotation at each position, per table: [T, r / 2]
+        piece = _PieceLayout.of(cfg.sliding_window, pos, stop, size)
         last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         fused = v4_hc_fused.enabled(streams, cfg.hc_mult)
         for index, layer in enumerate(self.model.layers):
@@ -107,7 +148,7 @@ class GraphablePiece:
                 h, post, comb = self._hc_site(streams, layer.attn_hc, layer.input_layernorm.weight)
             if inputs is not None and layer.self_attn.compressor is not None:
                 inputs[index] = h
-            y = self._piece_attention(index, layer.self_attn, h, pos, positions, stop, span, turns)
+            y = self._piece_attention(index, layer.self_attn, h, pos, stop, span, piece)
             if fused:
                 streams, h, post, comb = self._hc_site_fused(
                     streams, (y, post, comb), layer.ffn_hc, layer.post_attention_layernorm
@@ -136,39 +177,99 @@ class GraphablePiece:
         attn: Attention,
         x: torch.Tensor,
         pos: torch.Tensor,
-        positions: torch.Tensor,
         stop: torch.Tensor,
         span: int,
-        turns: dict[str, torch.Tensor],
+        piece: _PieceLayout,
     ) -> torch.Tensor:
-        """Layer `index`'s attention for the piece x [T, D]: projections for all rows (prefill's
-        _queries_and_keys and _output), the cache writes and attention a query at a time (decode's
-        _attend_one)."""
-        cfg = self.config
-        table = "main" if cfg.layer_types[index] == SLIDING else "compress"
+        """Layer `index`'s attention for the piece x [T, D] at device positions pos.., laid
+        out as prefill lays out a chunk (_attention), so prefill's attention op serves every query
+        at once: the raw keys are the W - 1 positions before the piece (from the ring, in logical
+        order; those before position 0 masked by a device-side pad) and the piece's own."""
+        cfg, cache = self.config, self._cache
+        assert cache is not None
+        state, layer_type = cache.layers[index], cfg.layer_types[index]
+        table = "main" if layer_type == SLIDING else "compress"
         cos, sin = self._tables[table]
-        if table not in turns:
-            turns[table] = ops.rotation(cos.index_select(0, positions), sin.index_select(0, positions))
-        turn = turns[table]
+        if table not in piece.turns:
+            positions = piece.positions
+            turn = ops.rotation(cos.index_select(0, positions), sin.index_select(0, positions))
+            piece.turns[table] = (turn, torch.conj_physical(turn).unsqueeze(1))
+        turn, back = piece.turns[table]
         q_res, q, kv = self._queries_and_keys(attn, x, pos, cos, sin, turn)
-        out = torch.stack(
-            [
-                self._attend_one(
-                    index,
-                    attn,
-                    x[t : t + 1],
-                    q_res[t : t + 1],
-                    q[t],
-                    kv[t : t + 1],
-                    positions[t : t + 1],
-                    span,
-                    turn[t : t + 1],
-                    stop,
-                )
-                for t in range(x.shape[0])
-            ]
-        )  # [T, H, d]
+        ring = state.ring
+        keys = torch.cat([ring.index_select(0, piece.before), kv])  # [W - 1 + T, d]
+        torch.where(piece.fresh, kv.index_select(0, piece.rows), ring, out=ring)  # elementwise: in place
+        entries = picks = bias = None
+        if attn.compressor is not None:
+            entries, picks, bias = self._piece_compressed(
+                layer_type, attn.compressor, state, x, q_res, pos, stop, span, turn, piece
+            )
+        out = prefill_attention(q, keys, piece.pad, entries, picks, bias, attn.sinks, cfg.head_dim**-0.5)
+        # V = K carries the key's rotation; rotating back by the query's angle leaves relative ones.
+        out = ops.rope_(out, back)
         return self._output(attn, out)
+
+    def _piece_compressed(
+        self,
+        layer_type: str,
+        comp: Compressor,
+        state: LayerState,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
+        pos: torch.Tensor,
+        stop: torch.Tensor,
+        span: int,
+        turn: torch.Tensor,
+        piece: _PieceLayout,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Feed the piece's real tokens to the layer's compressor(s) (one op each for all T), then
+        what prefill's attention op takes for the first span // rate entries: the entries, CSA's
+        indexer picks [T, k] (HCA: None) and the float32 bias (0 visible, -inf not). Every query
+        sees the entries as they stand after the whole piece: an entry closed by a later token of
+        the piece is visible only from that token on, and no entry changes once closed. (None,
+        None, None) while the span holds no whole window."""
+        cfg, steps = self.config, self._steps
+        assert steps is not None
+        assert state.entries is not None and state.compressor is not None
+        cos, sin = self._tables["compress"]
+
+        def feed(module: nn.Module, carried: CompressorState, rows: torch.Tensor) -> None:
+            v4_compress_step.compress_step(
+                *v4_compress_step.projections(module, x),
+                module.position_bias,
+                module.kv_norm.weight,
+                carried.kv,
+                carried.gate,
+                carried.prev_kv,
+                carried.prev_gate,
+                rows,
+                pos,
+                cos,
+                sin,
+                cfg.rms_norm_eps,
+                stop,
+            )
+
+        rate = cfg.rate(layer_type)
+        feed(comp, state.compressor, state.entries)
+        indexer = comp.indexer if layer_type == CSA else None
+        if isinstance(indexer, Indexer):
+            assert state.index_entries is not None and state.indexer is not None
+            feed(indexer, state.indexer, state.index_entries)
+        rows = span // rate
+        if rows == 0:
+            return None, None, None
+        if rate not in piece.masks:
+            # Entry w pools tokens up to (w + 1) rate - 1: visible from that token on.
+            visible = steps[rate - 1 : rows * rate : rate].unsqueeze(0) <= piece.positions.unsqueeze(1)
+            piece.masks[rate] = (visible, torch.where(visible, 0.0, -math.inf))
+        visible, bias = piece.masks[rate]
+        if isinstance(indexer, Indexer) and rows > cfg.index_topk:  # else the top k would be every row
+            assert state.index_entries is not None
+            keys = state.index_entries[:rows]
+            picks, visible = self._index_select(indexer, keys, x, q_res, pos, visible, turn)
+            return state.entries[:rows], picks, torch.where(visible, 0.0, -math.inf)
+        return state.entries[:rows], None, bias
 
     def _piece_moe(self, moe: Moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The MoE of the piece's rows x [T, D]: every expert at once where they are few and in a
