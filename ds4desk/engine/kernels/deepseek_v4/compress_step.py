@@ -133,24 +133,9 @@ def reference(
     stop: torch.Tensor | None = None,
 ) -> None:
     """The eager form of compress_step: one token at a time (`_reference_one`)."""
+    state = (state_kv, state_gate, prev_kv, prev_gate, rows)
     for t in range(kv.shape[0]):
-        at = pos + t
-        _reference_one(
-            kv[t : t + 1],
-            gate[t : t + 1],
-            bias,
-            norm,
-            state_kv,
-            state_gate,
-            prev_kv,
-            prev_gate,
-            rows,
-            at,
-            cos,
-            sin,
-            eps,
-            stop,
-        )
+        _reference_one(kv[t : t + 1], gate[t : t + 1], bias, norm, *state, pos + t, cos, sin, eps, stop)
 
 
 def _reference_one(

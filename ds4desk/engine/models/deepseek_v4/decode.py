@@ -233,11 +233,11 @@ class GraphableDecode:
         span: int,
         turn: torch.Tensor,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Feed the token to the compressor(s) and return the
-        compressed keys with the positions from which each is visible, the first span // rate rows
-        [rows, d] and [rows], and which of them attention scores: HCA every one (None), CSA the
-        indexer's picks [k] (indices: the attention kernel gathers the rows itself; None, every
-        one, while rows <= index_topk). (None, None, None) when the span holds no whole window."""
+        """Feed the token to the compressor(s) and return the compressed keys with the positions
+        from which each is visible, the first span // rate rows [rows, d] and [rows], and which of
+        them attention scores: HCA every one (None), CSA the indexer's picks [k] (indices: the
+        attention kernel gathers the rows itself; None, every one, while rows <= index_topk).
+        (None, None, None) when the span holds no whole window."""
         cfg, steps = self.config, self._steps
         assert steps is not None
         assert state.entries is not None and state.compressor is not None
