@@ -132,71 +132,52 @@ def reference(
     eps: float,
     stop: torch.Tensor | None = None,
 ) -> None:
-    """The eager form of compress_step: one token at a time (`_reference_one`)."""
-    state = (state_kv, state_gate, prev_kv, prev_gate, rows)
-    for t in range(kv.shape[0]):
-        _reference_one(kv[t : t + 1], gate[t : t + 1], bias, norm, *state, pos + t, cos, sin, eps, stop)
-
-
-def _reference_one(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    bias: torch.Tensor,
-    norm: torch.Tensor,
-    state_kv: torch.Tensor,
-    state_gate: torch.Tensor,
-    prev_kv: torch.Tensor | None,
-    prev_gate: torch.Tensor | None,
-    rows: torch.Tensor,
-    pos: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    eps: float,
-    stop: torch.Tensor | None = None,
-) -> None:
-    """The eager form (deepseek_v4's _decode_compress after the projections, branch-free): the
-    entry of the window holding pos is pooled every step and written back unchanged unless pos
-    closes it; the open window takes the token unless it closes (then, CSA, the window's first
-    halves, the token's included, become the overlap state). Nothing changes unless pos < stop."""
+    """The eager form (deepseek_v4's _decode_compress after the projections, branch-free), a
+    token at a time: the entry of the window holding pos is pooled every step and written back
+    unchanged unless pos closes it; the open window takes the token unless it closes (then, CSA,
+    the window's first halves, the token's included, become the overlap state). Nothing changes
+    unless pos < stop."""
     rate, width = state_kv.shape
     overlap = prev_kv is not None
-    slot = pos % rate  # [1]
-    here = (torch.arange(rate, device=pos.device) == slot).unsqueeze(1)  # [rate, 1]
-    closing = slot == rate - 1
-    if stop is not None:
-        alive = pos < stop
-        here, closing = here & alive, closing & alive
-    kv32 = kv.reshape(1, -1).float()
-    gate32 = torch.add(bias.index_select(0, slot), gate.reshape(1, -1))  # float32, as the bias
-    win_kv = torch.where(here, kv32, state_kv)
-    win_gate = torch.where(here, gate32, state_gate)
     dim = width // 2 if overlap else width
     count = rows.shape[0]
-    if count:
-        window = torch.clamp(torch.div(pos, rate, rounding_mode="floor"), max=count - 1)
-        start = pos - slot
-        turn = torch.complex(cos.index_select(0, start), sin.index_select(0, start))  # [1, r / 2]
-        pool_kv, pool_gate = win_kv, win_gate
+    for t in range(kv.shape[0]):
+        pos_t = pos + t
+        slot = pos_t % rate  # [1]
+        here = (torch.arange(rate, device=pos_t.device) == slot).unsqueeze(1)  # [rate, 1]
+        closing = slot == rate - 1
+        if stop is not None:
+            alive = pos_t < stop
+            here, closing = here & alive, closing & alive
+        kv32 = kv[t].float()
+        gate32 = torch.add(bias.index_select(0, slot), gate[t])  # float32, as the bias
+        win_kv = torch.where(here, kv32, state_kv)
+        win_gate = torch.where(here, gate32, state_gate)
+        if count:
+            window = torch.clamp(torch.div(pos_t, rate, rounding_mode="floor"), max=count - 1)
+            start = pos_t - slot
+            turn = torch.complex(cos.index_select(0, start), sin.index_select(0, start))  # [1, r / 2]
+            pool_kv, pool_gate = win_kv, win_gate
+            if overlap:
+                assert prev_kv is not None and prev_gate is not None
+                # Window 0 has no predecessor: weight 0 (its carried kv is finite: 0 * kv adds nothing).
+                first_gate = torch.where(pos_t < rate, -math.inf, prev_gate)
+                pool_kv = torch.cat([prev_kv, win_kv[:, dim:]])  # [2 rate, dim]
+                pool_gate = torch.cat([first_gate, win_gate[:, dim:]])
+            pooled = (pool_kv.t() * torch.softmax(pool_gate.t(), dim=-1)).sum(dim=-1).unsqueeze(0)
+            normed = F.rms_norm(pooled, (dim,), norm, eps)
+            turns = 2 * turn.shape[-1]
+            rot = normed[..., -turns:]
+            pairs = torch.view_as_complex(rot.unflatten(-1, (-1, 2)))
+            rot.copy_(torch.view_as_real(pairs * turn).flatten(-2))
+            entry = normed.to(rows.dtype)
+            rows.index_copy_(0, window, torch.where(closing, entry, rows.index_select(0, window)))
         if overlap:
             assert prev_kv is not None and prev_gate is not None
-            # Window 0 has no predecessor: weight 0 (its carried kv is finite: 0 * kv adds nothing).
-            first_gate = torch.where(pos < rate, -math.inf, prev_gate)
-            pool_kv = torch.cat([prev_kv, win_kv[:, dim:]])  # [2 rate, dim]
-            pool_gate = torch.cat([first_gate, win_gate[:, dim:]])
-        pooled = (pool_kv.t() * torch.softmax(pool_gate.t(), dim=-1)).sum(dim=-1).unsqueeze(0)
-        normed = F.rms_norm(pooled, (dim,), norm, eps)
-        turns = 2 * turn.shape[-1]
-        rot = normed[..., -turns:]
-        pairs = torch.view_as_complex(rot.unflatten(-1, (-1, 2)))
-        rot.copy_(torch.view_as_real(pairs * turn).flatten(-2))
-        entry = normed.to(rows.dtype)
-        rows.index_copy_(0, window, torch.where(closing, entry, rows.index_select(0, window)))
-    if overlap:
-        assert prev_kv is not None and prev_gate is not None
-        torch.where(closing, win_kv[:, :dim], prev_kv, out=prev_kv)
-        torch.where(closing, win_gate[:, :dim], prev_gate, out=prev_gate)
-    torch.where(closing, state_kv, win_kv, out=state_kv)
-    torch.where(closing, state_gate, win_gate, out=state_gate)
+            torch.where(closing, win_kv[:, :dim], prev_kv, out=prev_kv)
+            torch.where(closing, win_gate[:, :dim], prev_gate, out=prev_gate)
+        torch.where(closing, state_kv, win_kv, out=state_kv)
+        torch.where(closing, state_gate, win_gate, out=state_gate)
 
 
 @torch.library.custom_op(

@@ -292,21 +292,7 @@ class GraphableDecode:
         unless it closes (as _compress, which keeps only a closed window's first halves, for CSA).
         Fused (v4_compress_step): the two projections, then one op for all the rest."""
         if at.slot is None or at.here is None or at.closing is None:
-            cos, sin = self._tables["compress"]
-            v4_compress_step.compress_step(
-                *v4_compress_step.projections(comp, x),
-                comp.position_bias,
-                comp.kv_norm.weight,
-                state.kv,
-                state.gate,
-                state.prev_kv,
-                state.prev_gate,
-                rows,
-                at.pos,
-                cos,
-                sin,
-                self.config.rms_norm_eps,
-            )
+            self._compress_fused(comp, state, rows, x, at.pos)
             return
         kv = (x @ comp.kv_proj.weight.t()).float()  # [1, width]
         bias = comp.position_bias.index_select(0, at.slot)
@@ -336,6 +322,34 @@ class GraphableDecode:
             torch.where(closing, win_gate[:, :dim], state.prev_gate, out=state.prev_gate)
         torch.where(closing, state.kv, win_kv, out=state.kv)
         torch.where(closing, state.gate, win_gate, out=state.gate)
+
+    def _compress_fused(
+        self,
+        comp: Compressor,
+        state: CompressorState,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        stop: torch.Tensor | None = None,
+    ) -> None:
+        """The compressor op (v4_compress_step) for the tokens x [T, D] at pos.. (one for the
+        decode step, a prompt piece's or verify step's all): the projections, then one op."""
+        cos, sin = self._tables["compress"]
+        v4_compress_step.compress_step(
+            *v4_compress_step.projections(comp, x),
+            comp.position_bias,
+            comp.kv_norm.weight,
+            state.kv,
+            state.gate,
+            state.prev_kv,
+            state.prev_gate,
+            rows,
+            pos,
+            cos,
+            sin,
+            self.config.rms_norm_eps,
+            stop,
+        )
 
     def _decode_index(
         self,

@@ -24,13 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.kernels.deepseek_v4.prefill_attention import prefill_attention
 from ds4desk.engine.models.deepseek_v4 import ops
-from ds4desk.engine.models.deepseek_v4.cache import CompressorState, LayerState, RopeTables, V4Cache
+from ds4desk.engine.models.deepseek_v4.cache import LayerState, RopeTables, V4Cache
 from ds4desk.engine.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.modules import Attention, Backbone, Compressor, Indexer, Moe
 
@@ -231,31 +229,12 @@ class GraphablePiece:
         cfg, steps = self.config, self._steps
         assert steps is not None
         assert state.entries is not None and state.compressor is not None
-        cos, sin = self._tables["compress"]
-
-        def feed(module: nn.Module, carried: CompressorState, rows: torch.Tensor) -> None:
-            v4_compress_step.compress_step(
-                *v4_compress_step.projections(module, x),
-                module.position_bias,
-                module.kv_norm.weight,
-                carried.kv,
-                carried.gate,
-                carried.prev_kv,
-                carried.prev_gate,
-                rows,
-                pos,
-                cos,
-                sin,
-                cfg.rms_norm_eps,
-                stop,
-            )
-
         rate = cfg.rate(layer_type)
-        feed(comp, state.compressor, state.entries)
+        self._compress_fused(comp, state.compressor, state.entries, x, pos, stop)
         indexer = comp.indexer if layer_type == CSA else None
         if isinstance(indexer, Indexer):
             assert state.index_entries is not None and state.indexer is not None
-            feed(indexer, state.indexer, state.index_entries)
+            self._compress_fused(indexer, state.indexer, state.index_entries, x, pos, stop)
         rows = span // rate
         if rows == 0:
             return None, None, None
