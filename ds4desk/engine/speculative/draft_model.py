@@ -45,9 +45,9 @@ def check_draft_pair(target: CausalLM, draft: CausalLM, draft_name: str) -> None
 
 def _rolls_back_graph_steps(model: CausalLM) -> bool:
     """Whether `model`'s roll-back undoes steps a graph replayed: a family whose verify runs in a
-    graph (its roll-back reads nothing an eager forward records on the host) and that may feed a
-    position again. DeepSeek-V4 recomputes compressor carries from inputs its eager forward stashes;
-    Qwen3.5 and Gemma 3 verify eagerly."""
+    graph and that may feed a position again. DeepSeek-V4 and Qwen3.5 only continue: their
+    roll-backs recompute from what their eager steps record (compressor inputs, delta-rule inputs),
+    which a decode graph's step does not."""
     graphed_verify = type(model).verify_graphable is not CausalLM.verify_graphable
     return graphed_verify and getattr(model, "rewinds", True)
 

@@ -218,14 +218,18 @@ def test_deepseek_v4_with_a_draft_of_another_vocabulary_is_refused_at_load(
 def test_only_drafts_whose_roll_back_undoes_graph_steps_get_graphs(
     folders: dict[str, Path], tmp_path: Path
 ) -> None:
-    """A dense draft may decode through graphs (its verify runs in one too); DeepSeek-V4's roll-back
-    recomputes from inputs its eager steps stash, and Gemma 3 verifies eagerly: they draft eagerly."""
+    """Dense and Gemma 3 drafts may decode through graphs (their verifies run in one too, and their
+    roll-backs put back cache rows); DeepSeek-V4's and Qwen3.5's roll-backs recompute from what
+    their eager steps record: they draft eagerly."""
     from ds4desk.engine.speculative.draft_model import _rolls_back_graph_steps
+    from tests.engine.models.qwen3_5 import tiny as qwen35_tiny
 
     def model(folder: Path) -> object:
         return load_model(inspect_folder(folder), torch.device("cpu"), torch.float32).model
 
     make_tiny("deepseek_v4", tmp_path / "v4")
+    qwen35_tiny.save_tiny(tmp_path / "qwen35")
     assert _rolls_back_graph_steps(model(folders["llama"]))
+    assert _rolls_back_graph_steps(model(folders["draft"]))  # Gemma 3
     assert not _rolls_back_graph_steps(model(tmp_path / "v4"))
-    assert not _rolls_back_graph_steps(model(folders["draft"]))  # Gemma 3
+    assert not _rolls_back_graph_steps(model(tmp_path / "qwen35"))

@@ -60,6 +60,37 @@ def test_graphable_verify_equals_forward(sources, family: str, attention: str) -
     torch.testing.assert_close(graphable._cache[:, :, :, :pos], eager._cache[:, :, :, :pos])
 
 
+def test_gemma3_graphable_verify_equals_forward(tmp_path: Path) -> None:
+    """Gemma 3 (a 5-position window: local layers keep a ring of 5 rows): verify steps of 1..5
+    tokens at positions before and long past the ring's first wrap give forward's logits at every
+    span that holds them, and leave the same global rows and ring rows."""
+    from tests.engine.models.gemma3 import tiny as gemma3_tiny
+
+    device = torch.device("cpu")
+    _, source = gemma3_tiny.save_tiny(tmp_path / "gemma3", "tiny", seed=3)
+    eager = load_model(source, device, torch.float32).model
+    graphable = load_model(source, device, torch.float32).model
+    for model in (eager, graphable):
+        model.allocate_cache(CONTEXT)
+    ids = torch.randint(0, 300, (CONTEXT,), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        for model in (eager, graphable):
+            model.forward(ids[:2], 0, "none")
+        pos = 2
+        for count in (2, 3, 1, 5, 4, 5, 2, 5, 3, 4):
+            chunk = ids[pos : pos + count]
+            expected = eager.forward(chunk, pos, "all")
+            before = graphable.export_state(pos)
+            for span in sorted({pos + count, CONTEXT}):
+                graphable.import_state(before, pos)  # a verify's ring writes are read by the next
+                got = graphable.verify_graphable(chunk, torch.tensor([pos]), span)
+                assert got is not None and got.shape == (count, eager.vocab_size)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            pos += count
+        for name, value in eager.export_state(pos).items():
+            torch.testing.assert_close(graphable.export_state(pos)[name], value)
+
+
 @pytest.mark.parametrize("real", [16, 5])
 def test_a_padded_prompt_piece_equals_forward(sources, real: int) -> None:
     """prefill_graphable: 16 tokens of which `real` are the prompt's (the rest junk) give forward's
@@ -89,32 +120,42 @@ def test_a_padded_prompt_piece_equals_forward(sources, real: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v4"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v4", "gemma3", "qwen3_5"])
 def test_speculation_through_verify_graphs_keeps_the_tokens(tmp_path: Path, family: str) -> None:
     """On a GPU with decode graphs, speculation verifies through captured graphs (one per size and
     span seen) and answers with the tokens of speculation off, in float32: the dense family with
-    prompt lookup; DeepSeek-V4 (whose random tiny answer never quotes its prompt) with another
-    random V4 as its draft (eager: its roll-back needs what its eager steps stash), so nearly every
-    draft is rejected and each roll-back recomputes compressor carries from a replayed graph's
-    inputs."""
+    prompt lookup; the others (whose random tiny answers never quote their prompt) with another
+    random model of the family as the draft, so nearly every draft is rejected and rolled back:
+    DeepSeek-V4's roll-back recomputes compressor carries from a replayed graph's inputs, Qwen3.5's
+    runs the delta rule over what a replayed graph fed its linear layers, Gemma 3's puts back ring
+    rows (its draft steps through its own graphs too; the other two drafts run eagerly)."""
     from ds4desk.engine.speculative.draft_model import DraftModel
+    from tests.engine.models.gemma3 import tiny as gemma3_tiny
+    from tests.engine.models.qwen3_5 import tiny as qwen35_tiny
 
     device = torch.device("cuda")
-    mode = "lookup"
+    mode = "draft"
     if family == "deepseek_v4":
         from ds4desk.engine.make_tiny import make_tiny
 
         make_tiny("deepseek_v4", tmp_path / family, seed=0)
         make_tiny("deepseek_v4", tmp_path / "draft", seed=1)
         source = source_from_folder(tmp_path / family)
-        mode = "draft"
+    elif family == "gemma3":
+        source = gemma3_tiny.save_tiny(tmp_path / family, "tiny", 0, max_position_embeddings=1024)[1]
+        gemma3_tiny.save_tiny(tmp_path / "draft", "tiny", 1, max_position_embeddings=1024)
+    elif family == "qwen3_5":
+        source = qwen35_tiny.save_tiny(tmp_path / family, 0, max_position_embeddings=1024)[1]
+        qwen35_tiny.save_tiny(tmp_path / "draft", 1, max_position_embeddings=1024)
     else:
         source = save_tiny(family, tmp_path / family, max_position_embeddings=1024)[1]
+        mode = "lookup"
     runtime = Runtime(load_model(source, device, torch.float32).model, device, context=1024, graphs=True)
     assert runtime.graphs is not None
     if mode == "draft":
         draft = load_model(source_from_folder(tmp_path / "draft"), device, torch.float32).model
         runtime.draft = DraftModel(draft, 1024, 64, "draft", 0, graphs=True)
+        assert (runtime.draft.graphs is not None) == (family == "gemma3")
     prompt = REPEATING * 4
 
     def answer(mode: str):

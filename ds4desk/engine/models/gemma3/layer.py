@@ -20,8 +20,9 @@ layers (five in six). Global layers keep every position.
 
 What differs between paths is only where keys go and how attention reads them (one subclass each):
 `PrefillSteps` (T tokens at host positions, a mask per window), `EagerDecodeSteps` (one token at a
-host position: exactly the rows it may read, no mask) and `GraphDecodeSteps` (one token at a
-device position, fixed shapes: masked, so a CUDA graph can replay it).
+host position: exactly the rows it may read, no mask), `GraphDecodeSteps` (one token at a
+device position, fixed shapes: masked, so a CUDA graph can replay it) and `VerifySteps` (a
+speculative verify's few tokens the same way).
 """
 
 from __future__ import annotations
@@ -342,3 +343,67 @@ class GraphDecodeSteps(LayerSteps):
         )  # [KV, G, rows]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, plan.values[0, :, :rows]).reshape(1, -1)
+
+
+class VerifySteps(LayerSteps):
+    """T tokens at device positions here..here+T-1 (`here`: int64 [1]) with shapes that depend on T
+    and `span` only, so a CUDA graph can replay a speculative verify step. A global layer writes
+    its rows and attends over the first `span` under a mask by position. A local layer attends over
+    its ring as it stood before the step followed by the step's own keys (a key written into the
+    ring would replace one an earlier query of the step still reads), then writes them into the
+    ring: T is at most the ring (Gemma3Model.max_verify_tokens), so each takes a row of its own."""
+
+    def __init__(self, cfg: Gemma3Config, shard: Shard, here: torch.Tensor, span: int, count: int) -> None:
+        super().__init__(cfg, shard)
+        assert shard.key_positions is not None
+        self.span, self.count = span, count
+        self.positions = here + torch.arange(count, device=here.device)  # [T]
+        group = self.heads // self.kv_heads
+        dtype = self.local.cos.dtype
+        # Per window, 0 where query t may read key j and -inf elsewhere, [G * T, keys] (rows g * T + t
+        # as attend lays the queries out); a local layer's keys are its ring rows, then the step's.
+        self.biases: dict[int | None, torch.Tensor] = {}
+        self.ring_rows: torch.Tensor | None = None  # [T]: the ring rows the step's positions take
+        for plan in shard.plans:
+            if plan.window in self.biases:
+                continue
+            if plan.window is None:
+                keys_at = shard.key_positions[:span]
+            else:
+                ring = torch.arange(plan.rows, device=here.device)
+                # Row r holds the latest position before `here` with residue r (negative: none yet).
+                held = here - 1 - torch.remainder(here - 1 - ring, plan.rows)
+                keys_at = torch.cat((held, self.positions))
+                self.ring_rows = torch.remainder(self.positions, plan.rows)
+            query_at = self.positions[:, None]
+            allowed = (keys_at[None, :] <= query_at) & (keys_at[None, :] >= 0)
+            if plan.window is not None:
+                allowed &= keys_at[None, :] > query_at - plan.window
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=here.device)
+            self.biases[plan.window] = bias.masked_fill_(~allowed, -torch.inf).repeat(group, 1)
+
+    def rope(self, tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = tables.cos.index_select(0, self.positions).unsqueeze(1)  # [T, 1, D]
+        return cos, tables.sin.index_select(0, self.positions).unsqueeze(1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        assert plan.kv_cache is not None
+        count, kv_heads, dim = self.count, self.kv_heads, self.dim
+        group = self.heads // kv_heads
+        new = torch.stack((k, v)).transpose(1, 2)  # [2, KV, T, D]
+        if plan.window is None:
+            plan.kv_cache.index_copy_(2, self.positions, new)
+            both = plan.kv_cache[:, :, : self.span]
+        else:
+            assert self.ring_rows is not None
+            both = torch.cat((plan.kv_cache, new), dim=2)
+            plan.kv_cache.index_copy_(2, self.ring_rows, new)
+        grouped = q.view(count, kv_heads, group, dim).permute(1, 2, 0, 3)  # row g * T + t, as the bias
+        grouped = grouped.reshape(kv_heads, group * count, dim)
+        bias = self.biases[plan.window]
+        scores = torch.baddbmm(
+            bias.expand(kv_heads, *bias.shape), grouped, both[0].transpose(1, 2), alpha=self.scale
+        )  # [KV, G * T, keys]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs, both[1])  # [KV, G * T, D]
+        return out.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, -1)

@@ -30,6 +30,7 @@ from ds4desk.engine.models.gemma3.layer import (
     PrefillSteps,
     RopeTables,
     Shard,
+    VerifySteps,
     rms_norm,
 )
 from ds4desk.engine.models.packed import (
@@ -348,6 +349,19 @@ class Gemma3Model(CausalLM):
 
     def decode_devices(self) -> list[torch.device]:
         return [shard.device for shard in self._shards]
+
+    def verify_graphable(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor | None:
+        """See CausalLM.verify_graphable: one shard only (a split verifies eagerly)."""
+        if len(self._shards) != 1:
+            return None
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        shard = self._shards[0]
+        x = self._embed(tokens)
+        steps = VerifySteps(self.config, shard, pos, span, tokens.shape[0])
+        for plan in shard.plans:
+            x = steps.layer(x, plan)
+        return self._logits(x)
 
     def decode_shard(
         self, index: int, inputs: tuple[torch.Tensor, ...], span: int

@@ -39,7 +39,7 @@ from ds4desk.engine.models.packed import Projection, embed, embedding, linear, p
 from ds4desk.engine.models.qwen3_5 import attention, delta_rule, linear_attention, moe
 from ds4desk.engine.models.qwen3_5.attention import AttentionPlan, GatedAttention, Positions
 from ds4desk.engine.models.qwen3_5.config import LINEAR, Qwen35Config
-from ds4desk.engine.models.qwen3_5.linear_attention import GatedDeltaNet, LinearPlan
+from ds4desk.engine.models.qwen3_5.linear_attention import GatedDeltaNet, LinearPlan, Written
 from ds4desk.engine.models.qwen3_5.moe import SparseMoeBlock, fuse_experts
 from ds4desk.engine.models.qwen3_5.ops import centered_rms_norm
 from ds4desk.engine.models.qwen3_5.state import KINDS, LayerPlan, Shard, copied_to, rope_tables
@@ -134,6 +134,9 @@ class Qwen35Model(CausalLM):
         self._head: Projection | None = None
         self._inv_freq: torch.Tensor | None = None
         self._length = 0  # the positions the state holds
+        # What each captured verify graph, by (tokens, span), feeds the linear layers, in their
+        # order: a replay's records for the roll-back (verify_replayed).
+        self._graph_written: dict[tuple[int, int], list[Written]] = {}
 
     # --- loading -----------------------------------------------------------------------------
 
@@ -292,6 +295,10 @@ class Qwen35Model(CausalLM):
     # rejection restores the copy and runs the delta rule over the kept positions only. The full
     # layers' cache rows past the kept length are never read and are overwritten next.
     supports_speculation = True
+    # The state only moves forward (forward continues at its length or restarts at 0), and a decode
+    # graph's fused step records nothing for a roll-back: a draft of this family runs eagerly and
+    # restarts from 0 rather than feed a position again (draft_model.py).
+    rewinds = False
 
     def max_verify_tokens(self) -> int | None:
         return None
@@ -349,6 +356,41 @@ class Qwen35Model(CausalLM):
         x = embed(self.model.embed_tokens, tokens)
         x = self._layers(shard, x, shard.tables.positions(rows, span), prefill=False, real=count)
         return self._logits(x.index_select(0, count - 1))[0]
+
+    def verify_graphable(self, tokens: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor | None:
+        """See CausalLM.verify_graphable: one shard, no MoE layer, as prefill_graphable. The linear
+        layers record what they feed their state (LinearPlan.written) as forward does; under a
+        graph's capture the records are kept by (tokens, span) for verify_replayed instead."""
+        if len(self._shards) != 1 or any(plan.moe is not None for plan in self._shards[0].plans):
+            return None
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        shard = self._shards[0]
+        assert shard.tables is not None
+        capturing = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
+        plans = shard.linear_plans
+        kept = [plan.written for plan in plans]
+        if capturing:  # the eager run before the capture recorded this verify already
+            for plan in plans:
+                plan.written = []
+        rows = pos + torch.arange(tokens.shape[0], device=pos.device)
+        x = embed(self.model.embed_tokens, tokens)
+        try:
+            x = self._layers(shard, x, shard.tables.positions(rows, span), prefill=False)
+            if capturing:
+                self._graph_written[(tokens.shape[0], span)] = [w for p in plans for w in p.written or []]
+        finally:
+            if capturing:
+                for plan, written in zip(plans, kept, strict=True):
+                    plan.written = written
+        return self._logits(x)
+
+    def verify_replayed(self, count: int, span: int) -> None:
+        """After a replay of the verify graph of (count, span): what it fed each linear layer, for a
+        roll-back, as an eager verify would have recorded it."""
+        for plan, written in zip(self._linear_plans(), self._graph_written[(count, span)], strict=True):
+            if plan.written is not None:
+                plan.written.append(written)
 
     def _linear_plans(self) -> list[LinearPlan]:
         return [plan for shard in self._shards for plan in shard.linear_plans]

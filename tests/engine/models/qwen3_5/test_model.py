@@ -190,6 +190,33 @@ def test_a_padded_prompt_piece_equals_forward(saved, start: int, real: int) -> N
         assert relative_error(after, eager.forward(token, start + real, "last")) < 1e-5
 
 
+@pytest.mark.parametrize("kept", [0, 2, 5])
+def test_a_graphable_verify_equals_forward_and_rolls_back(saved, kept: int) -> None:
+    """verify_graphable of 5 tokens at a device position: forward's logits at every row, and a
+    roll-back to `kept` of them (from what it recorded) leaves the state forward over those alone
+    leaves."""
+    _, source = saved
+    eager, graphable = load(source), load(source)
+    ids = prompt(30, seed=9)
+    with torch.inference_mode():
+        for model in (eager, graphable):
+            model.forward(ids[:20], 0, "none")
+        expected = eager.forward(ids[20:25], 20, "all")
+        saved_state = graphable.verify_checkpoint(20, 5)
+        got = graphable.verify_graphable(ids[20:25], torch.tensor([20]), span=64)
+        assert got is not None and got.shape == expected.shape
+        assert relative_error(got, expected) < 1e-5
+        graphable.set_length(25)
+        graphable.verify_rollback(saved_state, 20, kept)
+        reference = load(source)
+        reference.forward(ids[: 20 + kept], 0, "none")
+        for name, value in reference.export_state(20 + kept).items():
+            torch.testing.assert_close(graphable.export_state(20 + kept)[name], value, rtol=1e-4, atol=1e-4)
+        token = ids[20 + kept : 21 + kept]
+        after = graphable.forward(token, 20 + kept, "last")
+        assert relative_error(after, reference.forward(token, 20 + kept, "last")) < 1e-5
+
+
 def test_the_runtime_generates_transformers_greedy_tokens(saved) -> None:
     hf, source = saved
     runtime = Runtime(load(source), CPU, context=CONTEXT, chunk=7)
