@@ -141,6 +141,12 @@ class GraphedDecode:
         """Whether step(None, pos) may run: the last replay was at pos - 1 and left its pick in place."""
         return self._chained and self._next_pos == pos
 
+    @property
+    def verifies(self) -> bool:
+        """Whether verify steps replay graphs: one device and a model with a graphable verify (until
+        its first capture, where the model may still decline)."""
+        return self._verifies and type(self.model).verify_graphable is not CausalLM.verify_graphable
+
     def verify(self, tokens: torch.Tensor, pos: int) -> torch.Tensor | None:
         """Logits [T, V] after each of `tokens` (int64 [T] on the device) fed at pos..pos+T-1, from
         the graph of (T, the smallest span that holds them), in a buffer the next verify of that

@@ -25,7 +25,7 @@ from ds4desk.engine.logprobs import token_logprobs
 from ds4desk.engine.models.base import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
 from ds4desk.engine.snapshots import Snapshot, SnapshotStore
-from ds4desk.engine.speculative.adaptive import DEFAULT_MAX_K, AdaptiveK
+from ds4desk.engine.speculative.adaptive import CPU_CURVE, DEFAULT_MAX_K, GRAPHED_CURVE, AdaptiveK
 from ds4desk.engine.speculative.decode import SpeculativeDecode
 from ds4desk.engine.speculative.draft_model import DraftModel
 from ds4desk.engine.speculative.drafter import Drafter, LookupDrafter
@@ -352,9 +352,11 @@ class Runtime:
                 return out
             return self._decode(token, at)[0]
 
+        graphed = self.graphs is not None and self.graphs.verifies
+        curve = GRAPHED_CURVE if graphed else CPU_CURVE  # a graph's verify costs nearly one step
         loop = SpeculativeDecode(
             self.model, hooks, drafter, sampling, generator, gate, emit.out.stats, emit, plain_step,
-            max_new_tokens, AdaptiveK(k_max=self.max_draft_tokens),
+            max_new_tokens, AdaptiveK(k_max=self.max_draft_tokens, curve=curve),
             self.graphs.verify if self.graphs is not None else None,
         )  # fmt: skip
         try:

@@ -15,12 +15,13 @@ rejections, with older steps weighing less), so a long quote lets k grow and tex
 predict brings it to 0. While k is 0 nothing is learnt about p, so after a number of plain steps
 that doubles each time (up to MAX_PAUSE) one draft is tried again.
 
-cost(T) is the prior curve 1 + PRIOR_SLOPE (T - 1) by default, so the counts depend on the
-acceptances alone and a seeded sampled answer comes out the same every time (the drafts a step
-verifies decide which random draws it takes). Given a `clock`, the steps' own times replace the
-prior as they are measured (the time from one `next_count` call to the next, per T): for a device
-whose curve differs, where the caller does not need the counts reproducible (greedy on the CPU's
-fused layers, whose verify rows are bit for bit the decode steps', so the tokens never depend on k).
+cost(T) is a prior curve by default (CPU_CURVE, or GRAPHED_CURVE where verify steps replay CUDA
+graphs), so the counts depend on the acceptances alone and a seeded sampled answer comes out the
+same every time (the drafts a step verifies decide which random draws it takes). Given a `clock`,
+the steps' own times replace the prior as they are measured (the time from one `next_count` call
+to the next, per T): for a device whose curve differs, where the caller does not need the counts
+reproducible (greedy on the CPU's fused layers, whose verify rows are bit for bit the decode
+steps', so the tokens never depend on k).
 
 The count is a ceiling: the drafter may propose fewer (prompt lookup proposes none where its match
 is too short to trust). Which k is chosen never changes greedy tokens where verify rows equal decode
@@ -36,18 +37,37 @@ from dataclasses import dataclass, field
 # graphed verify on the GPU (graphs.MAX_VERIFY_TOKENS); 7 drafts keep the measured curve short.
 DEFAULT_MAX_K = 7
 MAX_PAUSE = 64
-# A verify of T tokens against a plain step, the prior curve: the CPU kernels' for SmolLM2 (8.0 /
-# 10.1 / 13.5 / 23.9 ms at T = 1 / 2 / 4 / 8 in docs/BENCHMARKS.md: 0.26 and 0.21 of a plain step
-# per token up to T = 4, 0.33 past it). Replayed over the greedy answers of
-# bench/prompts/quote_back.json with that curve, 0.23 made the most tokens per second of 0.23 / 0.25
-# / 0.3 (1.82x / 1.81x / 1.78x speculation off; the curve itself as the prior, 1.84x).
-PRIOR_SLOPE = 0.23
 # Each measurement moves a cost estimate this far; one is clipped to [1/CLIP, CLIP] times the
 # estimate first, so a step the OS held up (another program, a page fault) cannot swing it.
 COST_SMOOTHING = 0.2
 COST_CLIP = 2.0
 RATE_MEMORY = 0.75  # weight of the past in the acceptance counts, per verify step
 PLAIN_AFTER = 3  # verify steps after which a plain step is measured, if none was yet
+
+
+@dataclass(frozen=True, slots=True)
+class CostCurve:
+    """What a verify step of T tokens costs against a plain step, before either is measured:
+    1 + jump + slope (T - 1) for T >= 2 (`jump`: what verifying at all costs beyond the tokens)."""
+
+    jump: float
+    slope: float
+
+    def __call__(self, tokens: int) -> float:
+        return 1.0 if tokens <= 1 else 1.0 + self.jump + self.slope * (tokens - 1)
+
+
+# The CPU kernels' curve for SmolLM2 (8.0 / 10.1 / 13.5 / 23.9 ms at T = 1 / 2 / 4 / 8 in
+# docs/BENCHMARKS.md: 0.26 and 0.21 of a plain step per token up to T = 4, 0.33 past it). Replayed
+# over the greedy answers of bench/prompts/quote_back.json with that curve, slope 0.23 made the most
+# tokens per second of 0.23 / 0.25 / 0.3 (1.82x / 1.81x / 1.78x speculation off; the curve itself
+# as the prior, 1.84x).
+CPU_CURVE = CostCurve(jump=0.0, slope=0.23)
+# Graphed verify steps on an H200 (docs/BENCHMARKS.md, bench/speculative_gpu.py): a step reads the
+# weights once whatever T, so verifying costs a jump and each token little: the dense 1.07B model
+# 1.28 / 1.30 / 1.40 / 1.43 and the DeepSeek-V4 synthetic model 1.35 / 1.41 / 1.50 plain steps at
+# T = 2 / 3 / 5 / 9 (V4 at T = 2 / 5 / 9).
+GRAPHED_CURVE = CostCurve(jump=0.27, slope=0.025)
 
 
 @dataclass(slots=True)
@@ -63,6 +83,7 @@ class AdaptiveK:
     pause: int = 2  # the next pause's length
     probe: bool = False  # a pause just ended: draft one token even where the rate says not to
     clock: Callable[[], float] | None = None  # e.g. time.perf_counter: measure the steps' costs
+    curve: CostCurve = CPU_CURVE  # the prior: the costs before (or without) a clock
     # What a step of T tokens costs (index T; 0 unused): the prior curve in plain steps without a
     # clock; with one, seconds, None until measured.
     costs: list[float | None] = field(default_factory=list)
@@ -77,7 +98,7 @@ class AdaptiveK:
         if len(self.costs) < self.k_max + 2:
             self.costs = self.costs + [None] * (self.k_max + 2 - len(self.costs))
         if self.clock is None:
-            self.costs = [c if c is not None else _prior(t) for t, c in enumerate(self.costs)]
+            self.costs = [c if c is not None else self.curve(t) for t, c in enumerate(self.costs)]
 
     @property
     def rate(self) -> float:
@@ -99,7 +120,7 @@ class AdaptiveK:
             return None
         known = self.costs[nearest]
         assert known is not None
-        return known * _prior(tokens) / _prior(nearest)
+        return known * self.curve(tokens) / self.curve(nearest)
 
     def next_count(self) -> int:
         """How many tokens to draft at this step (0 for a plain step). Called once a step: the time
@@ -172,8 +193,3 @@ class AdaptiveK:
             if gain > best_gain:
                 best, best_gain = count, gain
         return best
-
-
-def _prior(tokens: int) -> float:
-    """A step of `tokens` tokens against a plain step, before either is measured."""
-    return 1.0 + PRIOR_SLOPE * (tokens - 1)

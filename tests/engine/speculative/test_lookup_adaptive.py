@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from ds4desk.engine.speculative.adaptive import COST_CLIP, AdaptiveK
+from ds4desk.engine.speculative.adaptive import COST_CLIP, CPU_CURVE, GRAPHED_CURVE, AdaptiveK
 from ds4desk.engine.speculative.lookup import PromptLookup
 
 
@@ -142,3 +142,18 @@ def test_without_a_clock_the_counts_depend_on_the_acceptances_alone() -> None:
         runs.append(counts)
     assert runs[0] == runs[1]
     assert max(runs[0]) > 2  # the prior curve lets k grow where drafts keep being accepted
+
+
+@pytest.mark.parametrize("rate", [0.6, 0.8])
+def test_graphed_verify_steps_draft_more_at_the_same_rate(rate: float) -> None:
+    """Where a verify replays a graph (GRAPHED_CURVE: nearly one plain step whatever T), the same
+    acceptance rate drafts more than on the CPU's curve, the count that maximises each curve's own
+    expected tokens per step cost."""
+    counts = {}
+    for name, curve in (("cpu", CPU_CURVE), ("graphed", GRAPHED_CURVE)):
+        adaptive = AdaptiveK(curve=curve, k_max=7)
+        adaptive.accepted, adaptive.rejected = rate, 1.0 - rate
+        gains = [sum(rate**i for i in range(k + 1)) / curve(k + 1) for k in range(8)]
+        counts[name] = adaptive._best_count()
+        assert counts[name] == max(range(8), key=lambda k: gains[k])
+    assert counts["graphed"] > counts["cpu"] >= 1, counts
