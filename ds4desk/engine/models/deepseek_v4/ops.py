@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4desk.engine.kernels.deepseek_v4 import moe_tail
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
 from ds4desk.engine.kernels.quant.fp8 import fp8_linear
 from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
@@ -90,8 +91,8 @@ def shared_expert(shared: SharedExpert, x: torch.Tensor, limit: float) -> torch.
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(g, limit)) * clamp(u, ±limit)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    """silu(min(g, limit)) * clamp(u, ±limit), one kernel where it can be (kernels/deepseek_v4/moe_tail)."""
+    return moe_tail.swiglu(gate, up, limit)
 
 
 def index_weights(x: torch.Tensor, indexer: Indexer, heads: int, dim: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
+from ds4desk.engine.kernels.deepseek_v4 import moe_tail
 from ds4desk.engine.kernels.deepseek_v4.prefill_attention import prefill_attention
 from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.cache import LayerState, RopeTables, V4Cache
@@ -265,5 +266,4 @@ class GraphablePiece:
         limit = cfg.swiglu_limit
         hidden = ops.swiglu(*torch.matmul(x, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1), limit)
         ys = torch.bmm(hidden, experts.down_proj.transpose(1, 2))  # [E, T, D]
-        routed = torch.einsum("te,etd->td", mixing, ys.float()).to(x.dtype)
-        return routed + ops.shared_expert(moe.shared_experts, x, limit)
+        return moe_tail.combine(mixing, ys, ops.shared_expert(moe.shared_experts, x, limit))
