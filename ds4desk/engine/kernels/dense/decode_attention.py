@@ -9,10 +9,12 @@ and weighted value sum (float32); the second combines the blocks. The position i
 device, so the pair can be captured in a CUDA graph whose span is fixed; blocks past the position
 (or before the window) do no loads. Elsewhere (CPU, ROCm, no Triton) the eager form runs.
 
-With `tokens` T > 1 the query rows of a kv head are its G query heads for each of T tokens at
-positions pos..pos+T-1 (row g * T + t), each row masked at its own position: splitting the span
-keeps a short query block over a long cache from running on as few programs as it has kv heads,
-which is what SDPA's fused kernels do with it.
+With `tokens` T > 1, q is the T tokens' query heads [T, H, D] as the projection lays them out
+(positions pos..pos+T-1) and so is the result: the kernels read and write them through strides, so
+no copy regroups them. A kv head's program takes its G query heads of every token as G * T rows
+(row g * T + t), each masked at its own position: splitting the span keeps a short query block over
+a long cache from running on as few programs as it has kv heads, which is what SDPA's fused kernels
+do with it.
 
 The fused path goes through a torch custom op, so a CUDA graph capture and a dispatch-level op
 counter (bench/count_ops.py) see one op whatever runs inside.
@@ -52,9 +54,28 @@ def reference(
     window: int | None,
     tokens: int = 1,
 ) -> torch.Tensor:
-    """The eager form. q [KV, G * T, D] (row g * T + t: query head g of token t, at pos + t);
-    keys, values [KV, span, D]; pos int64 [1] on q's device. Key row j is visible to a query at p
-    iff j <= p and (no window or j > p - window). Returns [KV, G * T, D]."""
+    """The eager form. q [KV, G, D] (one token), or [T, H, D] for `tokens` T > 1 (head h reads kv
+    head h // G); keys, values [KV, span, D]; pos int64 [1] on q's device. Key row j is visible to a
+    query at p iff j <= p and (no window or j > p - window). Returns q's shape."""
+    if tokens == 1:
+        return _rows_reference(q, keys, values, pos, scale, window, 1)
+    count, heads, dim = q.shape
+    kv_heads = keys.shape[0]
+    rows = q.reshape(count, kv_heads, -1, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
+    out = _rows_reference(rows, keys, values, pos, scale, window, tokens)
+    return out.view(kv_heads, -1, count, dim).permute(2, 0, 1, 3).reshape(count, heads, dim)
+
+
+def _rows_reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    tokens: int,
+) -> torch.Tensor:
+    """reference over a kv head's query rows q [KV, G * T, D], row g * T + t at pos + t."""
     kv_heads, rows, _ = q.shape
     span = keys.shape[1]
     key_at = torch.arange(span, device=q.device)
@@ -113,22 +134,21 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of q [KV, G, D] over keys / values [KV, span, D] (views of a cache: strides are
     honoured, the last one must be 1) at the position in `pos` (int64 [1], read on the device), in
-    q's dtype, fused where it can be (see SWITCH). `tokens` T: q [KV, G * T, D] holds T tokens at
-    pos..pos+T-1 (see the module docstring). ordered: (buffer, GGUF type id, groups a tile):
-    the result is also written, as float32 values of q's dtype, into the buffer in the read order of
-    the one-row GEMV that reads it next (the output projection; gguf_gemv1_triton.read_slot), which
-    saves that GEMV's input kernel. Only on the fused path."""
-    if (
-        q.dim() != 3
-        or keys.shape != values.shape
-        or keys.shape[0] != q.shape[0]
-        or keys.shape[2] != q.shape[2]
-    ):
+    q's dtype, fused where it can be (see SWITCH). `tokens` T > 1: q [T, H, D] (any row stride)
+    holds T tokens at pos..pos+T-1 and the result is [T, H, D] (see the module docstring).
+
+    ordered: (buffer, GGUF type id, groups a tile): the result is also written, as float32 values of
+    q's dtype, into the buffer in the read order of the one-row GEMV that reads it next (the output
+    projection; gguf_gemv1_triton.read_slot), which saves that GEMV's input kernel. Only on the
+    fused path."""
+    fits = q.dim() == 3 and keys.dim() == 3 and keys.shape == values.shape and keys.shape[2] == q.shape[2]
+    # One token: q [KV, G, D]; several: [T, H, D] with H a multiple of KV.
+    if not fits or (q.shape[0] != keys.shape[0] if tokens == 1 else q.shape[1] % keys.shape[0]):
         raise ValueError(
             f"shapes do not fit: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
         )
-    if tokens < 1 or q.shape[1] % tokens:
-        raise ValueError(f"{q.shape[1]} query rows a kv head are not {tokens} tokens' query heads")
+    if tokens < 1 or (tokens > 1 and q.shape[0] != tokens):
+        raise ValueError(f"q {tuple(q.shape)} is not {tokens} tokens' query heads")
     if ordered is not None and tokens != 1:
         raise ValueError("decode_attention writes a read-order copy for one token only")
     if enabled(q.device):
@@ -196,6 +216,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         splits,
         stride_qh,
         stride_qg,
+        stride_qt,
         stride_kh,
         stride_kn,
         stride_vh,
@@ -227,8 +248,12 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         d = tl.arange(0, BLOCK_D)
         g_live = g < GROUP
         d_live = d < DIM
-        qt = tl.load(
-            q + head * stride_qh + g[:, None] * stride_qg + d[None, :],
+        qt = tl.load(  # row g is query head g // TOKENS of token g % TOKENS
+            q
+            + head * stride_qh
+            + (g // TOKENS)[:, None] * stride_qg
+            + (g % TOKENS)[:, None] * stride_qt
+            + d[None, :],
             mask=g_live[:, None] & d_live[None, :],
             other=0.0,
         )
@@ -302,6 +327,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         ordered=None,
         ORDER_KIND: tl.constexpr = 0,
         ORDER_G: tl.constexpr = 1,
+        TOKENS: tl.constexpr = 1,
     ):
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -324,7 +350,12 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         )
         result = tl.sum(acc * weight[:, None], axis=0) / total
         col = (head * GROUP + g) * DIM + d
-        tl.store(out + col, result.to(out.dtype.element_ty), mask=d_live)
+        if TOKENS == 1:
+            tl.store(out + col, result.to(out.dtype.element_ty), mask=d_live)
+        else:  # out [T, H, D]: row g is head head * G + g // TOKENS of token g % TOKENS
+            heads = tl.num_programs(0) * (GROUP // TOKENS)
+            at = ((g % TOKENS) * heads + head * (GROUP // TOKENS) + g // TOKENS) * DIM + d
+            tl.store(out + at, result.to(out.dtype.element_ty), mask=d_live)
         if ORDER_KIND != 0:
             value = result.to(out.dtype.element_ty).to(tl.float32)
             tl.store(ordered + read_slot(col, ORDER_KIND, ORDER_G), value, mask=d_live)
@@ -341,8 +372,12 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         order_groups: int = 1,
         tokens: int = 1,
     ) -> torch.Tensor:
-        kv_heads, group, dim = q.shape  # group: query rows a kv head (G * tokens)
-        span = keys.shape[1]
+        kv_heads, span, dim = keys.shape
+        group = q.shape[1] if tokens == 1 else q.shape[1] // kv_heads * tokens  # query rows a kv head
+        if tokens == 1:
+            q_strides = (q.stride(0), q.stride(1), 0)
+        else:  # [T, H, D]: kv head h's query heads are h * G .. h * G + G - 1
+            q_strides = (group // tokens * q.stride(1), q.stride(1), q.stride(0))
         if q.stride(2) != 1 or keys.stride(2) != 1 or values.stride(2) != 1:
             raise ValueError("decode_attention needs the head dimension contiguous")
         sms = _sm_count(q.device.index or 0) if q.is_cuda else DEFAULT_SMS
@@ -351,7 +386,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         part_max = torch.empty((kv_heads, splits, group), device=q.device, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty((kv_heads, splits, group, dim), device=q.device, dtype=torch.float32)
-        out = torch.empty((kv_heads, group, dim), device=q.device, dtype=q.dtype)
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         block_d = max(16, triton.next_power_of_2(dim))
         # float32 stays float32 (no TF32), like the eager matmuls; Triton's CPU interpreter multiplies
         # bfloat16 tiles wrongly (numpy has no bfloat16), so there they are widened too.
@@ -370,8 +405,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             0 if window is None else window,
             chunk,
             splits,
-            q.stride(0),
-            q.stride(1),
+            *q_strides,
             keys.stride(0),
             keys.stride(1),
             values.stride(0),
@@ -405,6 +439,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             ordered=ordered,
             ORDER_KIND=order_kind if ordered is not None else 0,
             ORDER_G=order_groups,
+            TOKENS=tokens,
             launch_pdl=use_pdl,
         )
         return out

@@ -86,16 +86,22 @@ class VerifySteps(_TorchSteps):
         keys, values = plan.keys, plan.values
         assert keys is not None and values is not None
         count, kv_heads, group, dim, span = self.count, self.kv_heads, self.group, self.dim, self.span
-        q = qkv[:, : self.q_width].reshape(count, kv_heads, group, dim).permute(1, 2, 0, 3)
-        q = q.reshape(kv_heads, group * count, dim)  # row g * T + t, as both paths take it
-        if self.kernel:
+        q = qkv[:, : self.q_width].view(count, self.heads, dim)
+        if self.kernel:  # the kernel reads and writes the tokens' heads in place: no regrouping copies
             attn = fused_decode.decode_attention(
-                q, keys[0, :, :span], values[0, :, :span], self.here, dim**-0.5, plan.window, tokens=count
+                q if count > 1 else q.view(kv_heads, group, dim),
+                keys[0, :, :span],
+                values[0, :, :span],
+                self.here,
+                dim**-0.5,
+                plan.window,
+                tokens=count,
             )
-        else:
-            attn = F.scaled_dot_product_attention(
-                q[None], keys[:, :, :span], values[:, :, :span], attn_mask=self.biases[plan.window]
-            )  # [1, KV, G * T, D]
+            return attn.view(count, self.q_width)
+        rows = q.view(count, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * count, dim)
+        attn = F.scaled_dot_product_attention(
+            rows[None], keys[:, :, :span], values[:, :, :span], attn_mask=self.biases[plan.window]
+        )  # [1, KV, G * T, D], row g * T + t as the bias lays them out
         return attn.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, self.q_width)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,7 @@ print("triton ok", cases)
 _TOKENS_CHECK = """
 import torch
 from ds4desk.engine.kernels.dense import decode_attention as da
+from tests.engine.kernels.dense import test_decode_attention as layouts
 from tests.engine.kernels.dense.test_decode_attention import D, SPAN, inputs, spelled_out_tokens
 
 kernel = da._triton_kernel()
@@ -162,13 +163,29 @@ for block, sms in ((16, 1), (16, 132)):
         for pos, window in ((0, None), (14, None), (14, 5), (SPAN - 4, None)):
             q, keys, values = (t.to(device) for t in inputs(seed=pos + sms, dtype=dtype, group=2 * 4))
             at = torch.tensor([pos], device=device)
-            got = kernel(q, keys, values, at, D**-0.5, window, tokens=4)
+            # The tokens' heads as a slice of wider rows (q of a fused q|k|v projection).
+            wide = torch.zeros(4, q.numel() // 4 + 40, dtype=dtype, device=device)
+            wide[:, : q.numel() // 4] = layouts.as_tokens(q, 4).reshape(4, -1)
+            tokens = wide[:, : q.numel() // 4].view(4, -1, D)
+            got = layouts.as_rows(kernel(tokens, keys, values, at, D**-0.5, window, tokens=4), keys.shape[0])
             assert torch.isfinite(got).all()
             exact = spelled_out_tokens(*(t.cpu().float() for t in (q, keys, values)), pos, 4, D**-0.5, window)
             torch.testing.assert_close(got.cpu().double(), exact, rtol=tol, atol=tol)
             cases += 1
 print("tokens ok", cases)
 """
+
+
+def as_tokens(rows: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A kv head's query rows [KV, G * T, D] (row g * T + t) as the tokens' heads [T, KV * G, D]."""
+    kv, count, dim = rows.shape
+    return rows.view(kv, count // tokens, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, -1, dim)
+
+
+def as_rows(heads: torch.Tensor, kv: int) -> torch.Tensor:
+    """The inverse of as_tokens: [T, KV * G, D] -> [KV, G * T, D]."""
+    tokens, _, dim = heads.shape
+    return heads.view(tokens, kv, -1, dim).permute(1, 2, 0, 3).reshape(kv, -1, dim)
 
 
 def spelled_out_tokens(
@@ -190,20 +207,23 @@ def spelled_out_tokens(
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_a_few_tokens_each_see_up_to_their_own_position(window: int | None) -> None:
-    """tokens = 4: every query row masked at its own position, in the eager form and the Triton
-    kernel (interpreter or GPU); rows that are not whole tokens and a read-order copy of several
-    tokens are refused."""
+    """tokens = 4: the tokens' heads [T, H, D] (a slice of wider rows for the kernel), every query
+    masked at its own position, in the eager form and the Triton kernel (interpreter or GPU); a q
+    that is not that many tokens and a read-order copy of several tokens are refused."""
     q, keys, values = inputs(seed=2, group=8)
     at = torch.tensor([14])
-    got = da.decode_attention(q, keys, values, at, D**-0.5, window, tokens=4)
+    heads = as_tokens(q, 4)
+    got = da.decode_attention(heads, keys, values, at, D**-0.5, window, tokens=4)
+    assert got.shape == heads.shape
+    got = as_rows(got, KV)
     exact = spelled_out_tokens(q, keys, values, 14, 4, D**-0.5, window)
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
     one_token = spelled_out(q, keys, values, 14, D**-0.5, window)
     assert (got.double() - one_token).abs().max() > 1e-2  # the later tokens see more keys
     with pytest.raises(ValueError, match="not 3 tokens"):
-        da.decode_attention(q, keys, values, at, D**-0.5, None, tokens=3)
+        da.decode_attention(heads, keys, values, at, D**-0.5, None, tokens=3)
     with pytest.raises(ValueError, match="one token only"):
-        da.decode_attention(q, keys, values, at, D**-0.5, None, (torch.zeros(q.numel()), 12, 2), tokens=4)
+        da.decode_attention(heads, keys, values, at, D**-0.5, None, (torch.zeros(q.numel()), 12, 2), tokens=4)
     stdout = run_triton_check(_TOKENS_CHECK)
     assert "tokens ok 16" in stdout
 
