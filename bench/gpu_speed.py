@@ -91,9 +91,11 @@ def prepare(out: Path) -> None:
 # --- the dense model's files -----------------------------------------------------------------------
 
 
-def random_dense_state(seed: int = 0) -> dict[str, torch.Tensor]:
+def random_dense_state(seed: int = 0, layers: int | None = None) -> dict[str, torch.Tensor]:
+    """Random bf16 weights of DENSE (`layers`: that many layers instead of its own)."""
     cfg = DENSE
-    hidden, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
+    layers = layers or cfg["num_hidden_layers"]
     kv_width = cfg["num_key_value_heads"] * cfg["head_dim"]
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -123,10 +125,13 @@ def random_dense_state(seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_hf(folder: Path, state: dict[str, torch.Tensor], vocab_dir: Path) -> None:
+def write_hf(
+    folder: Path, state: dict[str, torch.Tensor], vocab_dir: Path, layers: int | None = None
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, str(folder / "model.safetensors"), {"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(DENSE))
+    config = DENSE if layers is None else {**DENSE, "num_hidden_layers": layers}
+    (folder / "config.json").write_text(json.dumps(config))
     shutil.copy(vocab_dir / "tokenizer.json", folder / "tokenizer.json")
 
 

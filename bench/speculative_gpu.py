@@ -14,9 +14,11 @@ a step = (1 + a·k) / verify(k), against 1 / plain.
 
 `--v4` first times the same steps on bench/gpu_deepseek_v4.py's synthetic DeepSeek-V4.
 
-Then three answers of 256 tokens to a prompt that repeats itself: speculation off, prompt lookup and
-the model as its own draft (every draft accepted: the ceiling), with their tokens compared; a
-difference is counted with the target's top-2 logit margin where it happened (bf16 near-ties).
+Then four answers of 256 tokens to a prompt that repeats itself: speculation off, prompt lookup,
+the model as its own draft (every draft accepted: the ceiling) and a small draft of the same vocab
+(2 layers of the same shapes, other random weights: few drafts agree, so its figure is the
+mechanism's overhead, not its gain), with their tokens compared; a difference is counted with the
+target's top-2 logit margin where it happened (bf16 near-ties).
 """
 
 from __future__ import annotations
@@ -101,16 +103,22 @@ def report(name: str, costs: dict) -> dict:
     return rates
 
 
-def answers(folder: Path) -> dict:
+SMALL_DRAFT_LAYERS = 2
+
+
+def answers(folder: Path, small_draft: Path) -> dict:
     from ds4desk.engine import Engine, GenerateRequest, LoadRequest
 
     pattern = [(i * 7919 + 17) % 40000 + 100 for i in range(48)]
     prompt = pattern * 6  # a prompt that repeats itself: lookup finds its n-grams
     out = {}
-    for mode, draft in (("off", None), ("lookup", None), ("draft", str(folder))):
+    runs = (("off", "off", None), ("lookup", "lookup", None), ("draft", "draft", folder))
+    for name, mode, draft in (*runs, ("small draft", "draft", small_draft)):
         engine = Engine()
         try:
-            load = LoadRequest(path=str(folder), device="cuda", dtype="bfloat16", context=1024, draft=draft)
+            load = LoadRequest(
+                path=str(folder), device="cuda", dtype="bfloat16", context=1024, draft=draft and str(draft)
+            )
             loaded = engine.load(load)
             assert loaded.ok, loaded.error
             request = GenerateRequest(
@@ -122,14 +130,14 @@ def answers(folder: Path) -> dict:
             )
             assert result.ok, result.error
             stats = result.stats
-            out[mode] = {
+            out[name] = {
                 "tokens": result.tokens,
                 "decode_tok_s": stats.decode_tok_s,
                 "drafted": stats.drafted_tokens,
                 "accepted": stats.accepted_tokens,
                 "speculative": stats.speculative,
             }
-            if mode == "off":
+            if name == "off":
                 loaded = engine._loaded
                 assert loaded is not None
                 margins = []
@@ -176,9 +184,12 @@ def main() -> None:
     folder = work / "dense"
     if not (folder / "config.json").exists():
         write_hf(folder, random_dense_state(), args.vocab)
+    small_draft = work / "dense_draft"
+    if not (small_draft / "config.json").exists():
+        write_hf(small_draft, random_dense_state(1, SMALL_DRAFT_LAYERS), args.vocab, SMALL_DRAFT_LAYERS)
     costs = step_costs(folder)
     rates = report("dense 1.07B", costs)
-    runs = answers(folder)
+    runs = answers(folder, small_draft)
     base = runs["off"]["tokens"]
     margins = runs["off"]["margins"]
     for mode, run in runs.items():
@@ -187,7 +198,7 @@ def main() -> None:
         run["margin_there"] = margins[first] if first is not None else None
         rate = run["accepted"] / run["drafted"] if run["drafted"] else 0.0
         print(
-            f"{mode:7} ({run['speculative']}): {run['decode_tok_s']:8.1f} tok/s, accepted {run['accepted']}"
+            f"{mode:11} ({run['speculative']}): {run['decode_tok_s']:8.1f} tok/s, accepted {run['accepted']}"
             f" of {run['drafted']} ({rate:.2f}), first difference from off: {first}"
             + (f" (top-2 margin there {margins[first]:.3f})" if first is not None else "")
         )
