@@ -64,9 +64,9 @@ class CostCurve:
 # as the prior, 1.84x).
 CPU_CURVE = CostCurve(jump=0.0, slope=0.23)
 # Graphed verify steps on an H200 (docs/BENCHMARKS.md, bench/speculative_gpu.py): a step reads the
-# weights once whatever T, so verifying costs a jump and each token little: the dense 1.07B model
-# 1.28 / 1.30 / 1.40 / 1.43 and the DeepSeek-V4 synthetic model 1.35 / 1.41 / 1.50 plain steps at
-# T = 2 / 3 / 5 / 9 (V4 at T = 2 / 5 / 9).
+# weights once whatever T, so verifying costs a jump and each token little. At T = 2 / 3 / 5 / 9 the
+# dense 1.07B model measured 1.30 / 1.30 / 1.34 / 1.35 plain steps and the DeepSeek-V4 synthetic
+# model 1.22 / 1.26 / 1.32 / 1.39; the curve (1.30 / 1.32 / 1.37 / 1.47) errs towards drafting less.
 GRAPHED_CURVE = CostCurve(jump=0.27, slope=0.025)
 
 
