@@ -190,11 +190,12 @@ def test_interrupted_answer_is_marked_after_restart(qtbot, make_window, db_path:
 
 
 def test_closing_mid_answer_saves_what_streamed(qtbot, make_window, run, db_path: Path) -> None:
+    """The window closes while the event loop runs, as in the app (between two `run` calls, a task
+    the harness stepped outside the loop would fail on its own)."""
     backend = FakeBackend(reply="token " * 1000, batch_chars=6)
     window = make_window(backend)
+    backend.after_batch = lambda: window.close() if backend.batches_sent == 3 else None
     type_and_enter(qtbot, window, "go")
-    run(backend.wait_for_batches(3))
-    window.close()
     run(window.wait_idle())
     with History(db_path) as history:
         answer = history.messages(history.list_chats()[0].id)[-1]

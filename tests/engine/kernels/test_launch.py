@@ -20,6 +20,7 @@ KERNEL_MODULES = (
     "deepseek_v4.hc_fused",
     "deepseek_v4.hc_kernel",
     "deepseek_v4.index_scores",
+    "deepseek_v4.moe_tail",
     "deepseek_v4.norm_rope",
     "deepseek_v4.prefill_attention",
     "deepseek_v4.route",
