@@ -145,7 +145,7 @@ class GraphedDecode:
     def verifies(self) -> bool:
         """Whether verify steps replay graphs: one device and a model with a graphable verify (until
         its first capture, where the model may still decline)."""
-        return self._verifies and type(self.model).verify_graphable is not CausalLM.verify_graphable
+        return self._verifies and self.model.has_graphable_verify
 
     def verify(self, tokens: torch.Tensor, pos: int) -> torch.Tensor | None:
         """Logits [T, V] after each of `tokens` (int64 [T] on the device) fed at pos..pos+T-1, from

@@ -257,6 +257,11 @@ class CausalLM(nn.Module, ABC):
         model (or its split) has no such step, and verifies run eagerly through forward."""
         return None
 
+    @property
+    def has_graphable_verify(self) -> bool:
+        """Whether this family defines verify_graphable (it may still decline a given split)."""
+        return type(self).verify_graphable is not CausalLM.verify_graphable
+
     def verify_replayed(self, count: int, span: int) -> None:
         """After a replay of the verify graph of `count` tokens and `span`: what a family's roll-back
         needs from it that its eager verify would have handed over on the host."""

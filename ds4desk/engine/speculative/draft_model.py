@@ -48,8 +48,7 @@ def _rolls_back_graph_steps(model: CausalLM) -> bool:
     graph and that may feed a position again. DeepSeek-V4 and Qwen3.5 only continue: their
     roll-backs recompute from what their eager steps record (compressor inputs, delta-rule inputs),
     which a decode graph's step does not."""
-    graphed_verify = type(model).verify_graphable is not CausalLM.verify_graphable
-    return graphed_verify and getattr(model, "rewinds", True)
+    return model.has_graphable_verify and getattr(model, "rewinds", True)
 
 
 class DraftModel:

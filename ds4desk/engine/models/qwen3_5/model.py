@@ -341,12 +341,9 @@ class Qwen35Model(CausalLM):
         token). The linear layers take only the first `count` tokens into their state (base.py's
         padding rule: the rest write nothing and decay nothing, and the convolution window ends at
         the last real token); from position 0 their state starts from zeros, as forward's does."""
-        if len(self._shards) != 1 or any(plan.moe is not None for plan in self._shards[0].plans):
+        shard = self._graphable_shard(span)
+        if shard is None:
             return None
-        if not 0 < span <= self._context:
-            raise ValueError(f"span must be in 1..{self._context}, got {span}")
-        shard = self._shards[0]
-        assert shard.tables is not None
         continues = pos != 0
         for plan in shard.linear_plans:
             assert plan.conv_state is not None and plan.recurrent is not None
@@ -361,12 +358,9 @@ class Qwen35Model(CausalLM):
         """See CausalLM.verify_graphable: one shard, no MoE layer, as prefill_graphable. The linear
         layers record what they feed their state (LinearPlan.written) as forward does; under a
         graph's capture the records are kept by (tokens, span) for verify_replayed instead."""
-        if len(self._shards) != 1 or any(plan.moe is not None for plan in self._shards[0].plans):
+        shard = self._graphable_shard(span)
+        if shard is None:
             return None
-        if not 0 < span <= self._context:
-            raise ValueError(f"span must be in 1..{self._context}, got {span}")
-        shard = self._shards[0]
-        assert shard.tables is not None
         capturing = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
         plans = shard.linear_plans
         kept = [plan.written for plan in plans]
@@ -391,6 +385,16 @@ class Qwen35Model(CausalLM):
         for plan, written in zip(self._linear_plans(), self._graph_written[(count, span)], strict=True):
             if plan.written is not None:
                 plan.written.append(written)
+
+    def _graphable_shard(self, span: int) -> Shard | None:
+        """The one shard a graphable piece or verify runs on; None when split or with a MoE layer
+        (their graphable path takes one token)."""
+        if len(self._shards) != 1 or any(plan.moe is not None for plan in self._shards[0].plans):
+            return None
+        if not 0 < span <= self._context:
+            raise ValueError(f"span must be in 1..{self._context}, got {span}")
+        assert self._shards[0].tables is not None
+        return self._shards[0]
 
     def _linear_plans(self) -> list[LinearPlan]:
         return [plan for shard in self._shards for plan in shard.linear_plans]
