@@ -260,26 +260,36 @@ class DeepseekV4Model(
         """The inverse of export_state; afterwards the model continues at `length`."""
         cache = self._cache
         assert cache is not None
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, layer in enumerate(cache.layers):
-            self._import_layer(str(i), layer, state, length)
+            copies += self._layer_copies(str(i), layer, state, length)
+        copies += self._mtp_import(state, length)
+        # One multi-tensor copy: a follow-up turn restores dozens of small tensors, and a copy each
+        # cost more in launches than in bytes.
+        torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
         cache.length = length
-        self._mtp_import(state, length)
 
-    def _import_layer(
+    def _layer_copies(
         self, prefix: str, layer: LayerState, state: dict[str, torch.Tensor], length: int
-    ) -> None:
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) pairs that put one layer's part of export_state back."""
         window = self.config.sliding_window
-        physical = [p % window for p in range(max(0, length - window), length)]
-        layer.ring[physical] = state[f"{prefix}.ring"].to(layer.ring.device, layer.ring.dtype)
+        ring = state[f"{prefix}.ring"]  # logical order: position max(0, length - window) first
+        first = (length - ring.shape[0]) % window  # its row; the rows after it wrap around
+        head = min(ring.shape[0], window - first)
+        copies = [(layer.ring[first : first + head], ring[:head])]
+        if head < ring.shape[0]:
+            copies.append((layer.ring[: ring.shape[0] - head], ring[head:]))
         for name in ("entries", "index_entries"):
             target = getattr(layer, name)
             if target is not None:
                 rows = state[f"{prefix}.{name}"]
-                target[: rows.shape[0]].copy_(rows)
+                copies.append((target[: rows.shape[0]], rows))
         for name, carry in (("compressor", layer.compressor), ("indexer", layer.indexer)):
             if carry is not None:
-                for j, tensor in enumerate(carry.tensors()):
-                    tensor.copy_(state[f"{prefix}.{name}.{j}"])
+                tensors = carry.tensors()
+                copies += [(tensor, state[f"{prefix}.{name}.{j}"]) for j, tensor in enumerate(tensors)]
+        return copies
 
     # --- forward -----------------------------------------------------------------------------
 

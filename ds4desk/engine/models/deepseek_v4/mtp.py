@@ -240,14 +240,17 @@ class MtpTracking:
         out["mtp.pending"] = self._mtp_pending.to("cpu", copy=True)
         return out
 
-    def _mtp_import(self, state_dict: dict[str, torch.Tensor], length: int) -> None:
+    def _mtp_import(
+        self, state_dict: dict[str, torch.Tensor], length: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Follows the target's import_state: the copies that put the block's state back."""
         state = self._mtp_state
         if state is None:
-            return
+            return []
         if "mtp.pending" not in state_dict or length < 1:
             self._mtp_out_of_step()  # saved without the block: it cannot follow from here
-            return
-        self._import_layer("mtp", state, state_dict, length - 1)
+            return []
         pending = state_dict["mtp.pending"]
         self._mtp_pending = pending.to(state.ring.device, state.ring.dtype, copy=True)
         self._mtp_length = length - 1
+        return self._layer_copies("mtp", state, state_dict, length - 1)
