@@ -264,9 +264,14 @@ class DeepseekV4Model(
         for i, layer in enumerate(cache.layers):
             copies += self._layer_copies(str(i), layer, state, length)
         copies += self._mtp_import(state, length)
-        # One multi-tensor copy: a follow-up turn restores dozens of small tensors, and a copy each
-        # cost more in launches than in bytes.
-        torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
+        # A multi-tensor copy per dtype: a follow-up turn restores dozens of small tensors, and a
+        # copy each cost more in launches than in bytes. torch copies a list in one kernel only when
+        # all its tensors share a dtype; mixed, it falls back to a copy each.
+        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dst, src in copies:
+            by_dtype.setdefault((dst.dtype, src.dtype), []).append((dst, src))
+        for group in by_dtype.values():
+            torch._foreach_copy_([dst for dst, _ in group], [src for _, src in group])
         cache.length = length
 
     def _layer_copies(
