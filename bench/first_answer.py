@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/first_answer.py [--model PATH | --synthetic dense|v4|qwen35|dense-small|v4-tiny]
         [--device cpu|cuda] [--dtype bfloat16] [--tokens 3000] [--new-tokens 16] [--repeats 3]
-        [--cache user|fresh] [--out DIR]
+        [--cache user|fresh] [--cudnn-attention] [--no-row-buckets] [--out DIR]
 
 Each run is a FRESH Python process (this script with --child): it imports the engine, loads the
 model (with the load's warm-up stage, or with --no-warm-up semantics), then sends one request (a
@@ -151,6 +151,9 @@ def child(config: dict[str, Any]) -> None:
     from ds4desk.engine import runtime as runtime_module
 
     runtime_module.CUDNN_ATTENTION = config.get("cudnn_attention", False)
+    from ds4desk.engine.models.llama import model as dense_model
+
+    dense_model.PAD_PREFILL_ROWS = config.get("row_buckets", True)
 
     imported = time.time()
     engine = Engine()
@@ -271,6 +274,11 @@ def main() -> None:
         help="let torch's attention pick cuDNN (the runtime's CUDNN_ATTENTION), to compare",
     )
     parser.add_argument(
+        "--no-row-buckets",
+        action="store_true",
+        help="run dense prefill chunks at their own row count (models/llama PAD_PREFILL_ROWS), to compare",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         help="instead: one run with warm-up, both requests under torch's profiler; tables to this folder",
@@ -287,6 +295,7 @@ def main() -> None:
         vocab = _vocab_of(model)
         base = {
             "cudnn_attention": args.cudnn_attention,
+            "row_buckets": not args.no_row_buckets,
             "model": model,
             "device": args.device,
             "dtype": args.dtype,
@@ -337,6 +346,7 @@ def main() -> None:
         "dtype": first["dtype"],
         "prompt_tokens": args.tokens,
         "cudnn_attention": args.cudnn_attention,
+        "row_buckets": not args.no_row_buckets,
         "new_tokens": args.new_tokens,
         "cache": args.cache,
         "repeats": args.repeats,
@@ -349,6 +359,7 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         variant = f"{args.tokens}{'_cudnn' if args.cudnn_attention else ''}"
+        variant += "_no_row_buckets" if args.no_row_buckets else ""
         name = f"first_answer_{args.synthetic or 'model'}_{args.device.replace(':', '')}_{variant}.json"
         (args.out / name).write_text(line + "\n")
 

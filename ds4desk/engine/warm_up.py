@@ -15,7 +15,9 @@ request takes, on made-up token ids:
 3. a prompt prefilled in two chunks: the second starts past position 0, as a long prompt's later
    chunk and a chat's follow-up after its snapshot do;
 4. a sampled answer with log-probabilities (temperature, top-k, top-p, the seeded generator, the
-   log-probability entries).
+   log-probability entries);
+5. on a model that pads its prefill chunks to row buckets (the dense family on a GPU), a prompt of
+   each bucket's length, so that cuBLAS has met every row count a prompt can bring.
 
 Nothing of it stays behind. No snapshot store is passed, so no slot is written or read; every
 request starts at position 0 and attention never reads rows it did not write (Runtime's contract),
@@ -92,7 +94,7 @@ class WarmUpReport:
 def step_count(runtime: Runtime) -> int:
     """How many steps `warm_up` reports: the progress bar's total."""
     spans = len(_span_buckets(runtime)) if runtime.graphs_pending else 0
-    return spans + 3
+    return spans + 3 + bool(runtime.model.prefill_row_buckets(runtime.chunk))
 
 
 def made_up_prompt(vocab: int, length: int) -> list[int]:
@@ -174,6 +176,13 @@ def _run_requests(
     )  # fmt: skip
     cancelled_check()
     done_one()
+
+    buckets = runtime.model.prefill_row_buckets(runtime.chunk)
+    for rows in buckets:
+        runtime.prefill_logits(made_up_prompt(vocab, rows))
+        cancelled_check()
+    if buckets:
+        done_one()
 
 
 def _mode(runtime: Runtime, wanted: str) -> str:

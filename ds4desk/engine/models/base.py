@@ -282,6 +282,11 @@ class CausalLM(nn.Module, ABC):
         None: this model (or its split) has no such step."""
         return None
 
+    def prefill_row_buckets(self, chunk: int) -> list[int]:
+        """The row counts this model pads its prefill chunks of up to `chunk` tokens to (none past
+        its context), for the load's warm-up to run each once; empty when it runs them as they come."""
+        return []
+
     @abstractmethod
     def decode_devices(self) -> list[torch.device]:
         """The device of every shard a decode step runs through, in order (one when unsplit)."""
