@@ -479,7 +479,9 @@ class Runtime:
         if self.graphs is None:
             return start, None
         end = len(ids)
-        tail = torch.tensor(ids[start:], dtype=torch.long, device=self.device)
+        # From page-locked memory without waiting: a copy from pageable memory would first wait for
+        # the device to finish the snapshot's restore, and only then launch the piece.
+        tail = torch.tensor(ids[start:], dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
         pos, logits = start, None
         while pos < end and not should_cancel():
             count = min(self.graphs.piece_tokens, end - pos)
