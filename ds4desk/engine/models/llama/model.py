@@ -50,20 +50,20 @@ from ds4desk.engine.models.packed import Fused, embedding, fuse_group, group_pro
 from ds4desk.engine.models.packed import embed as packed_embed
 from ds4desk.engine.split import materialize_parameters
 
-# On a GPU a prefill chunk of more than GEMV_ROWS tokens runs padded up to its row bucket: the
+# On a GPU a prefill chunk of more than FEW_ROWS tokens runs padded up to its row bucket: the
 # next power of two up to PREFILL_ROW_STEP, then a multiple of it. cuBLAS picks its GEMM kernel by
 # row count, in fine steps, and its first call at a row count it has not met costs 4-5 ms a matrix
 # shape on an H200 (docs/BENCHMARKS.md, bench/cublas_first_calls.py): a prompt of a new length
 # paid that in every layer. The load's warm-up runs each bucket once (prefill_row_buckets), so no
 # prompt length meets a first call. The padding repeats the last token at the positions after the
 # chunk; a cache row per position, masked by position, is not read before decode writes it again.
-GEMV_ROWS = 16
+FEW_ROWS = 16  # a verify step's or a prompt piece's tokens, and packed weights' few-row kernels
 PREFILL_ROW_STEP = 256
 PAD_PREFILL_ROWS = True  # False: chunks run at their own row count (bench/first_answer.py compares)
 
 
 def prefill_rows(count: int) -> int:
-    """The bucket of a prefill chunk of `count` > GEMV_ROWS tokens (see PREFILL_ROW_STEP)."""
+    """The bucket of a prefill chunk of `count` > FEW_ROWS tokens (see PREFILL_ROW_STEP)."""
     if count >= PREFILL_ROW_STEP:
         return -(-count // PREFILL_ROW_STEP) * PREFILL_ROW_STEP
     return 1 << (count - 1).bit_length()
@@ -350,7 +350,7 @@ class DenseModel(CausalLM):
     def _padded_rows(self, start_pos: int, count: int) -> int:
         """The rows a prefill chunk of `count` tokens at start_pos runs as: on a GPU, its bucket
         (prefill_rows) where the context has room for it after start_pos, else `count`."""
-        if count <= GEMV_ROWS or not self._pads_rows():
+        if count <= FEW_ROWS or not self._pads_rows():
             return count
         rows = prefill_rows(count)
         return rows if start_pos + rows <= self._context else count
@@ -362,7 +362,7 @@ class DenseModel(CausalLM):
         if not self._pads_rows():
             return []
         # A chunk's bucket may pass the chunk (a chunk of 3,000 runs as 3,072), never the context.
-        buckets = {prefill_rows(count) for count in range(GEMV_ROWS + 1, min(chunk, self._context) + 1)}
+        buckets = {prefill_rows(count) for count in range(FEW_ROWS + 1, min(chunk, self._context) + 1)}
         return sorted(rows for rows in buckets if rows <= self._context)
 
     def decode_devices(self) -> list[torch.device]:

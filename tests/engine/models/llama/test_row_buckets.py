@@ -42,7 +42,7 @@ def test_padding_runs_the_bucket_and_changes_no_logit(runtimes: tuple[Runtime, R
     assert isinstance(model, dense.DenseModel)
     assert model._padded_rows(0, 37) == 64
     assert model._padded_rows(40, 37) == 37  # 40 + 64 would pass the context's 96 positions
-    assert model._padded_rows(0, 16) == 16  # the GEMV rows stay as they are
+    assert model._padded_rows(0, 16) == 16  # a few rows (FEW_ROWS) stay as they are
     rows: list[int] = []
     real_embed = dense.packed_embed
 
@@ -61,7 +61,7 @@ def test_padding_runs_the_bucket_and_changes_no_logit(runtimes: tuple[Runtime, R
 
 def test_the_answer_after_a_padded_prompt_is_the_same(runtimes: tuple[Runtime, Runtime]) -> None:
     padded, plain = runtimes
-    prompt = [(11 * i + 5) % 250 for i in range(53)]  # 40 + 13: the second chunk is below the GEMV rows
+    prompt = [(11 * i + 5) % 250 for i in range(53)]  # 40 + 13: the second chunk is a few rows
 
     def answer(runtime: Runtime) -> tuple[list[int], list[float]]:
         out = runtime.generate(prompt, SamplingParams(), 24, set(), lambda _t: None, lambda: False)
