@@ -132,7 +132,9 @@ def test_start_up_notices_stay_on_screen_until_dismissed(qapp: QApplication, tmp
     seen: dict[str, Any] = {}
 
     def window() -> Any:
-        return next(w for w in QApplication.topLevelWidgets() if w.windowTitle() == "ds4desk")
+        # The shown one: windows of earlier tests in this process may linger hidden until collected.
+        shown = QApplication.topLevelWidgets()
+        return next(w for w in shown if w.windowTitle() == "ds4desk" and w.isVisible())
 
     def after_loaded(_result: object) -> None:
         # The load ran and set its own status lines; a few more event-loop turns go by.

@@ -24,20 +24,38 @@ from tests.ui.fake_backend import FakeBackend
 T = TypeVar("T")
 
 
+class PiecewiseLoop(qasync.QEventLoop):
+    """qasync's loop that stays the running asyncio loop between run_until_complete calls.
+
+    In the app, Qt's exec() runs for the whole session, so every task step finds a running loop.
+    A test drives the loop in pieces, and between them Qt still delivers events: qasync's own last
+    processEvents() after run_until_complete, and whatever qtbot's clicks dispatch. A task stepped
+    there (an answer still streaming) would call asyncio.sleep() with no running loop and fail.
+    """
+
+    def run_forever(self) -> int:
+        try:
+            return super().run_forever()
+        finally:
+            asyncio.events._set_running_loop(self)  # qasync cleared it on the way out
+
+
 @pytest.fixture
 def loop(qapp: QApplication) -> Iterator[qasync.QEventLoop]:
     """A qasync loop over pytest-qt's QApplication, the current asyncio loop for the test."""
     # qasync runs the loop inside QApplication.exec(). A test that closes its last window leaves a
     # quit behind, and with quit-on-last-window-closed it would end the next test's exec() at once.
     qapp.setQuitOnLastWindowClosed(False)
-    event_loop = qasync.QEventLoop(qapp)
+    event_loop = PiecewiseLoop(qapp)
     asyncio.set_event_loop(event_loop)
+    asyncio.events._set_running_loop(event_loop)
     yield event_loop
     pending = [task for task in asyncio.all_tasks(event_loop) if not task.done()]
     for task in pending:
         task.cancel()
     if pending:
         event_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    asyncio.events._set_running_loop(None)
     event_loop.close()
     asyncio.set_event_loop(None)
 
