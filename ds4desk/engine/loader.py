@@ -477,6 +477,8 @@ def _copy_from_gguf(
                 target = params[name]
                 raw = data[entry.begin : entry.end]
                 if target.dtype == torch.uint8:
+                    if entry.columns is not None:  # blocks run along the whole stored row
+                        raise load_failure(f"tensor {name} is part of a stored matrix; it cannot stay packed")
                     stored = raw.view(target.shape)
                 else:
                     stored = _gguf_values(raw, entry)
@@ -501,9 +503,15 @@ def _gguf_values(raw: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     """A GGUF tensor's values in its logical shape: plain types as stored, block types dequantized."""
     plain = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32}
     plain_dtype = plain.get(entry.dtype)
+    shape = entry.shape if entry.columns is None else (entry.shape[0], entry.columns[1])
     if plain_dtype is not None:
-        return raw.view(plain_dtype).view(entry.shape)
-    return gguf.dequantize(raw, entry.gguf_type, entry.shape)
+        values = raw.view(plain_dtype).view(shape)
+    else:
+        values = gguf.dequantize(raw, entry.gguf_type, shape)
+    if entry.columns is None:
+        return values
+    first = entry.columns[0]
+    return values[:, first : first + entry.shape[1]]
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -13,17 +13,26 @@ What llama.cpp's converter does on the way from DeepSeek's official checkpoint, 
 - Nothing is permuted: ggml's rope rotates adjacent pairs, as V4 does, and the norms are stored as is.
 - The schedule of attention kinds is the per-layer `attention.compress_ratios` (0 sliding, 4 CSA,
   128 HCA), the hash layers the first `hash_layer_count`.
-Multi-token-prediction layers (`nextn_predict_layers`, after the trunk's) are not loaded.
+The multi-token-prediction (MTP) block comes in a file of its own: llama.cpp's converter writes
+it with `--mtp` (`mtp-<name>.gguf`), numbered after the trunk's layers (`blk.<n>.*`, `nextn_predict_layers`
+1), its e_proj and h_proj side by side as one `nextn.eh_proj`, its final norm as
+`nextn.shared_head_norm`, its stream head as `output_hc_*`, beside copies of the model's embedding,
+head and final norm (what llama.cpp's draft needs; here the model's own are used). Such a file
+beside the model (`mtp-<model file>`, or the only `mtp-*.gguf` there that fits) is loaded as the
+model's MTP block; opened alone it is refused. MTP layers inside a model's own file are skipped.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ds4desk.engine.api import EngineFailure
 from ds4desk.engine.formats import GgufType
-from ds4desk.engine.loading.gguf_header import GGUFHeader
+from ds4desk.engine.loading.deepseek_v4_names import with_mtp
+from ds4desk.engine.loading.gguf_header import GGUFHeader, read_gguf_header
 from ds4desk.engine.loading.gguf_meta import (
     IGNORED_TENSORS,
     MetaReader,
@@ -33,6 +42,8 @@ from ds4desk.engine.loading.gguf_meta import (
     stored_type,
 )
 from ds4desk.engine.loading.source import NameLayout, TensorEntry
+
+log = logging.getLogger(__name__)
 
 DEEPSEEK4_ARCH = "deepseek4"
 ARCHITECTURE = "DeepseekV4ForCausalLM"
@@ -57,6 +68,16 @@ _GLOBAL = {
     "output_hc_base.weight": "model.hc_head.hc_base",
     "output_hc_scale.weight": "model.hc_head.hc_scale",
 }
+# An MTP file's own tensors beyond a layer's: `blk.N.nextn.X.weight` and the stream head.
+_NEXTN = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "shared_head_norm": "norm.weight"}
+_MTP_HEAD = {
+    "output_hc_fn.weight": "hc_head.hc_fn",
+    "output_hc_base.weight": "hc_head.hc_base",
+    "output_hc_scale.weight": "hc_head.hc_scale",
+}
+_SHARED = ("token_embd.weight", "output.weight", "output_norm.weight")  # the model's, copied beside
+_NEXTN_TENSOR = re.compile(r"^blk\.(\d+)\.nextn\.([a-z_]+)\.weight$")
+
 # GGUF layer tensor (part, suffix) -> the parameter within `model.layers.N.`.
 _LAYER: dict[tuple[str, str], str] = {
     ("attn_norm", "weight"): "input_layernorm.weight",
@@ -109,14 +130,105 @@ class Deepseek4Gguf:
 def deepseek4_model(path: Path, header: GGUFHeader, read: MetaReader) -> Deepseek4Gguf:
     """The config, the tensor entries (keyed by the model's parameter names) and the name layout of
     the DeepSeek-V4 GGUF at `path`; LOAD_FAILED naming the file and the key or tensor on any problem."""
+    if _mtp_only(header, read):
+        raise load_failed(
+            path,
+            "it holds only DeepSeek-V4's multi-token-prediction block (llama.cpp's `--mtp` export), "
+            "not a model: open the model's own GGUF, with this file beside it, to draft with it",
+        )
     config = _config(path, header, read)
     layers = config["num_hidden_layers"]
     assert isinstance(layers, int)
+    tensors = _entries(path, header, layers, read.int_or("block_count", None))
+    mtp = _mtp_beside(path, config)
+    if mtp:
+        tensors.update(mtp)
+        config = with_mtp(config, tensors)
     return Deepseek4Gguf(
         config=config,
-        tensors=_entries(path, header, layers, read.int_or("block_count", None)),
+        tensors=tensors,
         layout=NameLayout("llama.cpp GGUF (deepseek4)", stored_name),
     )
+
+
+def _mtp_only(header: GGUFHeader, read: MetaReader) -> bool:
+    """A file of MTP layers alone: it declares some and holds no layer 0."""
+    return read.int_or("nextn_predict_layers", 0) > 0 and not any(
+        name.startswith("blk.0.") for name in header.tensors
+    )
+
+
+def _mtp_beside(path: Path, config: dict[str, object]) -> dict[str, TensorEntry]:
+    """The MTP block's entries (`mtp.0.*`) from the MTP file beside the model: `mtp-<its name>`,
+    else the one `mtp-*.gguf` in its folder that fits it. A file that does not fit, or is damaged,
+    is passed over with a log line: the model loads without MTP."""
+    named = path.with_name(f"mtp-{path.name}")
+    candidates = [named] if named.is_file() else sorted(path.parent.glob("mtp-*.gguf"))
+    found: list[dict[str, TensorEntry]] = []
+    for candidate in candidates:
+        if candidate == path:
+            continue
+        try:
+            found.append(mtp_entries(candidate, config))
+        except EngineFailure as exc:
+            why = exc.error.detail
+            log.warning("not loading %s as the MTP block of %s: %s", candidate.name, path.name, why)
+    if len(found) > 1:
+        log.warning("%d MTP files fit %s; loading none (name one mtp-%s)", len(found), path.name, path.name)
+        return {}
+    return found[0] if found else {}
+
+
+def mtp_entries(path: Path, config: dict[str, object]) -> dict[str, TensorEntry]:
+    """The entries of llama.cpp's MTP file at `path` (see the module's docstring) for the model of
+    `config`, under the MTP block's names; LOAD_FAILED naming the file where it does not fit."""
+    header = read_gguf_header(path)
+    arch = header.metadata.get("general.architecture")
+    if arch != DEEPSEEK4_ARCH:
+        raise load_failed(path, f"it is a GGUF for '{arch}', not DeepSeek-V4's MTP block")
+    read = MetaReader(path, header.metadata, DEEPSEEK4_ARCH)
+    if not _mtp_only(header, read):
+        raise load_failed(path, "it is not an MTP file (no nextn_predict_layers, or it holds a model)")
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    assert isinstance(layers, int) and isinstance(hidden, int)
+    first = read.int_or("block_count", None) - read.int_or("nextn_predict_layers", 0)
+    sizes = {
+        "layers before its own": (first, layers),
+        "width": (read.int_or("embedding_length", None), hidden),
+        "experts": (read.int_or("expert_count", None), config["n_routed_experts"]),
+    }
+    for what, (its, ours) in sizes.items():
+        if its != ours:
+            raise load_failed(path, f"its {what} ({its}) are not the model's ({ours})")
+    entries: dict[str, TensorEntry] = {}
+    for name, t in header.tensors.items():
+        if IGNORED_TENSORS.match(name) or name in _SHARED:
+            continue
+        head = _MTP_HEAD.get(name)
+        nextn = _NEXTN_TENSOR.match(name)
+        layer = _LAYER_TENSOR.match(name)
+        block = int((nextn or layer).group(1)) - first if (nextn or layer) else -1
+        if head is not None:
+            entries[f"mtp.0.{head}"] = gguf_entry(path, stored_type(path, t), t.shape, t.offset, t.nbytes)
+            continue
+        if block != 0:  # one block: llama.cpp's export names every block's stream head alike
+            raise load_failed(path, f"tensor '{name}' is not part of the one MTP block ds4desk reads")
+        is_table = layer is not None and layer.group(2) == "ffn_gate_tid2eid" and int(t.qtype) == _I32.type_id
+        kind = _I32 if is_table else stored_type(path, t)
+        if nextn is not None and nextn.group(2) == "eh_proj":
+            if tuple(t.shape) != (hidden, 2 * hidden):
+                raise load_failed(path, f"'{name}' is {list(t.shape)}, not [{hidden}, {2 * hidden}]")
+            whole = gguf_entry(path, kind, (hidden, hidden), t.offset, t.nbytes)
+            entries["mtp.0.e_proj.weight"] = replace(whole, columns=(0, 2 * hidden))
+            entries["mtp.0.h_proj.weight"] = replace(whole, columns=(hidden, 2 * hidden))
+            continue
+        part = _NEXTN.get(nextn.group(2)) if nextn else None
+        if part is None and layer is not None:
+            part = _LAYER.get((layer.group(2), layer.group(3)))
+        if part is None:
+            raise load_failed(path, f"tensor '{name}' has no counterpart in a DeepSeek-V4 MTP block")
+        entries[f"mtp.0.{part}"] = gguf_entry(path, kind, t.shape, t.offset, t.nbytes)
+    return entries
 
 
 # --- the config ------------------------------------------------------------------------------------

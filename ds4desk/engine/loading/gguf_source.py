@@ -312,7 +312,10 @@ def packed_types(source: ModelSource) -> dict[str, int]:
     return {
         name: entry.gguf_type
         for name, entry in source.tensors.items()
-        if entry.encoding == "gguf" and entry.dtype not in FLOAT_TYPE_NAMES and len(entry.shape) in (2, 3)
+        if entry.encoding == "gguf"
+        and entry.dtype not in FLOAT_TYPE_NAMES
+        and len(entry.shape) in (2, 3)
+        and entry.columns is None
     }
 
 

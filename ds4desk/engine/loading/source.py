@@ -37,6 +37,10 @@ class TensorEntry:
     gguf_type: int = -1
     rope_heads: int = 0
     shift: float = 0.0
+    # A GGUF entry that is some columns of a stored matrix, read as floats (llama.cpp stores
+    # DeepSeek-V4's MTP e_proj and h_proj side by side as one eh_proj): (its first column, the
+    # stored row length); `shape` is the slice's, `begin`/`end` the whole matrix's.
+    columns: tuple[int, int] | None = None
 
 
 @dataclass(slots=True, frozen=True)

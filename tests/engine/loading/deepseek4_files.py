@@ -98,11 +98,56 @@ def write_official(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def convert(tree: Path, folder: Path, out: Path) -> Path:
-    """llama.cpp's converter on `folder` (its default output types), written to `out`."""
+def add_official_mtp(folder: Path, seed: int = 0) -> None:
+    """An MTP block added to the official checkpoint in `folder` (`mtp.0.*`, FP8 / FP4 as the
+    layers): as Flash's, sliding-window attention (shaped as layer 0, new values) and a
+    score-routed MoE (as layer 2's), plus its projections, norms and stream head."""
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    gen = torch.Generator().manual_seed(seed + 77)
+
+    def fresh(value: torch.Tensor) -> torch.Tensor:  # same shape and type, new values
+        if value.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8, torch.float8_e8m0fnu):
+            flat = value.view(torch.uint8).flatten()
+            return flat[torch.randperm(flat.numel(), generator=gen)].view(value.dtype).view(value.shape)
+        if value.dtype == torch.int32:
+            return value.clone()
+        noise = 1 + 0.1 * torch.randn(value.shape, generator=gen)
+        return (value.float() * noise).to(value.dtype)
+
+    block = {
+        f"mtp.0.{key.split('.', 2)[2]}": fresh(value)
+        for key, value in tensors.items()
+        if (key.startswith("layers.0.") and ".ffn." not in key) or key.startswith("layers.2.ffn.")
+    }
+    hidden, streams = GGUF_V4_CONFIG["hidden_size"], GGUF_V4_CONFIG["hc_mult"]
+    for name in ("e_proj", "h_proj"):
+        weight = 0.05 * torch.randn(hidden, hidden, generator=gen)
+        block[f"mtp.0.{name}.weight"], block[f"mtp.0.{name}.scale"] = make_tiny.quantize_fp8_block128(weight)
+    for name in ("enorm", "hnorm", "norm"):
+        block[f"mtp.0.{name}.weight"] = (0.5 + torch.rand(hidden, generator=gen)).to(torch.bfloat16)
+    block["mtp.0.hc_head_fn"] = 0.05 * torch.randn(streams, streams * hidden, generator=gen)
+    block["mtp.0.hc_head_base"] = 0.5 * torch.randn(streams, generator=gen)
+    block["mtp.0.hc_head_scale"] = 0.5 + torch.rand(1, generator=gen)
+    for file in files:
+        file.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file({**tensors, **block}, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def convert(tree: Path, folder: Path, out: Path, *flags: str) -> Path:
+    """llama.cpp's converter on `folder` (its default output types; `flags` such as `--mtp`),
+    written to `out`."""
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # its own gguf-py
     done = subprocess.run(
-        [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out)],
+        [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out), *flags],
         capture_output=True,
         text=True,
         env=env,

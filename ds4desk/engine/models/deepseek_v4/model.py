@@ -104,7 +104,7 @@ class DeepseekV4Model(
         # weight bytes and on the last shard of a split; the speculative MTP drafter runs the first
         # (mtp.py).
         self.mtp = nn.ModuleList(
-            MtpBlock(config, k, dtype, quantized) for k in range(len(config.mtp_layer_types))
+            MtpBlock(config, k, dtype, quantized, packed) for k in range(len(config.mtp_layer_types))
         )
         self._inv_freq: dict[str, torch.Tensor] = {}
         self._tables: RopeTables = {}

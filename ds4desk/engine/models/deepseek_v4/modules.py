@@ -216,13 +216,16 @@ class Layer(nn.Module):
         quantized: bool,
         kinds: tuple[str, str] | None = None,
         packed: Mapping[str, int] | None = None,
+        prefix: str | None = None,
     ) -> None:
         """`packed`: the weights a GGUF stores in block types (name -> GGML type id); of those, the
-        routed experts stay packed, the rest are built as floats (the loader dequantizes them)."""
+        routed experts stay packed, the rest are built as floats (the loader dequantizes them).
+        `prefix`: the layer's parameter names' (`model.layers.N` by default)."""
         super().__init__()
         layer_type, mlp_type = kinds or (cfg.layer_types[index], cfg.mlp_layer_types[index])
         self.self_attn = Attention(cfg, layer_type, dtype, quantized)
-        self.mlp = Moe(cfg, mlp_type == HASH_MOE, dtype, quantized, packed, f"model.layers.{index}.mlp")
+        prefix = prefix or f"model.layers.{index}"
+        self.mlp = Moe(cfg, mlp_type == HASH_MOE, dtype, quantized, packed, f"{prefix}.mlp")
         self.input_layernorm = Weight((cfg.hidden_size,), torch.float32)
         self.post_attention_layernorm = Weight((cfg.hidden_size,), torch.float32)
         self.attn_hc = HyperConnection(cfg.hc_mult, cfg.hidden_size)
@@ -235,9 +238,16 @@ class MtpBlock(Layer):
     and its own final norm and stream head (the embedding and the head are the main model's).
     Loaded and kept; the speculative MTP drafter runs it (models/deepseek_v4/mtp.py, speculative/mtp.py)."""
 
-    def __init__(self, cfg: DeepseekV4Config, index: int, dtype: torch.dtype, quantized: bool) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        index: int,
+        dtype: torch.dtype,
+        quantized: bool,
+        packed: Mapping[str, int] | None = None,
+    ) -> None:
         kinds = (cfg.mtp_layer_types[index], cfg.mtp_mlp_layer_types[index])
-        super().__init__(cfg, index, dtype, quantized, kinds)
+        super().__init__(cfg, index, dtype, quantized, kinds, packed, f"mtp.{index}")
         hidden = cfg.hidden_size
         self.e_proj = _linear_weight((hidden, hidden), dtype, quantized)
         self.h_proj = _linear_weight((hidden, hidden), dtype, quantized)
