@@ -3,7 +3,9 @@
 The full Flash geometry (43 layers, 256 experts, 284B parameters) fits two GPUs only as the
 official checkpoint keeps it, FP8 linears and packed FP4 experts; writing ~150 GB of random
 safetensors to read them back would test the disk, not the engine. Benchmarks and the two-GPU test
-build such a model here, and check it against `dense_layer`, one layer at a time in bf16.
+build such a model here, and check it against `dense_layer`, one layer at a time in bf16. With its
+routed experts in GGUF block types of 2-3 bits (`build_gguf_experts`, a Q2_K-class mix) it is about
+100 GB: one GPU's worth.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds4desk.engine.formats import GGUF_TYPES, gguf_type
+from ds4desk.engine.kernels.quant import gguf
 from ds4desk.engine.kernels.quant.fp4 import fp4_dequantize
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.modules import Experts
 from ds4desk.engine.split import ShardPlan
 
 # The published DeepSeek-V4-Flash config, in transformers' keys.
@@ -94,11 +99,37 @@ def build_quantized(
     return model
 
 
+def build_gguf_experts(
+    config: DeepseekV4Config,
+    device: torch.device,
+    types: dict[str, str],
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> DeepseekV4Model:
+    """A model as a GGUF mix of the official weights holds it, with random weights on `device`: FP8
+    linears, the routed experts stacked per projection in GGUF block types (`types`: gate_proj,
+    up_proj, down_proj -> a GGML type name such as "Q2_K"), kept packed."""
+    by_name = {kind.name: kind.type_id for kind in GGUF_TYPES.values()}
+    packed = {
+        f"model.layers.{layer}.mlp.experts.{projection}": by_name[name]
+        for layer in range(config.num_layers)
+        for projection, name in types.items()
+    }
+    config = dataclasses.replace(config, gguf_experts=True)
+    with torch.device("meta"):
+        model = DeepseekV4Model(config, dtype, quantized=True, packed=packed)
+    model.materialize(device)
+    fill_random_(model, seed)
+    model.finish_loading()
+    return model
+
+
 @torch.inference_mode()
 def fill_random_(model: DeepseekV4Model, seed: int = 0) -> None:
     """Fill every parameter of a materialized model with random values on its own device:
     normal weights (then FP8-quantized per 128 x 128 block where the model keeps FP8), random FP4
-    bytes with per-32 exponents around a 0.02 spread, norms near 1, distinct hash-routed experts."""
+    bytes with per-32 exponents around a 0.02 spread, random GGUF blocks of about that spread, norms
+    near 1, distinct hash-routed experts."""
     experts = model.config.num_experts
     for index, (prefix, module) in enumerate(model.named_modules()):
         params = dict(module.named_parameters(recurse=False))
@@ -107,7 +138,9 @@ def fill_random_(model: DeepseekV4Model, seed: int = 0) -> None:
             full = f"{prefix}.{name}"
             if name == "weight_scale_inv":
                 continue  # set with its weight
-            if param.dtype == torch.float8_e4m3fn:
+            if isinstance(module, Experts) and module.type_ids.get(name, -1) >= 0:
+                _random_gguf_blocks_(param, module.type_ids[name], gen)
+            elif param.dtype == torch.float8_e4m3fn:
                 _quantize_fp8_into(param, module.weight_scale_inv, _normal(param.shape, gen, param.device))
             elif param.dtype == torch.uint8 and name.endswith("_scale"):
                 low, high = _FP4_EXPONENT - 1, _FP4_EXPONENT + 2
@@ -126,6 +159,30 @@ def fill_random_(model: DeepseekV4Model, seed: int = 0) -> None:
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen, device=param.device))
             else:
                 param.copy_(_normal(param.shape, gen, param.device))
+
+
+def _random_gguf_blocks_(param: torch.Tensor, type_id: int, gen: torch.Generator) -> None:
+    """Random GGUF blocks of `type_id` in `param` (uint8, whole blocks): random codes and sub-block
+    scales, and one fp16 block scale (d, and dmin where the type has one) for all, chosen so the
+    values spread about as the other random weights do."""
+    kind = gguf_type(type_id)
+    if not kind.fp16_scales:
+        raise ValueError(f"random {kind.name} blocks are not made here")
+    param.copy_(torch.randint(0, 256, param.shape, generator=gen, device=param.device, dtype=torch.uint8))
+    blocks = param.view(-1, kind.block_bytes)
+
+    def set_scale(value: float) -> None:
+        scale = torch.tensor([value], dtype=torch.float16, device=param.device).view(torch.uint8)
+        for at in kind.fp16_scales:
+            blocks[:, at : at + 2] = scale
+
+    set_scale(1.0)
+    sample = blocks[: 64 * GGUF_SAMPLE_BLOCKS]
+    spread = gguf.dequantize(sample, type_id, (sample.numel() // kind.block_bytes * kind.block_values,))
+    set_scale(_STD / float(spread.float().std()))
+
+
+GGUF_SAMPLE_BLOCKS = 16  # x 64 blocks: what the block scale is measured on
 
 
 def _normal(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""The random DeepSeek-V4 with routed experts in GGUF block types that bench/flash_one_gpu.py builds
+(synthetic.build_gguf_experts, here at a small size on the CPU): its blocks are valid and spread as
+the other weights, the model on them equals its twin on the dequantized experts (prefill and the
+graphable decode step), and the benchmark script runs end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ds4desk.engine.kernels.quant import gguf
+from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
+from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
+from ds4desk.engine.models.deepseek_v4.synthetic import build_gguf_experts, flash_config
+
+CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[4]
+TYPES = {"gate_proj": "Q2_K", "up_proj": "Q2_K", "down_proj": "Q3_K"}
+SMALL = flash_config(
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    head_dim=64,
+    partial_rotary_factor=0.5,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=32,
+    moe_intermediate_size=256,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    layer_types=[SLIDING, CSA, HCA, CSA],
+    mlp_layer_types=[HASH_MOE, MOE, MOE, MOE],
+    sliding_window=8,
+    index_n_heads=4,
+    index_head_dim=64,
+    index_topk=4,
+)
+
+
+def _float_twin(model: DeepseekV4Model) -> DeepseekV4Model:
+    """The same model with its routed experts dequantized to float32 (the GGUF layout kept)."""
+    with torch.device("meta"):
+        twin = DeepseekV4Model(model.config, torch.float32, quantized=True)
+    twin.materialize(CPU)
+    given = dict(model.named_parameters())
+    with torch.inference_mode():
+        for name, param in twin.named_parameters():
+            value = given[name]
+            if value.dtype == torch.uint8 and ".experts." in name:
+                experts = model.get_submodule(name.rsplit(".", 1)[0])
+                type_id = experts.type_ids[name.rsplit(".", 1)[1]]
+                param.copy_(gguf.dequantize(value, type_id, param.shape))
+            else:
+                param.copy_(value)
+    twin.finish_loading()
+    return twin
+
+
+def test_the_blocks_are_valid_and_spread_as_the_other_weights() -> None:
+    model = build_gguf_experts(SMALL, CPU, TYPES, dtype=torch.float32)
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        for projection, name in TYPES.items():
+            packed = getattr(experts, projection)
+            assert packed.dtype == torch.uint8
+            assert experts.type_ids[projection] == {"Q2_K": 10, "Q3_K": 11}[name]
+            rows = packed.shape[1]
+            cols = SMALL.hidden_size if projection != "down_proj" else SMALL.expert_size
+            values = gguf.dequantize(packed, experts.type_ids[projection], (SMALL.num_experts, rows, cols))
+            assert torch.isfinite(values).all()
+            assert 0.015 < float(values.std()) < 0.025
+
+
+def test_the_model_on_its_blocks_equals_its_twin_on_floats() -> None:
+    model = build_gguf_experts(SMALL, CPU, TYPES, dtype=torch.float32)
+    twin = _float_twin(model)
+    ids = torch.randint(0, SMALL.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        outputs = []
+        for one in (model, twin):
+            one.allocate_cache(64)
+            prefill = one.forward(ids[:36], 0, "all")
+            steps = [
+                one.decode_graphable(ids[i : i + 1], torch.tensor([i]), 64).clone() for i in range(36, 40)
+            ]
+            outputs.append((prefill, torch.cat(steps)))
+    for ours, want in zip(outputs[0], outputs[1], strict=True):
+        assert ours.shape == want.shape
+        assert (ours - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "flash_one_gpu.json"
+    command = [sys.executable, "bench/flash_one_gpu.py", "--tiny", "--device", "cpu"]
+    command += ["--prompts", "24,40", "--new", "4", "--chunk", "16", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["experts"] == TYPES and result["layers"] == 3
+    assert [run["prompt"] for run in result["runs"]] == [24, 40]
+    assert all(run["generated"] == 4 and run["decode_tok_s"] > 0 for run in result["runs"])
+    assert result["decode_floor_tok_s"] > 0 and result["prefill_floor_tok_s"] > 0
