@@ -7,6 +7,7 @@ floors: the copy bandwidth over the bytes a decode token reads, the bf16 matrix 
 token's multiply-adds.
 
     python3 bench/flash_one_gpu.py [--experts Q2_K,Q2_K,Q3_K] [--layers 43] [--chunk 4096] [--new 64]
+    python3 bench/flash_one_gpu.py --model FILE.gguf      # the file bench/flash_gguf.py writes
     .venv/bin/python bench/flash_one_gpu.py --tiny --device cpu    # the script itself, small and quick
 
 `--layers N` keeps Flash's per-layer shapes with fewer layers: a peer whose file must fit a smaller
@@ -26,7 +27,10 @@ from pathlib import Path
 import torch
 
 from ds4desk.engine.api import SamplingParams
-from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, MOE, SLIDING
+from ds4desk.engine.formats import GGUF_TYPES
+from ds4desk.engine.loader import load_model
+from ds4desk.engine.loading.detect import read_source
+from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from ds4desk.engine.models.deepseek_v4.synthetic import FLASH_CONFIG, build_gguf_experts, flash_config
 from ds4desk.engine.runtime import Runtime
 
@@ -49,7 +53,7 @@ TINY = {
     "moe_intermediate_size": 256,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
-    "layer_types": [SLIDING, CSA, CSA],
+    "layer_types": [SLIDING, CSA, HCA],
     "mlp_layer_types": [HASH_MOE, MOE, MOE],
     "sliding_window": 8,
     "index_n_heads": 4,
@@ -126,6 +130,7 @@ def main() -> None:
     parser.add_argument("--prompts", default="1024,8192")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same layer kinds")
+    parser.add_argument("--model", type=Path, help="instead: load this GGUF (bench/flash_gguf.py writes one)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -143,7 +148,14 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     started = time.perf_counter()
-    model = build_gguf_experts(config, device, types, dtype=dtype)
+    if args.model is not None:  # the file (bench/flash_gguf.py) a peer runs too
+        model = load_model(read_source(args.model), device, dtype).model
+        config = model.config
+        layers = config.num_layers
+        names = {kind.type_id: kind.name for kind in GGUF_TYPES.values()}
+        types = {p: names.get(t, "float") for p, t in model.model.layers[-1].mlp.experts.type_ids.items()}
+    else:
+        model = build_gguf_experts(config, device, types, dtype=dtype)
     sync(device)
     build_s = time.perf_counter() - started
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -157,6 +169,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "torch": torch.__version__,
+        "model": str(args.model) if args.model else "made on the device",
         "layers": layers,
         "experts": types,
         "build_s": build_s,

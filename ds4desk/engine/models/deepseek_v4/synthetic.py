@@ -139,7 +139,7 @@ def fill_random_(model: DeepseekV4Model, seed: int = 0) -> None:
             if name == "weight_scale_inv":
                 continue  # set with its weight
             if isinstance(module, Experts) and module.type_ids.get(name, -1) >= 0:
-                _random_gguf_blocks_(param, module.type_ids[name], gen)
+                random_gguf_blocks_(param, module.type_ids[name], gen)
             elif param.dtype == torch.float8_e4m3fn:
                 _quantize_fp8_into(param, module.weight_scale_inv, _normal(param.shape, gen, param.device))
             elif param.dtype == torch.uint8 and name.endswith("_scale"):
@@ -161,7 +161,7 @@ def fill_random_(model: DeepseekV4Model, seed: int = 0) -> None:
                 param.copy_(_normal(param.shape, gen, param.device))
 
 
-def _random_gguf_blocks_(param: torch.Tensor, type_id: int, gen: torch.Generator) -> None:
+def random_gguf_blocks_(param: torch.Tensor, type_id: int, gen: torch.Generator) -> None:
     """Random GGUF blocks of `type_id` in `param` (uint8, whole blocks): random codes and sub-block
     scales, and one fp16 block scale (d, and dmin where the type has one) for all, chosen so the
     values spread about as the other random weights do."""

@@ -1,7 +1,8 @@
 """The random DeepSeek-V4 with routed experts in GGUF block types that bench/flash_one_gpu.py builds
 (synthetic.build_gguf_experts, here at a small size on the CPU): its blocks are valid and spread as
 the other weights, the model on them equals its twin on the dequantized experts (prefill and the
-graphable decode step), and the benchmark script runs end to end."""
+graphable decode step), and the benchmark script runs end to end. The GGUF that bench/flash_gguf.py
+writes for the llama.cpp comparison is read by llama.cpp as ds4desk reads it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
 from ds4desk.engine.kernels.quant import gguf
+from ds4desk.engine.loader import load_model
+from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from ds4desk.engine.models.deepseek_v4.synthetic import build_gguf_experts, flash_config
@@ -105,3 +110,26 @@ def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     assert [run["prompt"] for run in result["runs"]] == [24, 40]
     assert all(run["generated"] == 4 and run["decode_tok_s"] > 0 for run in result["runs"])
     assert result["decode_floor_tok_s"] > 0 and result["prefill_floor_tok_s"] > 0
+
+
+def test_the_comparison_file_reads_in_llama_cpp_as_in_ds4desk(tmp_path: Path) -> None:
+    """Teacher-forced top-1 agreement and the logits' correlation between llama.cpp (llama-cpp-python,
+    CPU, 8-bit activations in its quantized matmuls) and ds4desk on the written file: a misread
+    tensor (swapped, mis-scaled, mis-shaped) agrees at a few per cent."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable")
+    sys.path.insert(0, str(REPO / "bench"))
+    from flash_gguf import geometry, write
+
+    path = tmp_path / "flash-3-layers.gguf"
+    write(path, geometry(3, tiny=True), TYPES)
+    ids = torch.randint(2, 1000, (140,), generator=torch.Generator().manual_seed(1)).tolist()
+    model = load_model(read_source(path), CPU, torch.float32).model
+    with torch.inference_mode():
+        model.allocate_cache(160)
+        ours = model.forward(torch.tensor(ids), 0, "all").float().numpy()
+    sizes = {"n_ctx": 160, "n_batch": 160, "n_ubatch": 160}
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_threads=2, verbose=False, **sizes)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)])
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.85
+    assert np.corrcoef(ours.ravel(), theirs.ravel())[0, 1] >= 0.99
