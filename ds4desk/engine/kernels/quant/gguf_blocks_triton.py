@@ -318,15 +318,27 @@ def gemv_kernel(
     NORM: tl.constexpr,
     RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
+    ids=None,
+    expert_bytes=0,
+    x_step=0,
+    out_step=0,
+    EXPERTS: tl.constexpr = False,
 ):
     """out[t, n] (+)= sum over columns of input_t · W[n] for BLOCK_N rows n, every row of x (T of
     them) against one decoded tile, so each weight byte is read once. A program walks its rows' whole
     length (no split of the columns: the result is one sum, rounded once). PDL: launched early
     (programmatic dependent launch, as dense/gemv.py): wait for the kernel before, which writes x
-    and the residual, then let the next one launch."""
+    and the residual, then let the next one launch. EXPERTS: w holds stacked matrices of
+    `expert_bytes` each, and program_id(1) is a slot of `ids` (read on the device): the slot's
+    matrix, its input row (x_step apart; 0: one row for all) and its output row (out_step apart)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if EXPERTS:
+        slot = tl.program_id(1)
+        w += tl.load(ids + slot).to(tl.int64) * expert_bytes
+        x += slot * x_step
+        out += slot * out_step
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the end read the last row again (stores are masked), and sub-blocks past the row's
     # end the last sub-block (their inputs are 0): the weight loads need no mask.

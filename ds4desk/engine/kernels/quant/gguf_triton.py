@@ -228,6 +228,35 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: to
     return _launch(x, weight, type_id, cols, out, None, 0.0, silu=False, with_norm=False, residual=False)
 
 
+def experts_gemv(
+    x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor
+) -> torch.Tensor:
+    """out [k, rows]: slot j's row is x_j @ dequantize(weight[ids[j]])ᵀ, for the stacked packed
+    matrices weight [experts, rows, row_bytes] and the k expert ids `ids` (int64, on the device: no
+    host read, no copy of the picked blocks). x is [1, cols] (one row for every slot: the experts'
+    gate and up projections) or [k, cols] (a row a slot: their down projection)."""
+    kind = gguf_type(type_id)
+    if kind.name not in _TILES:
+        raise ValueError(f"the GGUF kernels do not take {kind.name}")
+    k = ids.shape[0]
+    row_bytes = gguf_packed_bytes(type_id, (cols,))
+    if weight.dtype != torch.uint8 or weight.dim() != 3 or weight.shape[2] != row_bytes:
+        raise ValueError(f"stacked {kind.name} experts of {cols} columns: uint8 [experts, rows, {row_bytes}]")
+    if not weight.is_contiguous() or ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ValueError("experts_gemv needs contiguous stacked experts and int64 ids [k]")
+    if x.dim() != 2 or x.shape[0] not in (1, k) or x.shape[1] != cols or x.stride(1) != 1:
+        raise ValueError(f"x must be [1 or {k}, {cols}] with rows contiguous, got {list(x.shape)}")
+    if x.dtype not in _DTYPES or out.dtype != x.dtype:
+        raise ValueError(f"x and out must be float32, bfloat16 or float16, got {x.dtype} and {out.dtype}")
+    if out.shape != (k, weight.shape[1]) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{k}, {weight.shape[1]}] with rows contiguous, got {list(out.shape)}")
+    if k:
+        kernels = _kernels()
+        assert kernels is not None
+        kernels.experts_gemv(x, ids, weight, type_id, cols, out)
+    return out
+
+
 def gemv_add_(
     residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, silu: bool = False
 ) -> torch.Tensor:
@@ -451,6 +480,7 @@ class _Kernels:
     gemv: Callable[..., None]
     dequantize: Callable[..., None]
     prepare: Callable[..., None]
+    experts_gemv: Callable[..., None]
 
 
 @functools.cache
@@ -646,4 +676,49 @@ def _kernels() -> _Kernels | None:
             enable_fp_fusion=False,
         )
 
-    return _Kernels(on_its_device(launch_gemv), on_its_device(launch_dequantize), on_its_device(launch_input))
+    def launch_experts(
+        x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor
+    ) -> None:
+        _, rows, row_bytes = weight.shape
+        name = gguf_type(type_id).name
+        sub, unit = _TILES[name]
+        block_n, values, warps = gemv_config(rows, cols, device_sms(x))
+        values = max(values, sub)
+        source.gemv_kernel[(-(-rows // block_n), ids.shape[0])](
+            x,
+            _aligned(weight),
+            out,
+            x,
+            rows,
+            row_bytes,
+            x.stride(0),
+            out.stride(0),
+            0.0,
+            *_CODEBOOK_WORDS.get(name, (0, 0, 0, 0)),
+            KIND=type_id,
+            L=sub,
+            V=unit,
+            S=values // sub,
+            N_SUB=cols // sub,
+            COLS=cols,
+            T=1,
+            T_PAD=1,
+            BLOCK_N=block_n,
+            SILU=False,
+            NORM=False,
+            RESIDUAL=False,
+            PDL=False,
+            ids=ids,
+            expert_bytes=rows * row_bytes,
+            x_step=x.stride(0) if x.shape[0] > 1 else 0,
+            out_step=out.stride(0),
+            EXPERTS=True,
+            num_warps=warps,
+        )
+
+    return _Kernels(
+        on_its_device(launch_gemv),
+        on_its_device(launch_dequantize),
+        on_its_device(launch_input),
+        on_its_device(launch_experts),
+    )

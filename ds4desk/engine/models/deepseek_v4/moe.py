@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ds4desk.engine.kernels.deepseek_v4 import route as v4_route
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
+from ds4desk.engine.kernels.quant import gguf_triton
 from ds4desk.engine.kernels.quant.fp4 import fp4_experts_gemv, fp4_grouped_matmul
 from ds4desk.engine.kernels.quant.fp8 import fp8_row_, fp8_row_fits
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
@@ -39,6 +40,12 @@ def gguf_expert(
         _times(x, gate, types["gate_proj"], hidden), _times(x, up, types["up_proj"], hidden), limit
     )
     return _times(act, down, types["down_proj"], width)
+
+
+def _experts_by_id(experts: Experts, x: torch.Tensor) -> bool:
+    """Whether the decode step reads a GGUF layout's picked experts in place (gguf_triton's
+    experts_gemv: every projection in a block type its kernels take, for x's device and dtype)."""
+    return gguf_triton.enabled(x) and all(gguf_triton.covers(t, x.dtype) for t in experts.type_ids.values())
 
 
 class MixtureOfExperts:
@@ -125,7 +132,7 @@ class MixtureOfExperts:
 
     def _decode_moe(self, moe: Moe, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """_moe for one token without a host sync: the router is one op (v4_route), the picked
-        experts are read by id on the device (packed FP4, or bf16 on the GEMV kernels), their
+        experts are read by id on the device (packed FP4, GGUF blocks, or bf16 on the GEMV kernels), their
         outputs mixed in one op and the shared expert added in its down projection. Without those
         kernels the routed experts' weights are gathered by index (what scales to 256 experts), or,
         when the active experts are a large share of all (a gather is a copy plus a read of k
@@ -138,6 +145,18 @@ class MixtureOfExperts:
             ops.linear(x, gate), bias, tid2eid, token, cfg.experts_per_token, cfg.routed_scaling_factor
         )  # [k], float32 [k]
         experts, limit = moe.experts, cfg.swiglu_limit
+        if cfg.gguf_experts and _experts_by_id(experts, x):
+            # The picked experts' blocks read in place by id (no host sync, no copy): three kernels.
+            types, ids, k = experts.type_ids, picked.long(), picked.shape[0]
+            hidden, width = x.shape[1], cfg.expert_size
+            gate, up = x.new_empty((k, width)), x.new_empty((k, width))
+            gguf_triton.experts_gemv(x, ids, experts.gate_proj, types["gate_proj"], hidden, gate)
+            gguf_triton.experts_gemv(x, ids, experts.up_proj, types["up_proj"], hidden, up)
+            act = ops.swiglu(gate, up, limit)
+            y = gguf_triton.experts_gemv(
+                act, ids, experts.down_proj, types["down_proj"], width, x.new_empty((k, hidden))
+            )
+            return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
         if cfg.gguf_experts:
             # The picked experts' blocks gathered on the device (no host sync), one SwiGLU each.
             picks = [experts.gate_proj.index_select(0, picked), experts.up_proj.index_select(0, picked)]

@@ -347,6 +347,69 @@ def test_the_one_row_kernel_equals_the_reference() -> None:
     assert "one row ok" in stdout and all(f"checked {t}" in stdout for t in ("Q8_0", "Q4_K", "Q6_K"))
 
 
+_EXPERTS_CHECK = """
+import torch
+from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
+from tests.engine.kernels.quant.test_gguf_triton import (
+    BY_NAME, accumulation_bound, assert_matches, tame_blocks,
+)
+
+gt.SWITCH.forced = True
+device = "cuda" if torch.cuda.is_available() else "cpu"
+gen = torch.Generator().manual_seed(3)
+experts, rows, cols = 5, 40, 512  # 40 rows: no tile of rows divides them
+ids = torch.tensor([3, 0, 3, 4], device=device)  # an expert twice; expert 1 and 2 never read
+for name in {types}:
+    kind = BY_NAME[name]
+    stacked = torch.stack([tame_blocks(kind, rows, cols, seed=10 + e) for e in range(experts)]).to(device)
+    mats = [gguf.dequantize(stacked[e], kind.type_id, (rows, cols)) for e in range(experts)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for inputs in (1, len(ids)):  # one row for every slot (gate, up), a row a slot (down)
+            x = torch.randn(inputs, cols, generator=gen).to(device, dtype)
+            out = torch.full((len(ids), rows), float("nan"), device=device, dtype=dtype)
+            got = gt.experts_gemv(x, ids, stacked, kind.type_id, cols, out)
+            assert got is out
+            for slot, expert in enumerate(ids.tolist()):
+                row = x[min(slot, inputs - 1)][None]
+                want = row.float() @ mats[expert].t()
+                bound = accumulation_bound(row, stacked[expert], kind, cols)
+                assert_matches(out[slot][None], want, bound, (name, dtype, inputs, slot))
+    print("checked", name)
+"""
+
+
+def test_the_experts_gemv_reads_each_slots_expert() -> None:
+    """experts_gemv (the decode step's routed experts, read by id in place) against dequantize +
+    float32 matmul of each slot's expert, with one input row for all slots and a row a slot."""
+    types = ("Q2_K", "Q3_K", "Q4_K", "Q8_0", "MXFP4")
+    stdout = run_triton_check(_EXPERTS_CHECK.format(types=types))
+    assert all(f"checked {t}" in stdout for t in types)
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "MXFP4"])
+def test_the_experts_gemv_compiles_for_an_h200(name: str, tmp_path: object) -> None:
+    """The experts form of the GEMV with Flash's expert shapes passes Triton's compiler and ptxas for
+    sm_90 and spills nothing."""
+    pytest.importorskip("triton")
+    from ds4desk.engine.kernels.quant import gguf_blocks_triton as source
+
+    kind = BY_NAME[name]
+    sub, unit = gguf_triton._TILES[name]
+    for rows, cols in ((2048, 4096), (4096, 2048)):  # gate / up, down
+        block_n, values, warps = gguf_triton.gemv_config(rows, cols, sms=132)
+        args = {"x": "*bf16", "w": "*u8", "out": "*bf16", "norm": "*bf16", "rows": "i32", "row_bytes": "i32"}
+        args |= {"stride_x": "i32", "stride_out": "i32", "eps": "fp32", "c0": "i32", "c1": "i32"}
+        args |= {"c2": "i32", "c3": "i32", "ids": "*i64", "expert_bytes": "i32", "x_step": "i32"}
+        args |= {"out_step": "i32"}
+        constants = {"KIND": kind.type_id, "L": sub, "V": unit, "S": max(values, sub) // sub}
+        constants |= {"N_SUB": cols // sub, "COLS": cols, "T": 1, "T_PAD": 1, "BLOCK_N": block_n}
+        constants |= {"SILU": False, "NORM": False, "RESIDUAL": False, "PDL": False, "EXPERTS": True}
+        cubin = _compile_for_hopper(
+            source.gemv_kernel, args, constants, {"x", "w", "out", "ids"}, {"num_warps": warps}
+        )
+        assert _stack_bytes(cubin, tmp_path) in (None, 0), (name, rows, cols)
+
+
 _SILU_PAIR_CHECK = """
 import torch
 from ds4desk.engine.kernels.quant import gguf_triton as gt

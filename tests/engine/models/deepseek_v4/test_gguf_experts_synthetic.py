@@ -21,6 +21,7 @@ from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from ds4desk.engine.models.deepseek_v4.synthetic import build_gguf_experts, flash_config
+from tests.engine.triton_check import run_triton_check
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[4]
@@ -97,6 +98,44 @@ def test_the_model_on_its_blocks_equals_its_twin_on_floats() -> None:
     for ours, want in zip(outputs[0], outputs[1], strict=True):
         assert ours.shape == want.shape
         assert (ours - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+_BY_ID_CHECK = """
+import torch
+from ds4desk.engine.kernels.quant import gguf_triton as gt
+from ds4desk.engine.models.deepseek_v4.synthetic import build_gguf_experts
+from tests.engine.models.deepseek_v4.test_gguf_experts_synthetic import SMALL, TYPES
+
+calls = []
+kernel = gt.experts_gemv
+gt.experts_gemv = lambda *args: calls.append(args[3]) or kernel(*args)
+gt.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=torch.float32)
+ids = torch.randint(0, SMALL.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).to(device)
+steps = {}
+with torch.inference_mode():
+    for forced in (False, True):  # the picked blocks gathered / read in place by id
+        with gt.SWITCH.force(forced):
+            model.allocate_cache(32)
+            model.forward(ids[:8], 0, "none")
+            pos = torch.tensor([0], device=device)
+            out = []
+            for i in range(8, 12):
+                pos.fill_(i)
+                out.append(model.decode_graphable(ids[i : i + 1], pos, 32).clone())
+            steps[forced] = torch.cat(out)
+want = steps[False]
+assert (steps[True] - want).abs().max() <= 1e-4 * want.abs().max(), (steps[True] - want).abs().max()
+assert len(calls) == 4 * 4 * 3, len(calls)  # 4 steps x 4 layers x (gate, up, down)
+print("by id ok")
+"""
+
+
+def test_the_decode_step_reads_the_picked_blocks_in_place() -> None:
+    """The graphable decode step on the experts kernel (picked experts read by id, three kernels a
+    layer) equals the step that gathers the picked blocks first: Triton's interpreter on the CPU."""
+    assert "by id ok" in run_triton_check(_BY_ID_CHECK)
 
 
 def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
