@@ -481,7 +481,7 @@ def _copy_from_gguf(
                         raise load_failure(f"tensor {name} is part of a stored matrix; it cannot stay packed")
                     stored = raw.view(target.shape)
                 else:
-                    stored = _gguf_values(raw, entry)
+                    stored = gguf_entry_values(raw, entry)
                     if entry.shift:  # (1 + w) -> w in float32, before the one rounding to the dtype
                         stored = stored.float() + entry.shift
                     stored = stored.to(target.dtype)
@@ -499,7 +499,7 @@ def _copy_from_gguf(
         raise load_failure(f"reading {file.name}: {exc}") from exc
 
 
-def _gguf_values(raw: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+def gguf_entry_values(raw: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
     """A GGUF tensor's values in its logical shape: plain types as stored, block types dequantized."""
     plain = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32}
     plain_dtype = plain.get(entry.dtype)

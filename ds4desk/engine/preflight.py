@@ -19,10 +19,11 @@ import torch
 from ds4desk.engine.api import EngineError, EngineFailure, ErrorCode, ModelPreview
 from ds4desk.engine.devices import free_memory_bytes, resolve_device, resolve_dtype
 from ds4desk.engine.formats import GGUF_TYPES
-from ds4desk.engine.loader import MemoryNeed, plan_load
+from ds4desk.engine.loader import MemoryNeed, gguf_entry_values, plan_load
 from ds4desk.engine.loading import detect
 from ds4desk.engine.loading.quant_checks import stored_bytes
 from ds4desk.engine.loading.source import ModelSource, TensorEntry
+from ds4desk.engine.models.base import load_failure
 from ds4desk.engine.models.registry import ARCHITECTURES, family_for
 from ds4desk.engine.tokenizer import ChatTokenizer
 
@@ -223,8 +224,18 @@ def _check_hash_tables(source: ModelSource) -> None:
     experts = DeepseekV4Config.from_hf(source.config).num_experts
     with ShardReader() as reader:
         for name, entry in source.tensors.items():
-            if name.endswith("mlp.gate.tid2eid"):
-                check_hash_table(name, read_tensor(reader, name, entry), experts)
+            if not name.endswith("mlp.gate.tid2eid"):
+                continue
+            if entry.encoding == "gguf":  # a GGUF's I32 table, read from its byte range
+                with entry.file.open("rb") as handle:
+                    handle.seek(entry.begin)
+                    raw = torch.frombuffer(bytearray(handle.read(entry.end - entry.begin)), dtype=torch.uint8)
+                if raw.numel() != entry.end - entry.begin:
+                    raise load_failure(f"{entry.file.name} is shorter than its header says")
+                table = gguf_entry_values(raw, entry)
+            else:
+                table = read_tensor(reader, name, entry)
+            check_hash_table(name, table, experts)
 
 
 def check_model(

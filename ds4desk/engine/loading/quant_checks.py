@@ -53,8 +53,11 @@ def check_quantized(name: str, entry: TensorEntry) -> None:
 
 
 def stored_bytes(entry: TensorEntry) -> int:
-    """Bytes the tensor takes on disk: every part, with its scales."""
+    """Bytes the tensor takes on disk: every part, with its scales (columns of a stored matrix:
+    their share of its bytes)."""
     if entry.parts:
         return sum(stored_bytes(part) for part in entry.parts)
+    if entry.columns is not None:
+        return (entry.end - entry.begin) * entry.shape[-1] // entry.columns[1]
     scale = entry.scale.end - entry.scale.begin if entry.scale is not None else 0
     return entry.end - entry.begin + scale

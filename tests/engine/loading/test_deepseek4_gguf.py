@@ -17,6 +17,7 @@ layout, converted by llama.cpp's convert_hf_to_gguf.py and requantized by llama-
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.loading.gguf_header import read_gguf_header
 from ds4desk.engine.models.deepseek_v4 import config as v4_config
 from ds4desk.engine.models.deepseek_v4.chat import encode_deepseek_v4_chat
+from ds4desk.engine.preflight import check_model
 from ds4desk.engine.tokenizer import ChatTokenizer
 from tests.engine.loading import deepseek4_files as files
 
@@ -213,3 +215,20 @@ def test_a_truncated_file_fails_cleanly(paths: dict[str, Path], tmp_path: Path) 
         with pytest.raises(EngineFailure) as failure:
             load_model(read_source(short), CPU, torch.float32)
         assert failure.value.error.code == ErrorCode.LOAD_FAILED and short.name in str(failure.value)
+
+
+def test_check_reads_the_files_hash_tables(paths: dict[str, Path], tmp_path: Path) -> None:
+    """`ds4desk check` on a DeepSeek-V4 GGUF: the report, with the I32 hash-routing tables read from
+    their byte ranges; a table that names an expert the model lacks is refused by name."""
+    report = check_model(paths["Q2_K"])
+    assert report.family == "deepseek_v4" and "I32" in report.stored and "Q2_K" in report.stored
+    entry = read_source(paths["Q2_K"]).tensors["model.layers.1.mlp.gate.tid2eid"]
+    raw = bytearray(paths["Q2_K"].read_bytes())
+    struct.pack_into("<i", raw, entry.begin + 4 * 7, 99)
+    broken = tmp_path / "bad-table.gguf"
+    broken.write_bytes(raw)
+    with pytest.raises(EngineFailure) as failure:
+        check_model(broken)
+    detail = failure.value.error.detail
+    assert failure.value.error.code == ErrorCode.LOAD_FAILED
+    assert "model.layers.1.mlp.gate.tid2eid" in detail and "expert 99" in detail
