@@ -140,7 +140,7 @@ def deepseek4_model(path: Path, header: GGUFHeader, read: MetaReader) -> Deepsee
     layers = config["num_hidden_layers"]
     assert isinstance(layers, int)
     tensors = _entries(path, header, layers, read.int_or("block_count", None))
-    mtp = _mtp_beside(path, config)
+    mtp = _mtp_beside(path, config, tensors)
     if mtp:
         tensors.update(mtp)
         config = with_mtp(config, tensors)
@@ -158,7 +158,9 @@ def _mtp_only(header: GGUFHeader, read: MetaReader) -> bool:
     )
 
 
-def _mtp_beside(path: Path, config: dict[str, object]) -> dict[str, TensorEntry]:
+def _mtp_beside(
+    path: Path, config: dict[str, object], tensors: dict[str, TensorEntry]
+) -> dict[str, TensorEntry]:
     """The MTP block's entries (`mtp.0.*`) from the MTP file beside the model: `mtp-<its name>`,
     else the one `mtp-*.gguf` in its folder that fits it. A file that does not fit, or is damaged,
     is passed over with a log line: the model loads without MTP."""
@@ -169,7 +171,7 @@ def _mtp_beside(path: Path, config: dict[str, object]) -> dict[str, TensorEntry]
         if candidate == path:
             continue
         try:
-            found.append(mtp_entries(candidate, config))
+            found.append(_fitting(candidate, mtp_entries(candidate, config), tensors))
         except EngineFailure as exc:
             why = exc.error.detail
             log.warning("not loading %s as the MTP block of %s: %s", candidate.name, path.name, why)
@@ -177,6 +179,23 @@ def _mtp_beside(path: Path, config: dict[str, object]) -> dict[str, TensorEntry]
         log.warning("%d MTP files fit %s; loading none (name one mtp-%s)", len(found), path.name, path.name)
         return {}
     return found[0] if found else {}
+
+
+def _fitting(
+    path: Path, mtp: dict[str, TensorEntry], tensors: dict[str, TensorEntry]
+) -> dict[str, TensorEntry]:
+    """`mtp` where each of its layer tensors has the shape of the model's layers' own (so a block
+    of another model is passed over rather than failing the model's load)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, entry in tensors.items():
+        match = _MODEL_LAYER.match(name)
+        if match is not None:
+            shapes.setdefault(match.group(2), tuple(entry.shape))
+    for name, entry in mtp.items():
+        part = name.removeprefix("mtp.0.")
+        if part in shapes and tuple(entry.shape) != shapes[part]:
+            raise load_failed(path, f"its {part} is {list(entry.shape)}, the model's {list(shapes[part])}")
+    return mtp
 
 
 def mtp_entries(path: Path, config: dict[str, object]) -> dict[str, TensorEntry]:

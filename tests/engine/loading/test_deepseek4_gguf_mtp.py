@@ -13,6 +13,7 @@ speculative draft), the second saved as `mtp-<model file>` beside the first.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 from ds4desk.engine.api import EngineFailure, ErrorCode, SamplingParams
 from ds4desk.engine.kernels.quant import gguf
 from ds4desk.engine.loader import load_model
+from ds4desk.engine.loading import gguf_deepseek4
 from ds4desk.engine.loading.detect import inspect_folder, read_source
 from ds4desk.engine.loading.gguf_header import read_gguf_header
 from ds4desk.engine.runtime import Runtime
@@ -144,3 +146,17 @@ def test_an_mtp_file_that_does_not_fit_is_passed_over(
     assert not any(name.startswith("mtp.") for name in source.tensors)
     assert "not loading mtp-v4.gguf as the MTP block of v4.gguf" in caplog.text
     assert not load_model(source, CPU, torch.float32).model.has_mtp
+
+
+def test_a_block_of_other_shapes_is_refused(made: dict[str, Path]) -> None:
+    """An MTP file whose layer tensors are not the model's shapes (another model of the same width
+    and layer count) is refused before any of it is loaded: `_mtp_beside` then passes it over."""
+    source = read_source(made["model"])
+    mtp = gguf_deepseek4.mtp_entries(made["mtp"], source.config)
+    assert gguf_deepseek4._fitting(made["mtp"], mtp, source.tensors) is mtp
+    narrower = dict(source.tensors)
+    kv = narrower["model.layers.0.self_attn.kv_proj.weight"]
+    narrower["model.layers.0.self_attn.kv_proj.weight"] = dataclasses.replace(kv, shape=(32, kv.shape[1]))
+    with pytest.raises(EngineFailure) as info:
+        gguf_deepseek4._fitting(made["mtp"], mtp, narrower)
+    assert "self_attn.kv_proj.weight" in info.value.error.detail
