@@ -229,10 +229,10 @@ def _check_hash_tables(source: ModelSource) -> None:
             if entry.encoding == "gguf":  # a GGUF's I32 table, read from its byte range
                 with entry.file.open("rb") as handle:
                     handle.seek(entry.begin)
-                    raw = torch.frombuffer(bytearray(handle.read(entry.end - entry.begin)), dtype=torch.uint8)
-                if raw.numel() != entry.end - entry.begin:
+                    data = bytearray(handle.read(entry.end - entry.begin))
+                if len(data) != entry.end - entry.begin:
                     raise load_failure(f"{entry.file.name} is shorter than its header says")
-                table = gguf_entry_values(raw, entry)
+                table = gguf_entry_values(torch.frombuffer(data, dtype=torch.uint8), entry)
             else:
                 table = read_tensor(reader, name, entry)
             check_hash_table(name, table, experts)

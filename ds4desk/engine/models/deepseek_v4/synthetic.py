@@ -71,6 +71,7 @@ FLASH_CONFIG: dict[str, Any] = {
 }
 
 _STD = 0.02  # weights; the FP4 experts get the nearest power-of-two scale to it
+_SAMPLE_BLOCKS = 1024  # random GGUF blocks: how many their spread is measured on
 _E2M1_RMS = 2.93  # root mean square of the 16 e2m1 codes, uniformly drawn
 # The UE8M0 byte (2^(s-127) per 32 values) drawn around: a spread of ~0.02 like the other weights.
 _FP4_EXPONENT = 127 + round(math.log2(_STD / _E2M1_RMS))
@@ -177,12 +178,9 @@ def random_gguf_blocks_(param: torch.Tensor, type_id: int, gen: torch.Generator)
             blocks[:, at : at + 2] = scale
 
     set_scale(1.0)
-    sample = blocks[: 64 * GGUF_SAMPLE_BLOCKS]
-    spread = gguf.dequantize(sample, type_id, (sample.numel() // kind.block_bytes * kind.block_values,))
-    set_scale(_STD / float(spread.float().std()))
-
-
-GGUF_SAMPLE_BLOCKS = 16  # x 64 blocks: what the block scale is measured on
+    sample = blocks[:_SAMPLE_BLOCKS]  # the spread at scale 1, measured on a sample
+    spread = gguf.dequantize(sample, type_id, (sample.shape[0] * kind.block_values,))
+    set_scale(_STD / float(spread.std()))
 
 
 def _normal(shape: torch.Size, gen: torch.Generator, device: torch.device) -> torch.Tensor:
