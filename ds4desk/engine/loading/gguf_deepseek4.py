@@ -134,7 +134,8 @@ def deepseek4_model(path: Path, header: GGUFHeader, read: MetaReader) -> Deepsee
         raise load_failed(
             path,
             "it holds only DeepSeek-V4's multi-token-prediction block (llama.cpp's `--mtp` export), "
-            "not a model: open the model's own GGUF, with this file beside it, to draft with it",
+            "not a model: open the model's own GGUF with this file beside it, named mtp-<that file's "
+            "name>; the model then drafts with it (speculative mode mtp)",
         )
     config = _config(path, header, read)
     layers = config["num_hidden_layers"]
