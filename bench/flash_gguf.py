@@ -27,24 +27,15 @@ import torch
 from ds4desk.engine.formats import GGUF_TYPES, gguf_packed_bytes
 from ds4desk.engine.loading.gguf_deepseek4 import DEEPSEEK4_ARCH, stored_name
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
-from ds4desk.engine.models.deepseek_v4.synthetic import FLASH_CONFIG, flash_config, random_gguf_blocks_
+from ds4desk.engine.models.deepseek_v4.synthetic import flash_config, random_gguf_blocks_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flash_one_gpu import PROJECTIONS, TINY  # a sibling script
+from flash_one_gpu import PROJECTIONS, geometry  # sibling scripts
+from gguf_vocab import add_byte_level_vocab
 
 _RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 _STD = 0.02
 _FLOAT_KEEP = ("norm.weight", "sinks", "position_bias", "e_score_correction_bias", "_hc.", "hc_head.")
-
-
-def geometry(layers: int, tiny: bool) -> dict[str, Any]:
-    """Flash's config (transformers' keys), or --tiny's, cut to its first `layers` layers."""
-    hf = {**FLASH_CONFIG, **(TINY if tiny else {})}
-    return hf | {
-        "num_hidden_layers": layers,
-        "layer_types": hf["layer_types"][:layers],
-        "mlp_layer_types": hf["mlp_layer_types"][:layers],
-    }
 
 
 def write(path: Path, hf: dict[str, Any], types: dict[str, str], seed: int = 0) -> None:
@@ -163,20 +154,8 @@ def _metadata(w: Any, hf: dict[str, Any]) -> None:
     w.add_array(key("swiglu_clamp_shexp"), [float(hf["swiglu_limit"])] * layers)
     w.add_array(key("attention.compress_ratios"), [_RATIO[t] for t in hf["layer_types"]])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q2_K)
-    # Byte-level tokens padded to the vocabulary (one token per embedding row, as llama.cpp needs).
-    from tokenizers import pre_tokenizers
-
     special = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
-    tokens = [*special, *sorted(pre_tokenizers.ByteLevel.alphabet()), "ĠĠ"]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), hf["vocab_size"])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("joyai-llm")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])  # control, normal
-    w.add_token_merges(["Ġ Ġ"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    w.add_add_bos_token(False)
+    add_byte_level_vocab(w, hf["vocab_size"], special, "joyai-llm", eos_id=1)
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,6 +61,16 @@ TINY = {
     "index_head_dim": 64,
     "index_topk": 8,
 }
+
+
+def geometry(layers: int, tiny: bool) -> dict[str, Any]:
+    """Flash's config (transformers' keys), or --tiny's, cut to its first `layers` layers."""
+    hf = {**FLASH_CONFIG, **(TINY if tiny else {})}
+    return hf | {
+        "num_hidden_layers": layers,
+        "layer_types": hf["layer_types"][:layers],
+        "mlp_layer_types": hf["mlp_layer_types"][:layers],
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -136,15 +147,8 @@ def main() -> None:
     device = torch.device(args.device)
     types = dict(zip(PROJECTIONS, args.experts.split(","), strict=True))
     lengths = [int(n) for n in args.prompts.split(",")]
-    overrides = dict(TINY) if args.tiny else {}
-    layers = overrides.get("num_hidden_layers", args.layers) if args.tiny else args.layers
-    kinds = overrides or FLASH_CONFIG
-    overrides |= {
-        "num_hidden_layers": layers,
-        "layer_types": kinds["layer_types"][:layers],
-        "mlp_layer_types": kinds["mlp_layer_types"][:layers],
-    }
-    config = flash_config(**overrides)
+    layers = TINY["num_hidden_layers"] if args.tiny else args.layers
+    config = flash_config(**geometry(layers, args.tiny))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     started = time.perf_counter()

@@ -53,6 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gguf_vocab import add_byte_level_vocab  # a sibling script: bench/ is the script's folder
+
 from ds4desk.engine.api import SamplingParams, SaveSnapshot
 from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.dense import gemv as dense_gemv
@@ -329,20 +331,9 @@ def _gguf_metadata(w: Any, arch: str, cfg: dict[str, Any], kind: str) -> None:
         ssm.INNER_SIZE.format(arch=arch), cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
     )
     # A byte-level vocabulary padded to the model's size (llama.cpp needs one token per row).
-    from tokenizers import pre_tokenizers
-
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = [*special, *sorted(pre_tokenizers.ByteLevel.alphabet()), "ĠĠ"]  # one merge: a list of one
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])  # control, normal
-    w.add_token_merges(["Ġ Ġ"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(2)
+    add_byte_level_vocab(w, cfg["vocab_size"], special, arch, eos_id=2)
     w.add_pad_token_id(0)
-    w.add_add_bos_token(False)
 
 
 # --- measuring ------------------------------------------------------------------------------------

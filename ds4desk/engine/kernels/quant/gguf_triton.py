@@ -533,21 +533,48 @@ def _kernels() -> _Kernels | None:
             if target is not out:
                 out.copy_(target)
             return
+        x = x if x.stride(1) == 1 else x.contiguous()
+        target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
+        launch_blocks(x, weight, type_id, cols, target, norm, eps, silu, with_norm, residual, pdl(x))
+        if target is not out:
+            out.copy_(target)
+
+    def launch_blocks(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        type_id: int,
+        cols: int,
+        out: torch.Tensor,
+        norm: torch.Tensor | None,
+        eps: float,
+        silu: bool,
+        with_norm: bool,
+        residual: bool,
+        use_pdl: bool,
+        ids: torch.Tensor | None = None,
+    ) -> None:
+        """gemv_kernel on weight [rows, row_bytes], every row of x; with `ids`, on stacked matrices
+        [experts, rows, row_bytes], one input row (or x's only one) and output row a slot of ids."""
+        rows = weight.shape[-2]
+        name = gguf_type(type_id).name
         sub, unit = _TILES[name]
         block_n, values, warps = gemv_config(rows, cols, device_sms(x))
         values = max(values, sub)
-        x = x if x.stride(1) == 1 else x.contiguous()
-        use_pdl = pdl(x)
-        target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
-        source.gemv_kernel[(-(-rows // block_n),)](
+        t, grid, experts = x.shape[0], (-(-rows // block_n),), {}
+        if ids is not None:
+            t, grid = 1, (*grid, ids.shape[0])
+            x_step = x.stride(0) if x.shape[0] > 1 else 0
+            experts = {"ids": ids, "expert_bytes": weight.stride(0), "x_step": x_step}
+            experts |= {"out_step": out.stride(0), "EXPERTS": True}
+        source.gemv_kernel[grid](
             x,
             weight,
-            target,
+            out,
             norm if norm is not None else x,
             rows,
-            weight.stride(0),
+            weight.stride(-2),
             x.stride(0),
-            target.stride(0),
+            out.stride(0),
             eps,
             *_CODEBOOK_WORDS.get(name, (0, 0, 0, 0)),
             KIND=type_id,
@@ -565,9 +592,8 @@ def _kernels() -> _Kernels | None:
             PDL=use_pdl,
             num_warps=warps,
             launch_pdl=use_pdl,
+            **experts,
         )
-        if target is not out:
-            out.copy_(target)
 
     def launch_one_row(
         x: torch.Tensor,
@@ -679,42 +705,7 @@ def _kernels() -> _Kernels | None:
     def launch_experts(
         x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor
     ) -> None:
-        _, rows, row_bytes = weight.shape
-        name = gguf_type(type_id).name
-        sub, unit = _TILES[name]
-        block_n, values, warps = gemv_config(rows, cols, device_sms(x))
-        values = max(values, sub)
-        source.gemv_kernel[(-(-rows // block_n), ids.shape[0])](
-            x,
-            _aligned(weight),
-            out,
-            x,
-            rows,
-            row_bytes,
-            x.stride(0),
-            out.stride(0),
-            0.0,
-            *_CODEBOOK_WORDS.get(name, (0, 0, 0, 0)),
-            KIND=type_id,
-            L=sub,
-            V=unit,
-            S=values // sub,
-            N_SUB=cols // sub,
-            COLS=cols,
-            T=1,
-            T_PAD=1,
-            BLOCK_N=block_n,
-            SILU=False,
-            NORM=False,
-            RESIDUAL=False,
-            PDL=False,
-            ids=ids,
-            expert_bytes=rows * row_bytes,
-            x_step=x.stride(0) if x.shape[0] > 1 else 0,
-            out_step=out.stride(0),
-            EXPERTS=True,
-            num_warps=warps,
-        )
+        launch_blocks(x, _aligned(weight), type_id, cols, out, None, 0.0, False, False, False, False, ids)
 
     return _Kernels(
         on_its_device(launch_gemv),

@@ -157,7 +157,8 @@ def test_the_comparison_file_reads_in_llama_cpp_as_in_ds4desk(tmp_path: Path) ->
     tensor (swapped, mis-scaled, mis-shaped) agrees at a few per cent."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not importable")
     sys.path.insert(0, str(REPO / "bench"))
-    from flash_gguf import geometry, write
+    from flash_gguf import write
+    from flash_one_gpu import geometry
 
     path = tmp_path / "flash-3-layers.gguf"
     write(path, geometry(3, tiny=True), TYPES)
