@@ -36,7 +36,7 @@ from ds4desk.engine.models.deepseek_v4.synthetic import FLASH_CONFIG, build_gguf
 from ds4desk.engine.runtime import Runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flash_two_gpus import decode_bytes  # a sibling script
+from flash_two_gpus import decode_bytes, profile  # a sibling script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same layer kinds")
     parser.add_argument("--model", type=Path, help="instead: load this GGUF (bench/flash_gguf.py writes one)")
+    parser.add_argument("--profile", action="store_true", help="then where time goes (4k prefill, decode)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -210,6 +211,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
+    if args.profile:
+        profile(model, prompt[:4096], (args.device,))
 
 
 if __name__ == "__main__":

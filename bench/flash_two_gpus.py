@@ -27,8 +27,8 @@ from ds4desk.engine.split import explicit_plan
 DEVICES = ("cuda:0", "cuda:1")
 
 
-def sync() -> None:
-    for device in DEVICES:
+def sync(devices: tuple[str, ...] = DEVICES) -> None:
+    for device in devices:
         torch.cuda.synchronize(device)
 
 
@@ -101,8 +101,8 @@ def run(runtime: Runtime, prompt: list[int], new: int) -> dict[str, float]:
     }
 
 
-def profile(model, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
-    """torch.profiler tables (CUDA time per op, both GPUs) for one 4k prefill and 16 decode steps,
+def profile(model, prompt: list[int], devices: tuple[str, ...] = DEVICES) -> None:  # type: ignore[no-untyped-def]
+    """torch.profiler tables (CUDA time per op, on `devices`) for one 4k prefill and 16 decode steps,
     then one eager decode step's kernels in launch order (the first layers). Programmatic dependent
     launch is off here: with it a kernel's measured time includes its wait for the one before."""
     from torch.profiler import ProfilerActivity
@@ -118,7 +118,7 @@ def profile(model, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
             ):
                 with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     run(runtime, ids, new)
-                    sync()
+                    sync(devices)
                 table = prof.key_averages().table(
                     sort_by="cuda_time_total", row_limit=28, max_name_column_width=70
                 )
@@ -127,7 +127,7 @@ def profile(model, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
             pos = torch.tensor([8], device="cuda:0")
             with torch.inference_mode(), profiler(activities=[ProfilerActivity.CUDA]) as prof:
                 model.decode_graphable(token, pos, 512)
-                sync()
+                sync(devices)
             kernels = sorted(
                 (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                 key=lambda e: e.time_range.start,

@@ -42,10 +42,49 @@ def gguf_expert(
     return _times(act, down, types["down_proj"], width)
 
 
-def _experts_by_id(experts: Experts, x: torch.Tensor) -> bool:
-    """Whether the decode step reads a GGUF layout's picked experts in place (gguf_triton's
-    experts_gemv: every projection in a block type its kernels take, for x's device and dtype)."""
+def _on_gguf_kernels(experts: Experts, x: torch.Tensor) -> bool:
+    """Whether gguf_triton's kernels take every projection of a GGUF layout's experts for x's device
+    and dtype (the decode step then reads the picked experts in place by id: experts_gemv)."""
     return gguf_triton.enabled(x) and all(gguf_triton.covers(t, x.dtype) for t in experts.type_ids.values())
+
+
+def _grouped_on_whole(experts: Experts, x: torch.Tensor, sizes: list[int]) -> bool:
+    """Whether a prefill chunk's GGUF experts run as grouped GEMMs on each projection dequantized
+    whole: on the GGUF kernels, where torch's grouped GEMM takes x's dtype (bf16 on a GPU), and when
+    at least a third of the experts have tokens. Dequantizing all E costs about as much GPU time as
+    launching three dequantize + matmul pairs for each of E / 3 experts, the loop's cost."""
+    takes_dtype = x.dtype == torch.bfloat16 or not x.is_cuda
+    active = sum(1 for size in sizes if size)
+    return takes_dtype and 3 * active >= len(sizes) and _on_gguf_kernels(experts, x)
+
+
+# Values dequantized in one launch: keeps the kernel's int32 offsets (row x stride) in range.
+_DEQUANTIZE_VALUES = 1 << 30
+
+
+def _gguf_experts_grouped(
+    experts: Experts, inputs: torch.Tensor, ends: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """The clamped SwiGLU of each expert's rows of `inputs` [P, D] (sorted by expert, expert e's
+    rows ending at ends[e], int32 on the device): each projection's stacked blocks dequantized whole
+    into one scratch of the inputs' dtype (reused by the next projection), then one grouped GEMM,
+    instead of three launches a routed expert and a host loop over them."""
+    count, width, hidden = experts.gate_proj.shape[0], experts.gate_proj.shape[1], inputs.shape[1]
+    scratch = inputs.new_empty(count * width * hidden)  # every projection holds E x I x D values
+
+    def times(x: torch.Tensor, name: str, cols: int) -> torch.Tensor:
+        stacked = getattr(experts, name)
+        rows = stacked.shape[1]
+        whole = scratch.view(count, rows, cols)
+        step = max(1, _DEQUANTIZE_VALUES // (rows * cols))
+        for first in range(0, count, step):
+            last = min(count, first + step)
+            flat = stacked[first:last].reshape(-1, stacked.shape[2])
+            gguf_triton.dequantize_into(flat, experts.type_ids[name], cols, whole[first:last].view(-1, cols))
+        return torch._grouped_mm(x, whole.transpose(1, 2), offs=ends)
+
+    act = ops.swiglu(times(inputs, "gate_proj", hidden), times(inputs, "up_proj", hidden), limit)
+    return times(act, "down_proj", width)
 
 
 class MixtureOfExperts:
@@ -82,7 +121,11 @@ class MixtureOfExperts:
         host_sizes = sizes.tolist()
         experts, limit = moe.experts, cfg.swiglu_limit
         largest, width = max(host_sizes), x.shape[1]
-        if cfg.gguf_experts:  # one SwiGLU per expert that has tokens, on its GGUF blocks
+        if cfg.gguf_experts and _grouped_on_whole(experts, x, host_sizes):
+            inputs = x.index_select(0, order // k)  # [T k, D], by expert
+            grouped = _gguf_experts_grouped(experts, inputs, torch.cumsum(sizes, 0).int(), limit)
+            by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)
+        elif cfg.gguf_experts:  # one SwiGLU per expert that has tokens, on its GGUF blocks
             inputs = x.index_select(0, order // k)  # [T k, D], by expert
             parts, first = [], 0
             for expert, size in enumerate(host_sizes):
@@ -145,7 +188,7 @@ class MixtureOfExperts:
             ops.linear(x, gate), bias, tid2eid, token, cfg.experts_per_token, cfg.routed_scaling_factor
         )  # [k], float32 [k]
         experts, limit = moe.experts, cfg.swiglu_limit
-        if cfg.gguf_experts and _experts_by_id(experts, x):
+        if cfg.gguf_experts and _on_gguf_kernels(experts, x):
             # The picked experts' blocks read in place by id (no host sync, no copy): three kernels.
             types, ids, k = experts.type_ids, picked.long(), picked.shape[0]
             hidden, width = x.shape[1], cfg.expert_size

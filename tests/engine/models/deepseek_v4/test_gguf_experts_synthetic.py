@@ -138,6 +138,44 @@ def test_the_decode_step_reads_the_picked_blocks_in_place() -> None:
     assert "by id ok" in run_triton_check(_BY_ID_CHECK)
 
 
+_PREFILL_CHECK = """
+import torch
+from ds4desk.engine.kernels.quant import gguf_triton as gt
+from ds4desk.engine.models.deepseek_v4 import moe
+from ds4desk.engine.models.deepseek_v4.synthetic import build_gguf_experts
+from tests.engine.models.deepseek_v4.test_gguf_experts_synthetic import SMALL, TYPES
+
+chose, grouped = [], []
+decide, run = moe._grouped_on_whole, moe._gguf_experts_grouped
+moe._grouped_on_whole = lambda *args: chose.append(decide(*args)) or chose[-1]
+moe._gguf_experts_grouped = lambda *args: grouped.append(1) or run(*args)
+moe._DEQUANTIZE_VALUES = 3 * 256 * 256  # three experts a launch: the slices end mid-stack
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=torch.float32)
+ids = torch.randint(0, SMALL.vocab_size, (64,), generator=torch.Generator().manual_seed(7)).to(device)
+logits = {}
+with torch.inference_mode():
+    for forced in (False, True):  # an expert at a time on the reference / grouped where chosen
+        with gt.SWITCH.force(forced):
+            model.allocate_cache(64)
+            logits[forced] = model.forward(ids, 0, "all")
+want = logits[False]
+assert (logits[True] - want).abs().max() <= 1e-4 * want.abs().max(), (logits[True] - want).abs().max()
+# The reference run never groups; the kernels' run groups the layers whose chunk reaches a third of
+# the experts (the hash-routed first layer does) and loops over the others.
+assert chose[:4] == [False] * 4 and True in chose[4:] and False in chose[4:], chose
+assert len(grouped) == chose.count(True), (grouped, chose)
+print("grouped ok")
+"""
+
+
+def test_a_prefill_chunk_runs_its_experts_as_grouped_gemms_on_dequantized_projections() -> None:
+    """Where a prefill chunk reaches a third of the experts, each projection's stacked blocks are
+    dequantized whole (in slices) for one grouped GEMM; the logits equal an expert at a time on the
+    reference path: Triton's interpreter on the CPU."""
+    assert "grouped ok" in run_triton_check(_PREFILL_CHECK)
+
+
 def test_the_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "flash_one_gpu.json"
     command = [sys.executable, "bench/flash_one_gpu.py", "--tiny", "--device", "cpu"]
