@@ -29,6 +29,7 @@ import torch
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.formats import GGUF_TYPES
+from ds4desk.engine.kernels.quant import gguf_triton
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
@@ -143,9 +144,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small model of the same layer kinds")
     parser.add_argument("--model", type=Path, help="instead: load this GGUF (bench/flash_gguf.py writes one)")
     parser.add_argument("--profile", action="store_true", help="then where time goes (4k prefill, decode)")
+    parser.add_argument("--experts-tiles", type=Path, help="bench/gguf_experts_gemv.py's result: its tiles")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.experts_tiles is not None:
+        tiles = json.loads(args.experts_tiles.read_text())["tiles"]
+        gguf_triton.EXPERTS_TILES.update({name: tuple(setting) for name, setting in tiles.items()})
     types = dict(zip(PROJECTIONS, args.experts.split(","), strict=True))
     lengths = [int(n) for n in args.prompts.split(",")]
     layers = TINY["num_hidden_layers"] if args.tiny else args.layers
@@ -175,6 +180,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "torch": torch.__version__,
         "model": str(args.model) if args.model else "made on the device",
+        "experts_tiles": {name: list(setting) for name, setting in gguf_triton.EXPERTS_TILES.items()},
         "layers": layers,
         "experts": types,
         "build_s": build_s,

@@ -58,6 +58,9 @@ GEMV_MAX_ROWS = 8
 SCRATCH_ELEMENTS = 1 << 25
 # (BLOCK_N, values per row per iteration, num_warps) forced for every GEMV: what the sweep tries.
 OVERRIDE: tuple[int, int, int] | None = None
+# (BLOCK_N, values per row per iteration, num_warps) of experts_gemv by block type, where a sweep on
+# an H200 (bench/gguf_experts_gemv.py, Flash's expert shapes) beat gemv_config; OVERRIDE wins.
+EXPERTS_TILES: dict[str, tuple[int, int, int]] = {}
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Each type's tile (L, V): L values per sub-block (the run that shares one scale), and V, the bytes
@@ -559,6 +562,8 @@ def _kernels() -> _Kernels | None:
         name = gguf_type(type_id).name
         sub, unit = _TILES[name]
         block_n, values, warps = gemv_config(rows, cols, device_sms(x))
+        if ids is not None and OVERRIDE is None:
+            block_n, values, warps = EXPERTS_TILES.get(name, (block_n, values, warps))
         values = max(values, sub)
         t, grid, experts = x.shape[0], (-(-rows // block_n),), {}
         if ids is not None:

@@ -151,7 +151,9 @@ moe._grouped_on_whole = lambda *args: chose.append(decide(*args)) or chose[-1]
 moe._gguf_experts_grouped = lambda *args: grouped.append(1) or run(*args)
 moe._DEQUANTIZE_VALUES = 3 * 256 * 256  # three experts a launch: the slices end mid-stack
 device = "cuda" if torch.cuda.is_available() else "cpu"
-model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=torch.float32)
+# The grouped GEMM takes bf16 on a GPU (float32 on the CPU): there, bf16 rounding bounds the match.
+dtype, tolerance = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
+model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=dtype)
 ids = torch.randint(0, SMALL.vocab_size, (64,), generator=torch.Generator().manual_seed(7)).to(device)
 logits = {}
 with torch.inference_mode():
@@ -159,8 +161,9 @@ with torch.inference_mode():
         with gt.SWITCH.force(forced):
             model.allocate_cache(64)
             logits[forced] = model.forward(ids, 0, "all")
-want = logits[False]
-assert (logits[True] - want).abs().max() <= 1e-4 * want.abs().max(), (logits[True] - want).abs().max()
+want = logits[False].float()
+error = (logits[True].float() - want).abs().max()
+assert error <= tolerance * want.abs().max(), error
 # The reference run never groups; the kernels' run groups the layers whose chunk reaches a third of
 # the experts (the hash-routed first layer does) and loops over the others.
 assert chose[:4] == [False] * 4 and True in chose[4:] and False in chose[4:], chose

@@ -1,0 +1,108 @@
+"""Time the GGUF experts GEMV (gguf_triton.experts_gemv: the decode step's picked experts read in place
+by id) on DeepSeek-V4-Flash's expert shapes, over a sweep of its tile settings.
+
+    PYTHONPATH=. python3 bench/gguf_experts_gemv.py [--types Q2_K,Q3_K] [--out FILE.json]
+
+256 stacked experts of a projection (gate/up: 2048 x 4096, down: 4096 x 2048), 6 picked a call, the
+picks drawn anew for each of the graph's calls (the stack is many times the L2 cache, as a layer's
+experts are). Each (BLOCK_N, values per iteration, warps) setting is replayed from one CUDA graph,
+median of 5 replays; one JSON line a type and shape with the default's time, the best three and the
+picked bytes' GB/s against the copy bandwidth, and a type's setting with the least time over both
+shapes ("tiles": what gguf_triton.EXPERTS_TILES holds; bench/flash_one_gpu.py --experts-tiles FILE
+runs with it). Without CUDA it prints why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_gemv import BY_NAME, copy_bandwidth, graph_time, packed_weight  # a sibling script
+
+from ds4desk.engine.formats import gguf_packed_bytes
+from ds4desk.engine.kernels.quant import gguf_triton as gt
+
+EXPERTS, PICKED, HIDDEN, WIDTH = 256, 6, 4096, 2048
+SHAPES = (("gate/up", WIDTH, HIDDEN, 1), ("down", HIDDEN, WIDTH, PICKED))  # (name, rows, cols, x rows)
+SETTINGS = list(itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)))
+DRAWS = 16  # pick sets cycled through by the graph
+
+
+def bench(name: str, shape: tuple[str, int, int, int], bandwidth: float) -> dict:
+    label, rows, cols, x_rows = shape
+    kind = BY_NAME[name]
+    stacked = packed_weight(name, EXPERTS * rows, cols, seed=rows).view(EXPERTS, rows, -1)
+    gen = torch.Generator().manual_seed(0)
+    picks = [torch.randperm(EXPERTS, generator=gen)[:PICKED].cuda() for _ in range(DRAWS)]
+    x = torch.randn(x_rows, cols, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(PICKED, rows, device="cuda", dtype=torch.bfloat16)
+    picked_bytes = PICKED * rows * gguf_packed_bytes(kind.type_id, (cols,))
+
+    def call(i: int) -> None:
+        gt.experts_gemv(x, picks[i], stacked, kind.type_id, cols, out)
+
+    timings = {}
+    for setting in [None, *SETTINGS]:
+        gt.OVERRIDE = setting
+        try:
+            timings[setting] = graph_time(call, DRAWS)
+        except Exception as error:  # a setting the compiler refuses (registers, shared memory)
+            print(f"  {name} {label} {setting}: {type(error).__name__}", file=sys.stderr)
+    gt.OVERRIDE = None
+    default = timings.pop(None)
+    every = {",".join(map(str, s)): t * 1e6 for s, t in timings.items()}
+    best = sorted(timings.items(), key=lambda item: item[1])[:3]
+    return {
+        "type": name,
+        "shape": label,
+        "rows": rows,
+        "cols": cols,
+        "picked_bytes": picked_bytes,
+        "default_us": default * 1e6,
+        "default_gb_s": picked_bytes / default / 1e9,
+        "best": [{"setting": list(s), "us": t * 1e6, "gb_s": picked_bytes / t / 1e9} for s, t in best],
+        "best_of_copy_bandwidth": picked_bytes / best[0][1] / 1e9 / bandwidth,
+        "every_us": every,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default="Q2_K,Q3_K")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not (torch.cuda.is_available() and gt.enabled(torch.device("cuda"))):
+        print("needs an NVIDIA GPU with Triton")
+        return 0
+    bandwidth = copy_bandwidth()
+    result = {
+        "date": datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ"),
+        "device": torch.cuda.get_device_name(),
+        "copy_gb_s": bandwidth,
+        "rows": [],
+        "tiles": {},
+    }
+    for name in args.types.split(","):
+        rows = [bench(name, shape, bandwidth) for shape in SHAPES]
+        for row in rows:
+            print(json.dumps({k: v for k, v in row.items() if k != "every_us"}), flush=True)
+        common = set.intersection(*(set(row["every_us"]) for row in rows))
+        best = min(common, key=lambda key: sum(row["every_us"][key] for row in rows))
+        result["tiles"][name] = [int(v) for v in best.split(",")]
+        result["rows"] += rows
+    print(json.dumps({"tiles": result["tiles"]}), flush=True)
+    out = args.out or Path(__file__).resolve().parent / "results" / f"gguf_experts_gemv_{result['date']}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
