@@ -166,6 +166,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="bench/flash_one_gpu.py's small geometry")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.layers < 3 and not args.tiny:
+        # Flash's first two layers are sliding-window only; llama.cpp (0.3.36's tree) stops with
+        # SIGFPE on a file with no compressed-attention layer.
+        parser.error("--layers must be 3 or more: llama.cpp needs one compressed-attention layer")
     types = dict(zip(PROJECTIONS, args.experts.split(","), strict=True))
     write(args.out, geometry(args.layers, args.tiny), types, args.seed)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")

@@ -388,15 +388,15 @@ def test_the_experts_gemv_reads_each_slots_expert() -> None:
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "MXFP4"])
 def test_the_experts_gemv_compiles_for_an_h200(name: str, tmp_path: object) -> None:
-    """The experts form of the GEMV with Flash's expert shapes passes Triton's compiler and ptxas for
-    sm_90 and spills nothing."""
+    """The experts form of the GEMV with Flash's expert shapes and its settings for them
+    (experts_config) passes Triton's compiler and ptxas for sm_90 and spills nothing."""
     pytest.importorskip("triton")
     from ds4desk.engine.kernels.quant import gguf_blocks_triton as source
 
     kind = BY_NAME[name]
     sub, unit = gguf_triton._TILES[name]
     for rows, cols in ((2048, 4096), (4096, 2048)):  # gate / up, down
-        block_n, values, warps = gguf_triton.gemv_config(rows, cols, sms=132)
+        block_n, values, warps = gguf_triton.experts_config(name)(rows, cols, 132)
         args = {"x": "*bf16", "w": "*u8", "out": "*bf16", "norm": "*bf16", "rows": "i32", "row_bytes": "i32"}
         args |= {"stride_x": "i32", "stride_out": "i32", "eps": "fp32", "c0": "i32", "c1": "i32"}
         args |= {"c2": "i32", "c3": "i32", "ids": "*i64", "expert_bytes": "i32", "x_step": "i32"}
