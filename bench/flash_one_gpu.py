@@ -32,6 +32,7 @@ from ds4desk.engine.formats import GGUF_TYPES
 from ds4desk.engine.kernels.quant import gguf_triton
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
+from ds4desk.engine.models.deepseek_v4 import moe
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from ds4desk.engine.models.deepseek_v4.synthetic import FLASH_CONFIG, build_gguf_experts, flash_config
 from ds4desk.engine.runtime import Runtime
@@ -145,9 +146,12 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="instead: load this GGUF (bench/flash_gguf.py writes one)")
     parser.add_argument("--profile", action="store_true", help="then where time goes (4k prefill, decode)")
     parser.add_argument("--experts-tiles", type=Path, help="bench/gguf_experts_gemv.py's result: its tiles")
+    parser.add_argument("--grouped-share", type=float, help="moe.GROUPED_MIN_SHARE for this run")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.grouped_share is not None:
+        moe.GROUPED_MIN_SHARE = args.grouped_share
     if args.experts_tiles is not None:
         tiles = json.loads(args.experts_tiles.read_text())["tiles"]
         gguf_triton.EXPERTS_TILES.update({name: tuple(setting) for name, setting in tiles.items()})
@@ -180,6 +184,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "torch": torch.__version__,
         "model": str(args.model) if args.model else "made on the device",
+        "grouped_min_share": moe.GROUPED_MIN_SHARE,
         "experts_tiles": {name: list(setting) for name, setting in gguf_triton.EXPERTS_TILES.items()},
         "layers": layers,
         "experts": types,

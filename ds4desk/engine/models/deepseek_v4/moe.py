@@ -48,14 +48,21 @@ def _on_gguf_kernels(experts: Experts, x: torch.Tensor) -> bool:
     return gguf_triton.enabled(x) and all(gguf_triton.covers(t, x.dtype) for t in experts.type_ids.values())
 
 
+# The share of a layer's experts a prefill chunk must reach for the grouped GEMM on whole
+# dequantized projections (below it, the chunk loops over its experts). On an H200 with Flash's
+# shapes (bench/flash_one_gpu.py --grouped-share) an 8k prompt took 2,053-2,078 ms to its first
+# token at 1/3, 1,834 ms at 1/16 and 1,836 ms at 0: a loop over even a sixth of 256 experts (three
+# dequantize + matmul pairs each) costs more than dequantizing all of them.
+GROUPED_MIN_SHARE = 1 / 16
+
+
 def _grouped_on_whole(experts: Experts, x: torch.Tensor, sizes: list[int]) -> bool:
     """Whether a prefill chunk's GGUF experts run as grouped GEMMs on each projection dequantized
     whole: on the GGUF kernels, where torch's grouped GEMM takes x's dtype (bf16 on a GPU), and when
-    at least a third of the experts have tokens. Dequantizing all E costs about as much GPU time as
-    launching three dequantize + matmul pairs for each of E / 3 experts, the loop's cost."""
+    the chunk reaches GROUPED_MIN_SHARE of the experts."""
     takes_dtype = x.dtype == torch.bfloat16 or not x.is_cuda
     active = sum(1 for size in sizes if size)
-    return takes_dtype and 3 * active >= len(sizes) and _on_gguf_kernels(experts, x)
+    return takes_dtype and active >= GROUPED_MIN_SHARE * len(sizes) and _on_gguf_kernels(experts, x)
 
 
 # Values dequantized in one launch: keeps the kernel's int32 offsets (row x stride) in range.

@@ -150,6 +150,7 @@ decide, run = moe._grouped_on_whole, moe._gguf_experts_grouped
 moe._grouped_on_whole = lambda *args: chose.append(decide(*args)) or chose[-1]
 moe._gguf_experts_grouped = lambda *args: grouped.append(1) or run(*args)
 moe._DEQUANTIZE_VALUES = 3 * 256 * 256  # three experts a launch: the slices end mid-stack
+moe.GROUPED_MIN_SHARE = 1 / 3  # of 8 experts: some of this model's chunks group, some loop
 device = "cuda" if torch.cuda.is_available() else "cpu"
 # The grouped GEMM takes bf16 on a GPU (float32 on the CPU): there, bf16 rounding bounds the match.
 dtype, tolerance = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
@@ -164,8 +165,8 @@ with torch.inference_mode():
 want = logits[False].float()
 error = (logits[True].float() - want).abs().max()
 assert error <= tolerance * want.abs().max(), error
-# The reference run never groups; the kernels' run groups the layers whose chunk reaches a third of
-# the experts (the hash-routed first layer does) and loops over the others.
+# The reference run never groups; the kernels' run groups the layers whose chunk reaches the share
+# (the hash-routed first layer does) and loops over the others.
 assert chose[:4] == [False] * 4 and True in chose[4:] and False in chose[4:], chose
 assert len(grouped) == chose.count(True), (grouped, chose)
 print("grouped ok")
@@ -173,7 +174,7 @@ print("grouped ok")
 
 
 def test_a_prefill_chunk_runs_its_experts_as_grouped_gemms_on_dequantized_projections() -> None:
-    """Where a prefill chunk reaches a third of the experts, each projection's stacked blocks are
+    """Where a prefill chunk reaches GROUPED_MIN_SHARE of the experts, each projection's stacked blocks are
     dequantized whole (in slices) for one grouped GEMM; the logits equal an expert at a time on the
     reference path: Triton's interpreter on the CPU."""
     assert "grouped ok" in run_triton_check(_PREFILL_CHECK)
