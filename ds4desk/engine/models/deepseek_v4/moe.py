@@ -58,9 +58,12 @@ GROUPED_MIN_SHARE = 1 / 16
 
 def _grouped_on_whole(experts: Experts, x: torch.Tensor, sizes: list[int]) -> bool:
     """Whether a prefill chunk's GGUF experts run as grouped GEMMs on each projection dequantized
-    whole: on the GGUF kernels, where torch's grouped GEMM takes x's dtype (bf16 on a GPU), and when
-    the chunk reaches GROUPED_MIN_SHARE of the experts."""
-    takes_dtype = x.dtype == torch.bfloat16 or not x.is_cuda
+    whole: on the GGUF kernels, where torch's grouped GEMM takes x (bf16 on a GPU from Hopper on,
+    the GPUs its CUTLASS kernel is built for; any float on the CPU), and when the chunk reaches
+    GROUPED_MIN_SHARE of the experts."""
+    takes_dtype = not x.is_cuda or (
+        x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    )
     active = sum(1 for size in sizes if size)
     return takes_dtype and active >= GROUPED_MIN_SHARE * len(sizes) and _on_gguf_kernels(experts, x)
 
