@@ -51,8 +51,9 @@ def _on_gguf_kernels(experts: Experts, x: torch.Tensor) -> bool:
 # The share of a layer's experts a prefill chunk must reach for the grouped GEMM on whole
 # dequantized projections (below it, the chunk loops over its experts). On an H200 with Flash's
 # shapes (bench/flash_one_gpu.py --grouped-share) an 8k prompt took 2,053-2,078 ms to its first
-# token at 1/3, 1,834 ms at 1/16 and 1,836 ms at 0: a loop over even a sixth of 256 experts (three
-# dequantize + matmul pairs each) costs more than dequantizing all of them.
+# token at 1/3, 1,834 ms at 1/16 and 1,836 ms at 0: for the chunks that reach between 1/16 and 1/3
+# of 256 experts, the loop (three dequantize + matmul pairs an expert) cost more than dequantizing
+# all of them.
 GROUPED_MIN_SHARE = 1 / 16
 
 
