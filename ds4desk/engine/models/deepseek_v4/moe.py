@@ -48,6 +48,32 @@ def _on_gguf_kernels(experts: Experts, x: torch.Tensor) -> bool:
     return gguf_triton.enabled(x) and all(gguf_triton.covers(t, x.dtype) for t in experts.type_ids.values())
 
 
+# (token, slot) pairs up to which a prefill chunk reads each pair's expert in place by id, as the
+# decode step does: on an H200 experts_gemv reads an expert's projection in about 5 us (6 picked:
+# 29.6 us for Q2_K gate / up, 33.3 us for Q3_K down; bench/gguf_experts_gemv.py), where
+# dequantizing a whole projection's stack of 256 took about 1.8 ms, break-even near 350 pairs.
+BY_ID_MAX_PAIRS = 256
+
+
+def _gguf_experts_by_id(
+    experts: Experts, x: torch.Tensor, chosen: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """Each (token, slot) pair's clamped SwiGLU through its expert, [T k, D] in (token, slot) order,
+    for x [T, D] and the experts chosen [T, k]: the blocks read in place by id (experts_gemv, no copy,
+    no host read), three kernels whatever T."""
+    k = chosen.shape[1]
+    ids = chosen.reshape(-1).long()
+    pairs, hidden, width = ids.shape[0], x.shape[1], experts.gate_proj.shape[1]
+    inputs = x if x.shape[0] == 1 else x.repeat_interleave(k, dim=0)  # one row for all, or a row a pair
+    types = experts.type_ids
+    gate, up = x.new_empty((pairs, width)), x.new_empty((pairs, width))
+    gguf_triton.experts_gemv(inputs, ids, experts.gate_proj, types["gate_proj"], hidden, gate)
+    gguf_triton.experts_gemv(inputs, ids, experts.up_proj, types["up_proj"], hidden, up)
+    act = ops.swiglu(gate, up, limit)
+    out = x.new_empty((pairs, hidden))
+    return gguf_triton.experts_gemv(act, ids, experts.down_proj, types["down_proj"], width, out)
+
+
 # The share of a layer's experts a prefill chunk must reach for the grouped GEMM on whole
 # dequantized projections (below it, the chunk loops over its experts). On an H200 with Flash's
 # shapes (bench/flash_one_gpu.py --grouped-share) an 8k prompt took 2,053-2,078 ms to its first
@@ -122,6 +148,9 @@ class MixtureOfExperts:
     def _moe(self, moe: Moe, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         chosen, weights = self._route(moe, x, ids)
+        experts, limit = moe.experts, cfg.swiglu_limit
+        if chosen.numel() <= BY_ID_MAX_PAIRS and self._reads_by_id(moe, x):  # few pairs: no grouping
+            return self._moe_by_id(moe, x, chosen, weights)
 
         # Grouped by expert: the (token, slot) pairs sorted by expert and one host read of the group
         # sizes; no per-token work.
@@ -130,7 +159,6 @@ class MixtureOfExperts:
         order = flat.argsort(stable=True)  # pair indices, by expert
         sizes = torch.bincount(flat, minlength=cfg.num_experts)
         host_sizes = sizes.tolist()
-        experts, limit = moe.experts, cfg.swiglu_limit
         largest, width = max(host_sizes), x.shape[1]
         if cfg.gguf_experts and _grouped_on_whole(experts, x, host_sizes):
             inputs = x.index_select(0, order // k)  # [T k, D], by expert
@@ -184,6 +212,19 @@ class MixtureOfExperts:
             by_pair = torch.empty_like(inputs).index_copy_(0, order, grouped)  # back to (token, slot) order
         return v4_route.mix(weights, by_pair) + ops.shared_expert(moe.shared_experts, x, limit)
 
+    def _reads_by_id(self, moe: Moe, x: torch.Tensor) -> bool:
+        """Whether rows of x can read their GGUF experts in place by id (_moe_by_id)."""
+        return self.config.gguf_experts and _on_gguf_kernels(moe.experts, x)
+
+    def _moe_by_id(
+        self, moe: Moe, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The MoE of rows x [T, D] routed to `chosen` [T, k] with `weights`, every pair's GGUF expert
+        read in place by id: no host read, so a graph can hold it (prompt pieces, verify steps)."""
+        limit = self.config.swiglu_limit
+        by_pair = _gguf_experts_by_id(moe.experts, x, chosen, limit)
+        return v4_route.mix(weights, by_pair) + ops.shared_expert(moe.shared_experts, x, limit)
+
     def _decode_moe(self, moe: Moe, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """_moe for one token without a host sync: the router is one op (v4_route), the picked
         experts are read by id on the device (packed FP4, GGUF blocks, or bf16 on the GEMV kernels), their
@@ -201,15 +242,7 @@ class MixtureOfExperts:
         experts, limit = moe.experts, cfg.swiglu_limit
         if cfg.gguf_experts and _on_gguf_kernels(experts, x):
             # The picked experts' blocks read in place by id (no host sync, no copy): three kernels.
-            types, ids, k = experts.type_ids, picked.long(), picked.shape[0]
-            hidden, width = x.shape[1], cfg.expert_size
-            gate, up = x.new_empty((k, width)), x.new_empty((k, width))
-            gguf_triton.experts_gemv(x, ids, experts.gate_proj, types["gate_proj"], hidden, gate)
-            gguf_triton.experts_gemv(x, ids, experts.up_proj, types["up_proj"], hidden, up)
-            act = ops.swiglu(gate, up, limit)
-            y = gguf_triton.experts_gemv(
-                act, ids, experts.down_proj, types["down_proj"], width, x.new_empty((k, hidden))
-            )
+            y = _gguf_experts_by_id(experts, x, picked.view(1, -1), limit)
             return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
         if cfg.gguf_experts:
             # The picked experts' blocks gathered on the device (no host sync), one SwiGLU each.

@@ -253,9 +253,12 @@ class GraphablePiece:
 
     def _piece_moe(self, moe: Moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The MoE of the piece's rows x [T, D]: every expert at once where they are few and in a
-        float dtype, else the decode step's MoE a row at a time."""
+        float dtype, GGUF experts read by id for all rows at once, else the decode step's MoE a row
+        at a time."""
         cfg = self.config
         size, experts = x.shape[0], moe.experts
+        if self._reads_by_id(moe, x):
+            return self._moe_by_id(moe, x, *self._route(moe, x, tokens))
         dense = self.graph_dense_moe
         if dense is None:
             dense = cfg.num_experts <= size * cfg.experts_per_token

@@ -127,7 +127,7 @@ with torch.inference_mode():
             steps[forced] = torch.cat(out)
 want = steps[False]
 assert (steps[True] - want).abs().max() <= 1e-4 * want.abs().max(), (steps[True] - want).abs().max()
-assert len(calls) == 4 * 4 * 3, len(calls)  # 4 steps x 4 layers x (gate, up, down)
+assert len(calls) == (1 + 4) * 4 * 3, len(calls)  # (the 8-token prefill + 4 steps) x 4 layers x 3
 print("by id ok")
 """
 
@@ -151,6 +151,7 @@ moe._grouped_on_whole = lambda *args: chose.append(decide(*args)) or chose[-1]
 moe._gguf_experts_grouped = lambda *args: grouped.append(1) or run(*args)
 moe._DEQUANTIZE_VALUES = 3 * 256 * 256  # three experts a launch: the slices end mid-stack
 moe.GROUPED_MIN_SHARE = 1 / 3  # of 8 experts: some of this model's chunks group, some loop
+moe.BY_ID_MAX_PAIRS = 0  # the grouping first; the few-pairs path below
 device = "cuda" if torch.cuda.is_available() else "cpu"
 # The grouped GEMM takes bf16 on a GPU (float32 on the CPU): there, bf16 rounding bounds the match.
 dtype, tolerance = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
@@ -169,14 +170,54 @@ assert error <= tolerance * want.abs().max(), error
 # (the hash-routed first layer does) and loops over the others.
 assert chose[:4] == [False] * 4 and True in chose[4:] and False in chose[4:], chose
 assert len(grouped) == chose.count(True), (grouped, chose)
+
+# A chunk of at most BY_ID_MAX_PAIRS (token, slot) pairs reads each pair's expert in place by id.
+moe.BY_ID_MAX_PAIRS = 2 * 12
+calls = []
+by_id = gt.experts_gemv
+gt.experts_gemv = lambda *args: calls.append(args[0].shape[0]) or by_id(*args)
+gt.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
+short = {}
+with torch.inference_mode():
+    for forced in (False, True):
+        with gt.SWITCH.force(forced):
+            model.allocate_cache(64)
+            short[forced] = model.forward(ids[:12], 0, "all").float()
+error = (short[True] - short[False]).abs().max()
+assert error <= tolerance * short[False].abs().max(), error
+assert calls == [24] * 12, calls  # 4 layers x (gate, up, down), a row a pair
+
+# A prompt piece (the graphable suffix of a follow-up turn) reads its rows' experts by id too, all
+# rows at once; its padding rows change nothing.
+from tests.engine.models.deepseek_v4.test_graphable import PIECE, smallest_bucket
+real, start = 5, 40
+padding = torch.randint(0, SMALL.vocab_size, (PIECE - real,), generator=torch.Generator().manual_seed(8))
+with torch.inference_mode(), gt.SWITCH.force(False):
+    model.allocate_cache(64)
+    model.forward(ids[:start], 0, "none")
+    last = model.forward(ids[start : start + real], start, "last").float()
+    model.allocate_cache(64)
+    model.forward(ids[:start], 0, "none")
+    calls.clear()
+    with gt.SWITCH.force(True):
+        piece = model.prefill_graphable(
+            torch.cat([ids[start : start + real], padding.to(device)]),
+            torch.tensor([start], device=device),
+            torch.tensor([real], device=device),
+            smallest_bucket(start + PIECE - 1),
+        )
+error = (piece.float() - last).abs().max()
+assert error <= tolerance * last.abs().max(), error
+assert calls == [PIECE * 2] * 12, calls  # every row's 2 pairs, one launch a projection and layer
 print("grouped ok")
 """
 
 
 def test_a_prefill_chunk_runs_its_experts_as_grouped_gemms_on_dequantized_projections() -> None:
     """Where a prefill chunk reaches GROUPED_MIN_SHARE of the experts, each projection's stacked blocks are
-    dequantized whole (in slices) for one grouped GEMM; the logits equal an expert at a time on the
-    reference path: Triton's interpreter on the CPU."""
+    dequantized whole (in slices) for one grouped GEMM; a chunk of few (token, slot) pairs, and a
+    prompt piece, read each pair's expert in place by id. The logits of each equal an expert at a
+    time on the reference path: Triton's interpreter on the CPU."""
     assert "grouped ok" in run_triton_check(_PREFILL_CHECK)
 
 
