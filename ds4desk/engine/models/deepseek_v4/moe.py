@@ -44,7 +44,7 @@ def gguf_expert(
 
 def _on_gguf_kernels(experts: Experts, x: torch.Tensor) -> bool:
     """Whether gguf_triton's kernels take every projection of a GGUF layout's experts for x's device
-    and dtype (the decode step then reads the picked experts in place by id: experts_gemv)."""
+    and dtype (rows then read their picked experts in place by id: experts_gemv)."""
     return gguf_triton.enabled(x) and all(gguf_triton.covers(t, x.dtype) for t in experts.type_ids.values())
 
 
@@ -240,7 +240,7 @@ class MixtureOfExperts:
             ops.linear(x, gate), bias, tid2eid, token, cfg.experts_per_token, cfg.routed_scaling_factor
         )  # [k], float32 [k]
         experts, limit = moe.experts, cfg.swiglu_limit
-        if cfg.gguf_experts and _on_gguf_kernels(experts, x):
+        if self._reads_by_id(moe, x):
             # The picked experts' blocks read in place by id (no host sync, no copy): three kernels.
             y = _gguf_experts_by_id(experts, x, picked.view(1, -1), limit)
             return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
