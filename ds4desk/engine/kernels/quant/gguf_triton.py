@@ -141,12 +141,10 @@ def gemv_config(rows: int, cols: int, sms: int) -> tuple[int, int, int]:
     return block_n, values, 8 if block_n * values >= 4096 else 4
 
 
-def experts_config(name: str) -> Callable[[int, int, int], tuple[int, int, int]]:
+def experts_config(name: str, rows: int, cols: int, sms: int) -> tuple[int, int, int]:
     """experts_gemv's gemv_config for block type `name`: its EXPERTS_TILES setting, unless OVERRIDE."""
     tiles = EXPERTS_TILES.get(name)
-    if tiles is None or OVERRIDE is not None:
-        return gemv_config
-    return lambda rows, cols, sms: tiles
+    return gemv_config(rows, cols, sms) if tiles is None or OVERRIDE is not None else tiles
 
 
 def one_row_fits(name: str, rows: int) -> bool:
@@ -570,8 +568,9 @@ def _kernels() -> _Kernels | None:
         rows = weight.shape[-2]
         name = gguf_type(type_id).name
         sub, unit = _TILES[name]
-        config = gemv_config if ids is None else experts_config(name)
-        block_n, values, warps = config(rows, cols, device_sms(x))
+        sms = device_sms(x)
+        tiles = gemv_config(rows, cols, sms) if ids is None else experts_config(name, rows, cols, sms)
+        block_n, values, warps = tiles
         values = max(values, sub)
         t, grid, experts = x.shape[0], (-(-rows // block_n),), {}
         if ids is not None:

@@ -396,7 +396,7 @@ def test_the_experts_gemv_compiles_for_an_h200(name: str, tmp_path: object) -> N
     kind = BY_NAME[name]
     sub, unit = gguf_triton._TILES[name]
     for rows, cols in ((2048, 4096), (4096, 2048)):  # gate / up, down
-        block_n, values, warps = gguf_triton.experts_config(name)(rows, cols, 132)
+        block_n, values, warps = gguf_triton.experts_config(name, rows, cols, sms=132)
         args = {"x": "*bf16", "w": "*u8", "out": "*bf16", "norm": "*bf16", "rows": "i32", "row_bytes": "i32"}
         args |= {"stride_x": "i32", "stride_out": "i32", "eps": "fp32", "c0": "i32", "c1": "i32"}
         args |= {"c2": "i32", "c3": "i32", "ids": "*i64", "expert_bytes": "i32", "x_step": "i32"}
