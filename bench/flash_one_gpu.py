@@ -153,8 +153,10 @@ def main() -> None:
     if args.grouped_share is not None:
         moe.GROUPED_MIN_SHARE = args.grouped_share
     if args.experts_tiles is not None:
-        tiles = json.loads(args.experts_tiles.read_text())["tiles"]
-        gguf_triton.EXPERTS_TILES.update({name: tuple(setting) for name, setting in tiles.items()})
+        swept = json.loads(args.experts_tiles.read_text())
+        gguf_triton.EXPERTS_TILES.update({name: tuple(setting) for name, setting in swept["tiles"].items()})
+        one_row = swept.get("one_row_tiles", {})
+        gguf_triton.EXPERTS_ONE_ROW.update({name: tuple(setting) for name, setting in one_row.items()})
     types = dict(zip(PROJECTIONS, args.experts.split(","), strict=True))
     lengths = [int(n) for n in args.prompts.split(",")]
     layers = TINY["num_hidden_layers"] if args.tiny else args.layers
@@ -186,6 +188,7 @@ def main() -> None:
         "model": str(args.model) if args.model else "made on the device",
         "grouped_min_share": moe.GROUPED_MIN_SHARE,
         "experts_tiles": {name: list(setting) for name, setting in gguf_triton.EXPERTS_TILES.items()},
+        "experts_one_row": {name: list(setting) for name, setting in gguf_triton.EXPERTS_ONE_ROW.items()},
         "layers": layers,
         "experts": types,
         "build_s": build_s,

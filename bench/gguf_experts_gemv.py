@@ -1,15 +1,20 @@
 """Time the GGUF experts GEMV (gguf_triton.experts_gemv: the decode step's picked experts read in place
 by id) on DeepSeek-V4-Flash's expert shapes, over a sweep of its tile settings.
 
-    PYTHONPATH=. python3 bench/gguf_experts_gemv.py [--types Q2_K,Q3_K] [--out FILE.json]
+    PYTHONPATH=. python3 bench/gguf_experts_gemv.py [--types Q2_K,Q3_K] [--general] [--out FILE.json]
 
 256 stacked experts of a projection (gate/up: 2048 x 4096, down: 4096 x 2048), 6 picked a call, the
 picks drawn anew for each of the graph's calls (the stack is many times the L2 cache, as a layer's
-experts are). Each (BLOCK_N, values per iteration, warps) setting is replayed from one CUDA graph,
-median of 5 replays; one JSON line a type and shape with the default's time, the best three and the
-picked bytes' GB/s against the copy bandwidth, and a type's setting with the least time over both
-shapes ("tiles": what gguf_triton.EXPERTS_TILES holds; bench/flash_one_gpu.py --experts-tiles FILE
-runs with it). Without CUDA it prints why and exits 0.
+experts are). Each setting is replayed from one CUDA graph, median of 5 replays. Two kernels: the
+general GEMV in its experts form (gguf_blocks_triton; (BLOCK_N, values per iteration, warps)) and,
+for the types in gguf_triton.EXPERTS_ONE_ROW, gguf_experts_triton's (BLOCK_N, groups a tile, warps),
+which experts_gemv runs for them (its time includes the index_select that writes the input in its
+read order). One JSON line a type, shape and kernel with the default's time, the best three and the
+picked bytes' GB/s against the copy bandwidth; a type's setting with the least time over both shapes
+goes in "tiles" (general, gguf_triton.EXPERTS_TILES) and "one_row_tiles" (EXPERTS_ONE_ROW), which
+bench/flash_one_gpu.py --experts-tiles FILE runs with. The general kernel is swept with --general;
+without, only its current setting is timed, beside the other kernel. Without CUDA it prints why and
+exits 0.
 """
 
 from __future__ import annotations
@@ -31,11 +36,16 @@ from ds4desk.engine.kernels.quant import gguf_triton as gt
 
 EXPERTS, PICKED, HIDDEN, WIDTH = 256, 6, 4096, 2048
 SHAPES = (("gate/up", WIDTH, HIDDEN, 1), ("down", HIDDEN, WIDTH, PICKED))  # (name, rows, cols, x rows)
-SETTINGS = list(itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)))
+GENERAL_SETTINGS = list(itertools.product((1, 2, 4), (256, 512, 1024), (2, 4, 8)))
+ONE_ROW_SETTINGS = [
+    (block_n, groups, warps)
+    for block_n, groups, warps in itertools.product((2, 4, 8), (16, 32, 64), (1, 2, 4))
+    if block_n * groups >= 32 * warps  # no thread without an element of the tile
+]
 DRAWS = 16  # pick sets cycled through by the graph
 
 
-def bench(name: str, shape: tuple[str, int, int, int], bandwidth: float) -> dict:
+def bench(name: str, shape: tuple[str, int, int, int], bandwidth: float, kernel: str, sweep: bool) -> dict:
     label, rows, cols, x_rows = shape
     kind = BY_NAME[name]
     stacked = packed_weight(name, EXPERTS * rows, cols, seed=rows).view(EXPERTS, rows, -1)
@@ -48,20 +58,30 @@ def bench(name: str, shape: tuple[str, int, int, int], bandwidth: float) -> dict
     def call(i: int) -> None:
         gt.experts_gemv(x, picks[i], stacked, kind.type_id, cols, out)
 
+    one_row = gt.EXPERTS_ONE_ROW.pop(name, None)  # the general kernel runs while it is out
+    general = kernel == "general"
+    if not general:
+        gt.EXPERTS_ONE_ROW[name] = one_row
+    settings = (GENERAL_SETTINGS if general else ONE_ROW_SETTINGS) if sweep else []
     timings = {}
-    for setting in [None, *SETTINGS]:
-        gt.OVERRIDE = setting
+    for setting in [None, *settings]:
+        gt.OVERRIDE, gt.EXPERTS_OVERRIDE = (setting, None) if general else (None, setting)
         try:
             timings[setting] = graph_time(call, DRAWS)
         except Exception as error:  # a setting the compiler refuses (registers, shared memory)
             print(f"  {name} {label} {setting}: {type(error).__name__}", file=sys.stderr)
-    gt.OVERRIDE = None
+    gt.OVERRIDE = gt.EXPERTS_OVERRIDE = None
+    if one_row is not None:
+        gt.EXPERTS_ONE_ROW[name] = one_row
     default = timings.pop(None)
+    current = gt.experts_config(name, rows, cols, 132) if general else gt.experts_one_row_config(name, cols)
+    timings.setdefault(tuple(current), default)
     every = {",".join(map(str, s)): t * 1e6 for s, t in timings.items()}
     best = sorted(timings.items(), key=lambda item: item[1])[:3]
     return {
         "type": name,
         "shape": label,
+        "kernel": kernel,
         "rows": rows,
         "cols": cols,
         "picked_bytes": picked_bytes,
@@ -76,6 +96,7 @@ def bench(name: str, shape: tuple[str, int, int, int], bandwidth: float) -> dict
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default="Q2_K,Q3_K")
+    parser.add_argument("--general", action="store_true", help="sweep the general kernel's settings too")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if not (torch.cuda.is_available() and gt.enabled(torch.device("cuda"))):
@@ -88,16 +109,21 @@ def main() -> int:
         "copy_gb_s": bandwidth,
         "rows": [],
         "tiles": {},
+        "one_row_tiles": {},
     }
     for name in args.types.split(","):
-        rows = [bench(name, shape, bandwidth) for shape in SHAPES]
-        for row in rows:
-            print(json.dumps({k: v for k, v in row.items() if k != "every_us"}), flush=True)
-        common = set.intersection(*(set(row["every_us"]) for row in rows))
-        best = min(common, key=lambda key: sum(row["every_us"][key] for row in rows))
-        result["tiles"][name] = [int(v) for v in best.split(",")]
-        result["rows"] += rows
-    print(json.dumps({"tiles": result["tiles"]}), flush=True)
+        kernels = [("general", "tiles", args.general)]
+        if name in gt.EXPERTS_ONE_ROW:
+            kernels.append(("one_row", "one_row_tiles", True))
+        for kernel, key, sweep in kernels:
+            rows = [bench(name, shape, bandwidth, kernel, sweep) for shape in SHAPES]
+            for row in rows:
+                print(json.dumps({k: v for k, v in row.items() if k != "every_us"}), flush=True)
+            common = set.intersection(*(set(row["every_us"]) for row in rows))
+            best = min(common, key=lambda key: sum(row["every_us"][key] for row in rows))
+            result[key][name] = [int(v) for v in best.split(",")]
+            result["rows"] += rows
+    print(json.dumps({"tiles": result["tiles"], "one_row_tiles": result["one_row_tiles"]}), flush=True)
     out = args.out or Path(__file__).resolve().parent / "results" / f"gguf_experts_gemv_{result['date']}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

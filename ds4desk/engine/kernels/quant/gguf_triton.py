@@ -62,6 +62,10 @@ OVERRIDE: tuple[int, int, int] | None = None
 # an H200 (bench/gguf_experts_gemv.py, Flash's expert shapes, 6 of 256 experts) beat gemv_config:
 # Q2_K 35.4 -> 29.6 us (gate/up) and 34.9 -> 28.6 us (down), Q3_K 43.6 -> 35.0 and 46.3 -> 33.3 us.
 EXPERTS_TILES: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 512, 2), "Q3_K": (4, 256, 2)}
+# The types experts_gemv runs on gguf_experts_triton's kernel (groups of 64 values, input in read
+# order), and its (BLOCK_N, groups a tile, num_warps); EXPERTS_OVERRIDE forces one (the sweep).
+EXPERTS_ONE_ROW: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 32, 1), "Q3_K": (4, 32, 1)}
+EXPERTS_OVERRIDE: tuple[int, int, int] | None = None
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Each type's tile (L, V): L values per sub-block (the run that shares one scale), and V, the bytes
@@ -263,8 +267,39 @@ def experts_gemv(
     if k:
         kernels = _kernels()
         assert kernels is not None
-        kernels.experts_gemv(x, ids, weight, type_id, cols, out)
+        config = experts_one_row_config(kind.name, cols)
+        if config is None:
+            kernels.experts_gemv(x, ids, weight, type_id, cols, out)
+        else:
+            x_read = x.index_select(1, _read_order(cols, config[1], x.device))
+            kernels.experts_one_row(x_read, ids, weight, type_id, cols, out, config)
     return out
+
+
+def experts_one_row_config(name: str, cols: int) -> tuple[int, int, int] | None:
+    """(BLOCK_N, groups a tile, num_warps) of gguf_experts_triton's kernel for experts of this type
+    and width, None where the general kernel runs them (another type). The groups a tile are halved
+    until a row is a whole number of tiles (a row's 64-value groups come in fours)."""
+    if name not in EXPERTS_ONE_ROW:
+        return None
+    block_n, groups, warps = EXPERTS_OVERRIDE if EXPERTS_OVERRIDE is not None else EXPERTS_ONE_ROW[name]
+    while (cols // 64) % groups:
+        groups //= 2
+    return block_n, groups, warps
+
+
+@functools.cache
+def _read_order(cols: int, groups: int, device: torch.device) -> torch.Tensor:
+    """The columns of a row in the order gguf_experts_triton's kernel reads them, with tiles of
+    `groups` groups: entry tile · 64 G + step · G + i is the value group tile · G + i reads at
+    `step` (0..63), whose 4-byte code word step // 16 holds it in field (step // 4) % 4, byte step % 4.
+    The group of quarter q of super-block b holds half q // 2's values from 16 (q % 2) on."""
+    d = torch.arange(cols, device=device)
+    tile, rest = d // (groups * 64), d % (groups * 64)
+    step, group = rest // groups, tile * groups + rest % groups
+    byte = 4 * (step // 16) + step % 4
+    field = (step // 4) % 4
+    return (group // 4) * 256 + ((group % 4) // 2) * 128 + 32 * field + (group % 2) * 16 + byte
 
 
 def gemv_add_(
@@ -491,12 +526,14 @@ class _Kernels:
     dequantize: Callable[..., None]
     prepare: Callable[..., None]
     experts_gemv: Callable[..., None]
+    experts_one_row: Callable[..., None]
 
 
 @functools.cache
 def _kernels() -> _Kernels | None:
     try:
         from ds4desk.engine.kernels.quant import gguf_blocks_triton as source
+        from ds4desk.engine.kernels.quant import gguf_experts_triton as experts_source
         from ds4desk.engine.kernels.quant import gguf_gemv1_triton as one_row_source
     except Exception:  # no Triton: gguf_matmul's reference path runs
         return None
@@ -719,9 +756,39 @@ def _kernels() -> _Kernels | None:
     ) -> None:
         launch_blocks(x, _aligned(weight), type_id, cols, out, None, 0.0, False, False, False, False, ids)
 
+    def launch_experts_one_row(
+        x_read: torch.Tensor,
+        ids: torch.Tensor,
+        weight: torch.Tensor,
+        type_id: int,
+        cols: int,
+        out: torch.Tensor,
+        config: tuple[int, int, int],
+    ) -> None:
+        block_n, groups, warps = config
+        rows = weight.shape[1]
+        experts_source.experts_kernel[(-(-rows // block_n), ids.shape[0])](
+            x_read,
+            ids,
+            _aligned(weight),
+            out,
+            rows,
+            weight.stride(1),
+            weight.stride(0),
+            x_read.stride(0) if x_read.shape[0] > 1 else 0,
+            out.stride(0),
+            KIND=type_id,
+            G=groups,
+            N_GROUPS=cols // 64,
+            BLOCK_N=block_n,
+            ASM=x_read.is_cuda,  # PTX where it compiles for a GPU; Triton's interpreter runs CPU tensors
+            num_warps=warps,
+        )
+
     return _Kernels(
         on_its_device(launch_gemv),
         on_its_device(launch_dequantize),
         on_its_device(launch_input),
         on_its_device(launch_experts),
+        on_its_device(launch_experts_one_row),
     )

@@ -348,6 +348,7 @@ def test_the_one_row_kernel_equals_the_reference() -> None:
 
 
 _EXPERTS_CHECK = """
+import itertools
 import torch
 from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
 from tests.engine.kernels.quant.test_gguf_triton import (
@@ -363,7 +364,11 @@ for name in {types}:
     kind = BY_NAME[name]
     stacked = torch.stack([tame_blocks(kind, rows, cols, seed=10 + e) for e in range(experts)]).to(device)
     mats = [gguf.dequantize(stacked[e], kind.type_id, (rows, cols)) for e in range(experts)]
-    for dtype in (torch.float32, torch.bfloat16):
+    # Q2_K and Q3_K run on gguf_experts_triton's kernel: its default tiles, and two tiles a row of
+    # 16 rows a program (40 rows: the last program's rows past the end).
+    settings = [None, (16, 4, 1)] if name in gt.EXPERTS_ONE_ROW else [None]
+    for setting, dtype in itertools.product(settings, (torch.float32, torch.bfloat16)):
+        gt.EXPERTS_OVERRIDE = setting
         for inputs in (1, len(ids)):  # one row for every slot (gate, up), a row a slot (down)
             x = torch.randn(inputs, cols, generator=gen).to(device, dtype)
             out = torch.full((len(ids), rows), float("nan"), device=device, dtype=dtype)
@@ -373,7 +378,7 @@ for name in {types}:
                 row = x[min(slot, inputs - 1)][None]
                 want = row.float() @ mats[expert].t()
                 bound = accumulation_bound(row, stacked[expert], kind, cols)
-                assert_matches(out[slot][None], want, bound, (name, dtype, inputs, slot))
+                assert_matches(out[slot][None], want, bound, (name, setting, dtype, inputs, slot))
     print("checked", name)
 """
 
