@@ -415,6 +415,26 @@ def test_the_experts_gemv_compiles_for_an_h200(name: str, tmp_path: object) -> N
         assert _stack_bytes(cubin, tmp_path) in (None, 0), (name, rows, cols)
 
 
+@pytest.mark.parametrize("name", list(gguf_triton.EXPERTS_ONE_ROW))
+def test_the_low_bit_experts_kernel_compiles_for_an_h200(name: str, tmp_path: object) -> None:
+    """gguf_experts_triton's kernel with Flash's expert shapes and its settings for them
+    (experts_one_row_config), PTX byte conversion included, passes Triton's compiler and ptxas for
+    sm_90 and spills nothing."""
+    pytest.importorskip("triton")
+    from ds4desk.engine.kernels.quant import gguf_experts_triton as source
+
+    for cols in (4096, 2048):  # gate / up, down
+        block_n, groups, warps = gguf_triton.experts_one_row_config(name, cols)
+        args = {"x": "*bf16", "ids": "*i64", "w": "*u8", "out": "*bf16", "rows": "i32", "row_bytes": "i32"}
+        args |= {"expert_bytes": "i32", "x_step": "i32", "out_step": "i32"}
+        constants = {"KIND": BY_NAME[name].type_id, "G": groups, "N_GROUPS": cols // 64}
+        constants |= {"BLOCK_N": block_n, "ASM": True}
+        cubin = _compile_for_hopper(
+            source.experts_kernel, args, constants, {"x", "w", "out", "ids"}, {"num_warps": warps}
+        )
+        assert _stack_bytes(cubin, tmp_path) in (None, 0), (name, cols)
+
+
 _SILU_PAIR_CHECK = """
 import torch
 from ds4desk.engine.kernels.quant import gguf_triton as gt
