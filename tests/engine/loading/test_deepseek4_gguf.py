@@ -4,8 +4,9 @@ layout, converted by llama.cpp's convert_hf_to_gguf.py and requantized by llama-
 
 - The mapping: every tensor ds4desk reads from the converter's file is the checkpoint tensor it
   came from (within the converter's rounding), so no two tensors are swapped.
-- Packing: the routed experts stay in the file's block types (MXFP4, Q2_K, Q3_K, Q4_K, ...), byte
-  for byte; the rest are floats.
+- Packing: the routed experts, the attention and shared-expert linears, the head and the embedding
+  stay in the file's block types (MXFP4, Q8_0, Q2_K, Q3_K, Q4_K, ...), byte for byte; the rest are
+  floats.
 - Exactness: ds4desk's logits, teacher-forced over 140 positions (CSA windows of 4, the HCA window
   of 128 and the raw window of 8 all close or wrap) and then by the graphable decode step, equal
   transformers' float32 DeepseekV4ForCausalLM holding the file's values dequantized by gguf-py.
@@ -105,11 +106,33 @@ def test_every_tensor_is_the_checkpoint_tensor_it_came_from(
         assert error < (0.26 if "exps" in gguf_name else 0.07), f"{gguf_name} -> {ours}: error {error:.3f}"
 
 
+# The weights ds4desk keeps in the file's block types besides the routed experts: the linears a decode
+# step reads in full (attention's, the indexer's query, the shared expert's), the head and the
+# embedding. The rest (grouped output, compressors, router, hyper-connections) are dequantized.
+KEPT_PACKED = (
+    "q_a_proj.weight",
+    "q_b_proj.weight",
+    "self_attn.kv_proj.weight",
+    "o_b_proj.weight",
+    "shared_experts.gate_proj.weight",
+    "shared_experts.up_proj.weight",
+    "shared_experts.down_proj.weight",
+    "lm_head.weight",
+    "embed_tokens.weight",
+)
+
+
 @pytest.mark.parametrize("name", ["default", "Q2_K", "Q4_K_M"])
-def test_experts_stay_packed_in_the_files_types(paths: dict[str, Path], name: str) -> None:
+def test_experts_linears_and_head_stay_packed_in_the_files_types(paths: dict[str, Path], name: str) -> None:
     header = read_gguf_header(paths[name])
+    source = read_source(paths[name])
     model = _load(paths[name])
     raw = np.memmap(paths[name], dtype=np.uint8, mode="r")
+
+    def on_disk(stored_name: str) -> torch.Tensor:
+        stored = header.tensors[stored_name]
+        return torch.from_numpy(np.array(raw[stored.offset : stored.offset + stored.nbytes]))
+
     expected = {"default": {"MXFP4"}, "Q2_K": {"Q2_K", "Q3_K"}, "Q4_K_M": {"Q4_K", "Q6_K"}}
     seen = set()
     for index, layer in enumerate(model.model.layers):
@@ -118,13 +141,18 @@ def test_experts_stay_packed_in_the_files_types(paths: dict[str, Path], name: st
             stored = header.tensors[f"blk.{index}.{part}.weight"]
             weight = getattr(experts, projection)
             assert weight.dtype == torch.uint8 and experts.type_ids[projection] == int(stored.qtype)
-            on_disk = torch.from_numpy(np.array(raw[stored.offset : stored.offset + stored.nbytes]))
-            assert torch.equal(weight.reshape(-1), on_disk), f"blk.{index}.{part}"
+            assert torch.equal(weight.reshape(-1), on_disk(f"blk.{index}.{part}.weight")), (
+                f"blk.{index}.{part}"
+            )
             seen.add(gguf_type(int(stored.qtype)).name)
     assert seen <= expected[name] and seen, seen
-    # Everything else is a float the loader dequantized.
-    packed = [n for n, p in model.named_parameters() if p.dtype == torch.uint8 and ".mlp.experts." not in n]
-    assert not packed
+    # Besides the experts, exactly the KEPT_PACKED weights the file stores quantized are its bytes.
+    quantized = {n for n, e in source.tensors.items() if e.dtype not in ("F32", "F16", "BF16", "I32")}
+    packed = {n for n, p in model.named_parameters() if p.dtype == torch.uint8 and ".mlp.experts." not in n}
+    assert packed == {n for n in quantized if n.endswith(KEPT_PACKED)} and packed
+    for param_name in packed:
+        weight = model.get_parameter(param_name)
+        assert torch.equal(weight.reshape(-1), on_disk(source.layout.stored_name(param_name))), param_name
 
 
 @pytest.mark.parametrize("name", files.FILES)

@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
@@ -27,6 +26,7 @@ from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.cache import CompressorState, LayerState, RopeTables, V4Cache
 from ds4desk.engine.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.modules import Attention, Backbone, Compressor, Indexer
+from ds4desk.engine.models.packed import embed
 
 
 @dataclass(slots=True)
@@ -81,7 +81,7 @@ class GraphableDecode:
         if shard == 0:
             token, pos = inputs
             cache.length = 0  # until set_length: forward and export_state refuse to continue from here
-            x = F.embedding(token, self.model.embed_tokens.weight)  # [1, D]
+            x = embed(self.model.embed_tokens, token)  # [1, D]
             streams = x.unsqueeze(1).expand(1, cfg.hc_mult, cfg.hidden_size).contiguous()
         else:
             streams, token, pos = inputs
@@ -108,6 +108,9 @@ class GraphableDecode:
 
     def _one_row_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head of one row h [1, D]: float32 logits [V]."""
+        projection = self.head_projection()
+        if projection.packed is not None:  # a GGUF's blocks: the GEMV writes float32 itself
+            return projection(h, out=h.new_empty((1, projection.rows), dtype=torch.float32))[0]
         head = self.head_weight()
         if decode_kernels.one_row(h, head):
             return decode_kernels.gemv(h, head, h.new_empty((1, head.shape[0]), dtype=torch.float32))[0]

@@ -36,7 +36,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
@@ -61,13 +60,14 @@ from ds4desk.engine.models.deepseek_v4.modules import (
     Compressor,
     Layer,
     MtpBlock,
-    Weight,
     check_hash_table,
+    linear_weight,
 )
 from ds4desk.engine.models.deepseek_v4.moe import MixtureOfExperts
 from ds4desk.engine.models.deepseek_v4.mtp import MtpTracking
 from ds4desk.engine.models.deepseek_v4.piece import GraphablePiece
 from ds4desk.engine.models.deepseek_v4.verify import VerifyRollback
+from ds4desk.engine.models.packed import embed
 from ds4desk.engine.split import materialize_parameters
 
 
@@ -99,7 +99,8 @@ class DeepseekV4Model(
         self.quantized = quantized
         self.model = Backbone(config, dtype, quantized, packed)
         if not config.tie_word_embeddings:  # else None (base): the embedding is the head
-            self.lm_head = Weight((config.vocab_size, config.hidden_size), dtype)
+            head = (config.vocab_size, config.hidden_size)
+            self.lm_head = linear_weight(head, dtype, False, packed, "lm_head")
         # The checkpoint's MTP blocks (`mtp.K.*`, none unless it holds some): loaded and kept, in the
         # weight bytes and on the last shard of a split; the speculative MTP drafter runs the first
         # (mtp.py).
@@ -320,7 +321,7 @@ class DeepseekV4Model(
             # A new request: whatever a failed verify left open is over.
             self._verify_inputs, self._mtp_rows = None, None
         ids = input_ids.to(self.device)  # the caller's device may be another shard's
-        x = F.embedding(ids, self.model.embed_tokens.weight)  # [T, D]
+        x = embed(self.model.embed_tokens, ids)  # [T, D]
         streams = x.unsqueeze(1).expand(count, cfg.hc_mult, cfg.hidden_size).contiguous()
         if self._boundaries:
             self._use_device(self.device)

@@ -12,6 +12,7 @@ from torch import nn
 from ds4desk.engine.formats import FP4_BLOCK, FP8_BLOCK, gguf_packed_bytes
 from ds4desk.engine.models.base import load_failure
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, SLIDING, DeepseekV4Config
+from ds4desk.engine.models.packed import PackedEmbedding, PackedLinear
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -38,7 +39,20 @@ class Fp8Weight(nn.Module):
         self.weight_scale_inv = _param((-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)), torch.float32)
 
 
-def _linear_weight(shape: tuple[int, int], dtype: torch.dtype, fp8: bool) -> nn.Module:
+def linear_weight(
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    fp8: bool,
+    packed: Mapping[str, int] | None = None,
+    name: str = "",
+) -> nn.Module:
+    """The holder of linear weight `name`: the GGUF's blocks where `packed` (a GGUF's block types,
+    parameter name -> GGML type id) holds it (models/packed.PackedLinear: ops.linear multiplies the
+    blocks, nothing is dequantized), else FP8 (`fp8`) or `dtype`."""
+    type_id = (packed or {}).get(f"{name}.weight")
+    if type_id is not None:
+        rows, cols = shape
+        return PackedLinear(cols, rows, type_id)
     return Fp8Weight(shape) if fp8 else Weight(shape, dtype)
 
 
@@ -87,32 +101,51 @@ class Scorer(nn.Module):
 class Indexer(Compressor):
     """CSA's lightning indexer: a compressor of its own keys plus a low-rank multi-head query."""
 
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp8: bool) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        dtype: torch.dtype,
+        fp8: bool,
+        packed: Mapping[str, int] | None,
+        prefix: str,
+    ) -> None:
         super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_rate, True, dtype)
-        self.q_b_proj = _linear_weight((cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank), dtype, fp8)
+        shape = (cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        self.q_b_proj = linear_weight(shape, dtype, fp8, packed, f"{prefix}.q_b_proj")
         self.scorer = Scorer(cfg.hidden_size, cfg.index_heads, dtype)
 
 
 class Attention(nn.Module):
     """One layer's attention; CSA / HCA layers add a compressor (CSA's with an indexer)."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer_type: str, dtype: torch.dtype, fp8: bool) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        layer_type: str,
+        dtype: torch.dtype,
+        fp8: bool,
+        packed: Mapping[str, int] | None = None,
+        prefix: str = "",
+    ) -> None:
+        """`packed`, `prefix`: see linear_weight; the prefix is the module's own (`...self_attn`)."""
         super().__init__()
         hidden, heads, dim = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        self.q_a_proj = _linear_weight((cfg.q_lora_rank, hidden), dtype, fp8)
+        self.q_a_proj = linear_weight((cfg.q_lora_rank, hidden), dtype, fp8, packed, f"{prefix}.q_a_proj")
         self.q_a_norm = Weight((cfg.q_lora_rank,), torch.float32)
-        self.q_b_proj = _linear_weight((heads * dim, cfg.q_lora_rank), dtype, fp8)
-        self.kv_proj = _linear_weight((dim, hidden), dtype, fp8)
+        q_b = (heads * dim, cfg.q_lora_rank)
+        self.q_b_proj = linear_weight(q_b, dtype, fp8, packed, f"{prefix}.q_b_proj")
+        self.kv_proj = linear_weight((dim, hidden), dtype, fp8, packed, f"{prefix}.kv_proj")
         self.kv_norm = Weight((dim,), torch.float32)
         # Grouped (a batched matmul): bf16 even in quantized models, as the official converter leaves it.
         self.o_a_proj = Weight((cfg.o_groups * cfg.o_lora_rank, heads * dim // cfg.o_groups), dtype)
-        self.o_b_proj = _linear_weight((hidden, cfg.o_groups * cfg.o_lora_rank), dtype, fp8)
+        o_rank = cfg.o_groups * cfg.o_lora_rank
+        self.o_b_proj = linear_weight((hidden, o_rank), dtype, fp8, packed, f"{prefix}.o_b_proj")
         self.sinks = _param((heads,), torch.float32)
         self.compressor: Compressor | None = None
         if layer_type != SLIDING:
             self.compressor = Compressor(hidden, dim, cfg.rate(layer_type), layer_type == CSA, dtype)
             if layer_type == CSA:
-                self.compressor.indexer = Indexer(cfg, dtype, fp8)
+                self.compressor.indexer = Indexer(cfg, dtype, fp8, packed, f"{prefix}.compressor.indexer")
 
 
 class Router(nn.Module):
@@ -179,11 +212,19 @@ class Experts(nn.Module):
 class SharedExpert(nn.Module):
     """The expert every token goes through (its linears FP8 when quantized)."""
 
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, fp8: bool) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        dtype: torch.dtype,
+        fp8: bool,
+        packed: Mapping[str, int] | None,
+        prefix: str,
+    ) -> None:
         super().__init__()
-        self.gate_proj = _linear_weight((cfg.expert_size, cfg.hidden_size), dtype, fp8)
-        self.up_proj = _linear_weight((cfg.expert_size, cfg.hidden_size), dtype, fp8)
-        self.down_proj = _linear_weight((cfg.hidden_size, cfg.expert_size), dtype, fp8)
+        inner, outer = (cfg.expert_size, cfg.hidden_size), (cfg.hidden_size, cfg.expert_size)
+        self.gate_proj = linear_weight(inner, dtype, fp8, packed, f"{prefix}.gate_proj")
+        self.up_proj = linear_weight(inner, dtype, fp8, packed, f"{prefix}.up_proj")
+        self.down_proj = linear_weight(outer, dtype, fp8, packed, f"{prefix}.down_proj")
 
 
 class Moe(nn.Module):
@@ -201,7 +242,7 @@ class Moe(nn.Module):
         super().__init__()
         self.gate = Router(cfg, hashed, dtype)
         self.experts = Experts(cfg, dtype, quantized, packed, f"{prefix}.experts")
-        self.shared_experts = SharedExpert(cfg, dtype, quantized)
+        self.shared_experts = SharedExpert(cfg, dtype, quantized, packed, f"{prefix}.shared_experts")
 
 
 class Layer(nn.Module):
@@ -219,12 +260,13 @@ class Layer(nn.Module):
         prefix: str | None = None,
     ) -> None:
         """`packed`: the weights a GGUF stores in block types (name -> GGML type id); of those, the
-        routed experts stay packed, the rest are built as floats (the loader dequantizes them).
-        `prefix`: the layer's parameter names' (`model.layers.N` by default)."""
+        routed experts and the linears (attention's, the indexer's query, the shared expert) stay
+        packed, the rest are built as floats (the loader dequantizes them). `prefix`: the layer's
+        parameter names' (`model.layers.N` by default)."""
         super().__init__()
         layer_type, mlp_type = kinds or (cfg.layer_types[index], cfg.mlp_layer_types[index])
-        self.self_attn = Attention(cfg, layer_type, dtype, quantized)
         prefix = prefix or f"model.layers.{index}"
+        self.self_attn = Attention(cfg, layer_type, dtype, quantized, packed, f"{prefix}.self_attn")
         self.mlp = Moe(cfg, mlp_type == HASH_MOE, dtype, quantized, packed, f"{prefix}.mlp")
         self.input_layernorm = Weight((cfg.hidden_size,), torch.float32)
         self.post_attention_layernorm = Weight((cfg.hidden_size,), torch.float32)
@@ -249,8 +291,8 @@ class MtpBlock(Layer):
         kinds = (cfg.mtp_layer_types[index], cfg.mtp_mlp_layer_types[index])
         super().__init__(cfg, index, dtype, quantized, kinds, packed, f"mtp.{index}")
         hidden = cfg.hidden_size
-        self.e_proj = _linear_weight((hidden, hidden), dtype, quantized)
-        self.h_proj = _linear_weight((hidden, hidden), dtype, quantized)
+        self.e_proj = linear_weight((hidden, hidden), dtype, quantized)
+        self.h_proj = linear_weight((hidden, hidden), dtype, quantized)
         self.enorm = Weight((hidden,), torch.float32)
         self.hnorm = Weight((hidden,), torch.float32)
         self.norm = Weight((hidden,), torch.float32)
@@ -268,7 +310,12 @@ class Backbone(nn.Module):
         packed: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Weight((cfg.vocab_size, cfg.hidden_size), dtype)
+        type_id = (packed or {}).get("model.embed_tokens.weight")
+        self.embed_tokens: nn.Module = (
+            Weight((cfg.vocab_size, cfg.hidden_size), dtype)
+            if type_id is None
+            else PackedEmbedding(cfg.vocab_size, cfg.hidden_size, type_id, dtype)
+        )
         self.layers = nn.ModuleList(
             Layer(cfg, i, dtype, quantized, packed=packed) for i in range(cfg.num_layers)
         )

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.api import EngineFailure, ErrorCode
@@ -39,6 +38,7 @@ from ds4desk.engine.models.deepseek_v4.verify import (
     checkpoint_layer,
     restore_layer,
 )
+from ds4desk.engine.models.packed import embed
 
 # Chooses a draft from the block's logits [V] (greedy argmax or a draw): a 0-d long tensor.
 Choose = Callable[[torch.Tensor], torch.Tensor]
@@ -204,7 +204,7 @@ class MtpTracking:
         block = self._mtp_block()
         eps = cfg.rms_norm_eps
         count, mult, width = hidden.shape
-        embedded = ops.rms_norm(F.embedding(ids, self.model.embed_tokens.weight), block.enorm.weight, eps)
+        embedded = ops.rms_norm(embed(self.model.embed_tokens, ids), block.enorm.weight, eps)
         normed = ops.rms_norm(hidden, block.hnorm.weight, eps)  # each stream on its own
         streams = ops.linear(normed.reshape(count * mult, width), block.h_proj).view(count, mult, width)
         streams = streams + ops.linear(embedded, block.e_proj).unsqueeze(1)

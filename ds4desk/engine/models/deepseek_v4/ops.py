@@ -12,7 +12,9 @@ from torch import nn
 from ds4desk.engine.kernels.deepseek_v4 import moe_tail
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
 from ds4desk.engine.kernels.quant.fp8 import fp8_linear
+from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
+from ds4desk.engine.models.packed import PackedLinear
 
 
 def position(start: int, device: torch.device) -> torch.Tensor:
@@ -77,7 +79,11 @@ def expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: tor
 
 
 def linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
-    """x @ Wᵀ for a Weight or an Fp8Weight (which never leaves FP8: the kernel dequantizes)."""
+    """x @ Wᵀ for a Weight, an Fp8Weight (which never leaves FP8: the kernel dequantizes) or a GGUF's
+    PackedLinear (its blocks, on the GGUF kernels)."""
+    if isinstance(holder, PackedLinear):
+        rows = gguf_matmul(x.reshape(-1, x.shape[-1]), holder.weight, holder.type_id, holder.in_features)
+        return rows.view(*x.shape[:-1], holder.out_features)
     weight = holder.weight
     if weight.dtype == torch.float8_e4m3fn:
         return fp8_linear(x, weight, holder.weight_scale_inv)

@@ -23,7 +23,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.kernels.deepseek_v4 import moe_tail
@@ -32,6 +31,7 @@ from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.cache import LayerState, RopeTables, V4Cache
 from ds4desk.engine.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.modules import Attention, Backbone, Compressor, Indexer, Moe
+from ds4desk.engine.models.packed import embed
 
 
 @dataclass(slots=True)
@@ -133,7 +133,7 @@ class GraphablePiece:
         cfg = self.config
         size = tokens.shape[0]
         cache.length = 0  # until set_length: forward and export_state refuse to continue from here
-        x = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, D]
+        x = embed(self.model.embed_tokens, tokens)  # [T, D]
         streams = x.unsqueeze(1).expand(size, cfg.hc_mult, cfg.hidden_size).contiguous()
         piece = _PieceLayout.of(cfg.sliding_window, pos, stop, size)
         last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -168,7 +168,7 @@ class GraphablePiece:
         h = self._hc_head(streams) if last is None else self._hc_head_fused(streams, last)
         if row is not None:
             return self._one_row_logits(h).unsqueeze(0)
-        return torch.mm(h, self.head_weight().t()).float()
+        return self.head_projection()(h).float()
 
     def _piece_attention(
         self,
