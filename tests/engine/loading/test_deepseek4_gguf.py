@@ -108,11 +108,12 @@ def test_every_tensor_is_the_checkpoint_tensor_it_came_from(
 
 # The weights ds4desk keeps in the file's block types besides the routed experts: the linears a decode
 # step reads in full (attention's, the indexer's query, the shared expert's), the head and the
-# embedding. The rest (grouped output, compressors, router, hyper-connections) are dequantized.
+# embedding. The rest (compressors, router, hyper-connections) are dequantized.
 KEPT_PACKED = (
     "q_a_proj.weight",
     "q_b_proj.weight",
     "self_attn.kv_proj.weight",
+    "o_a_proj.weight",
     "o_b_proj.weight",
     "shared_experts.gate_proj.weight",
     "shared_experts.up_proj.weight",

@@ -119,11 +119,7 @@ class PrefillAttention:
 
     def _output(self, attn: Attention, out: torch.Tensor) -> torch.Tensor:
         """The grouped low-rank output projection of the attention output out [T, H, d]: [T, D]."""
-        cfg = self.config
-        count, groups = out.shape[0], cfg.o_groups
-        grouped = out.reshape(count, groups, -1).transpose(0, 1)  # [G, T, H d / G]
-        o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
-        low = torch.bmm(grouped, o_a.transpose(1, 2)).transpose(0, 1).reshape(count, -1)
+        low = ops.grouped_low_rank(out, attn.o_a_proj, self.config.o_groups)
         return ops.linear(low, attn.o_b_proj)
 
     def _compressed_keys(

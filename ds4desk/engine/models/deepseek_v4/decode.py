@@ -186,9 +186,7 @@ class GraphableDecode:
 
         out = self._attend_one(index, attn, x, q_res, q, kv, pos, span, turn)
 
-        groups = cfg.o_groups
-        o_a = attn.o_a_proj.weight.view(groups, cfg.o_lora_rank, -1)
-        low = torch.bmm(out.view(groups, 1, -1), o_a.transpose(1, 2)).view(1, -1)  # heads are grouped
+        low = ops.grouped_low_rank(out.view(1, -1), attn.o_a_proj, cfg.o_groups)  # heads are grouped
         return ops.linear(low, attn.o_b_proj)
 
     def _attend_one(

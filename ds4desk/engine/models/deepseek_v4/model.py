@@ -94,7 +94,8 @@ class DeepseekV4Model(
     ) -> None:
         """`quantized`: the linears the official checkpoint stores in FP8 stay FP8 (Fp8Weight) and
         the routed experts packed FP4; everything else, and all activations, in `dtype`. `packed`:
-        the GGUF block type of each routed-expert weight a GGUF file keeps in blocks."""
+        the GGUF block type of each weight a GGUF file stores in blocks; the routed experts, the
+        linears (modules.linear_weight), the head and the embedding keep them."""
         super().__init__(config, dtype)
         self.quantized = quantized
         self.model = Backbone(config, dtype, quantized, packed)

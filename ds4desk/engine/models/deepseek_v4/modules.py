@@ -136,8 +136,10 @@ class Attention(nn.Module):
         self.q_b_proj = linear_weight(q_b, dtype, fp8, packed, f"{prefix}.q_b_proj")
         self.kv_proj = linear_weight((dim, hidden), dtype, fp8, packed, f"{prefix}.kv_proj")
         self.kv_norm = Weight((dim,), torch.float32)
-        # Grouped (a batched matmul): bf16 even in quantized models, as the official converter leaves it.
-        self.o_a_proj = Weight((cfg.o_groups * cfg.o_lora_rank, heads * dim // cfg.o_groups), dtype)
+        # Grouped (ops.grouped_low_rank): bf16 even in quantized models, as the official converter
+        # leaves it; a GGUF's blocks where the file holds it so.
+        o_a = (cfg.o_groups * cfg.o_lora_rank, heads * dim // cfg.o_groups)
+        self.o_a_proj = linear_weight(o_a, dtype, False, packed, f"{prefix}.o_a_proj")
         o_rank = cfg.o_groups * cfg.o_lora_rank
         self.o_b_proj = linear_weight((hidden, o_rank), dtype, fp8, packed, f"{prefix}.o_b_proj")
         self.sinks = _param((heads,), torch.float32)

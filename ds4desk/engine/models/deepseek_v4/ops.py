@@ -11,6 +11,7 @@ from torch import nn
 
 from ds4desk.engine.kernels.deepseek_v4 import moe_tail
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
+from ds4desk.engine.kernels.quant import gguf_triton
 from ds4desk.engine.kernels.quant.fp8 import fp8_linear
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
@@ -88,6 +89,26 @@ def linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
     if weight.dtype == torch.float8_e4m3fn:
         return fp8_linear(x, weight, holder.weight_scale_inv)
     return decode_kernels.linear(x, weight)
+
+
+def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch.Tensor:
+    """Attention's grouped low-rank output projection of out [T, H, d]: group g's heads (H / G side
+    by side) times rows g R .. (g + 1) R of the weight [G R, H d / G], [T, G R]. A GGUF's blocks
+    (PackedLinear) at one row go through the experts GEMV with the groups as its slots (one kernel,
+    the blocks read in place); longer, one packed matmul a group."""
+    count = out.shape[0]
+    grouped = out.reshape(count, groups, -1)
+    if isinstance(holder, PackedLinear):
+        rank, cols, type_id = holder.out_features // groups, holder.in_features, holder.type_id
+        stacked = holder.weight.view(groups, rank, -1)
+        if count == 1 and gguf_triton.enabled(out) and gguf_triton.covers(type_id, out.dtype):
+            low = out.new_empty((groups, rank))
+            ids = torch.arange(groups, device=out.device)
+            return gguf_triton.experts_gemv(grouped[0], ids, stacked, type_id, cols, low).view(1, -1)
+        parts = [gguf_matmul(grouped[:, g].contiguous(), stacked[g], type_id, cols) for g in range(groups)]
+        return torch.cat(parts, dim=1)
+    weight = holder.weight.view(groups, -1, holder.weight.shape[-1])
+    return torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).reshape(count, -1)
 
 
 def shared_expert(shared: SharedExpert, x: torch.Tensor, limit: float) -> torch.Tensor:
