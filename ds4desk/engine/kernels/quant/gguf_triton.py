@@ -267,7 +267,7 @@ def experts_gemv(
     if k:
         kernels = _kernels()
         assert kernels is not None
-        config = experts_one_row_config(kind.name, cols)
+        config = experts_one_row_config(kind.name, cols, x.is_cuda)
         if config is None:
             kernels.experts_gemv(x, ids, weight, type_id, cols, out)
         else:
@@ -276,11 +276,13 @@ def experts_gemv(
     return out
 
 
-def experts_one_row_config(name: str, cols: int) -> tuple[int, int, int] | None:
+def experts_one_row_config(name: str, cols: int, on_gpu: bool = True) -> tuple[int, int, int] | None:
     """(BLOCK_N, groups a tile, num_warps) of gguf_experts_triton's kernel for experts of this type
-    and width, None where the general kernel runs them (another type). The groups a tile are halved
-    until a row is a whole number of tiles (a row's 64-value groups come in fours)."""
-    if name not in EXPERTS_ONE_ROW:
+    and width, None where the general kernel runs them: another type, or CPU tensors (Triton's
+    interpreter, the tests: it runs a program at a time, and this kernel's small tiles made a test's
+    minutes into tens; EXPERTS_OVERRIDE runs it there too). The groups a tile are halved until a row
+    is a whole number of tiles (a row's 64-value groups come in fours)."""
+    if name not in EXPERTS_ONE_ROW or not (on_gpu or EXPERTS_OVERRIDE is not None):
         return None
     block_n, groups, warps = EXPERTS_OVERRIDE if EXPERTS_OVERRIDE is not None else EXPERTS_ONE_ROW[name]
     while (cols // 64) % groups:

@@ -364,9 +364,9 @@ for name in {types}:
     kind = BY_NAME[name]
     stacked = torch.stack([tame_blocks(kind, rows, cols, seed=10 + e) for e in range(experts)]).to(device)
     mats = [gguf.dequantize(stacked[e], kind.type_id, (rows, cols)) for e in range(experts)]
-    # Q2_K and Q3_K run on gguf_experts_triton's kernel: its default tiles, and two tiles a row of
-    # 16 rows a program (40 rows: the last program's rows past the end).
-    settings = [None, (16, 4, 1)] if name in gt.EXPERTS_ONE_ROW else [None]
+    # Q2_K and Q3_K run on gguf_experts_triton's kernel on a GPU (or forced): its default tiles, and
+    # two tiles a row of 16 rows a program (40 rows: the last program's rows past the end).
+    settings = [None, gt.EXPERTS_ONE_ROW[name], (16, 4, 1)] if name in gt.EXPERTS_ONE_ROW else [None]
     for setting, dtype in itertools.product(settings, (torch.float32, torch.bfloat16)):
         gt.EXPERTS_OVERRIDE = setting
         for inputs in (1, len(ids)):  # one row for every slot (gate, up), a row a slot (down)
