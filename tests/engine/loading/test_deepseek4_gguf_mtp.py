@@ -28,6 +28,7 @@ from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading import gguf_deepseek4
 from ds4desk.engine.loading.detect import inspect_folder, read_source
 from ds4desk.engine.loading.gguf_header import read_gguf_header
+from ds4desk.engine.models.packed import PackedLinear
 from ds4desk.engine.runtime import Runtime
 from tests.engine.loading import deepseek4_files as files
 
@@ -70,10 +71,21 @@ def _file_values(path: Path, name: str) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32))
 
 
+def _block_values(block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The block's parameters; the linears it holds in the file's blocks (PackedLinear) dequantized."""
+    values = dict(block.named_parameters())
+    for name, module in block.named_modules():
+        if isinstance(module, PackedLinear):
+            shape = (module.out_features, module.in_features)
+            values[f"{name}.weight"] = gguf.dequantize(module.weight, module.type_id, shape)
+    return values
+
+
 def test_the_mtp_file_beside_the_model_is_its_block(made: dict[str, Path]) -> None:
     model = _load(made["model"])
     assert model.has_mtp and model.config.mtp_layer_types == ("sliding_attention",)
-    block = dict(model.mtp[0].named_parameters())
+    assert isinstance(model.mtp[0].self_attn.kv_proj, PackedLinear)  # Q8_0 in the file: kept so
+    block = _block_values(model.mtp[0])
     hidden = model.config.hidden_size
     eh = _file_values(made["mtp"], "blk.4.nextn.eh_proj.weight")
     assert tuple(eh.shape) == (hidden, 2 * hidden)
