@@ -35,6 +35,7 @@ from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.deepseek_v4 import moe
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from ds4desk.engine.models.deepseek_v4.synthetic import FLASH_CONFIG, build_gguf_experts, flash_config
+from ds4desk.engine.models.packed import PackedLinear
 from ds4desk.engine.runtime import Runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -109,6 +110,12 @@ def prompt_flops_per_token(model) -> float:  # type: ignore[no-untyped-def]
     """2 x the multiply-adds of the weights one token uses (the k picked experts of each layer's
     routed ones; attention scores left out), from the logical shapes, whatever the storage."""
     cfg = model.config
+    # A GGUF's linears held in their blocks: rows x columns, not their bytes.
+    blocks = {
+        f"{name}.weight": module.out_features * module.in_features
+        for name, module in model.named_modules()
+        if isinstance(module, PackedLinear)
+    }
     total = 0
     for name, param in model.named_parameters():
         if name.endswith(("weight_scale_inv", "tid2eid")) or "embed_tokens" in name or param.dim() < 2:
@@ -118,7 +125,7 @@ def prompt_flops_per_token(model) -> float:  # type: ignore[no-untyped-def]
             cols = cfg.hidden_size if name.endswith(("gate_proj", "up_proj")) else cfg.expert_size
             total += rows * cols * cfg.experts_per_token
         else:
-            total += param.numel()
+            total += blocks.get(name, param.numel())
     return 2.0 * total
 
 
