@@ -58,12 +58,14 @@ GEMV_MAX_ROWS = 8
 SCRATCH_ELEMENTS = 1 << 25
 # (BLOCK_N, values per row per iteration, num_warps) forced for every GEMV: what the sweep tries.
 OVERRIDE: tuple[int, int, int] | None = None
-# (BLOCK_N, values per row per iteration, num_warps) of experts_gemv by block type, where a sweep on
-# an H200 (bench/gguf_experts_gemv.py, Flash's expert shapes, 6 of 256 experts) beat gemv_config:
-# Q2_K 35.4 -> 29.6 us (gate/up) and 34.9 -> 28.6 us (down), Q3_K 43.6 -> 35.0 and 46.3 -> 33.3 us.
+# (BLOCK_N, values per row per iteration, num_warps) of experts_gemv's general kernel by block type,
+# where a sweep on an H200 (bench/gguf_experts_gemv.py, Flash's expert shapes, 6 of 256 experts)
+# beat gemv_config: Q2_K 35.4 -> 29.6 us (gate/up) and 34.9 -> 28.6 us (down), Q3_K 43.6 -> 35.0 and
+# 46.3 -> 33.3 us (13-15% of the copy bandwidth). On a GPU these two types now take EXPERTS_ONE_ROW.
 EXPERTS_TILES: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 512, 2), "Q3_K": (4, 256, 2)}
 # The types experts_gemv runs on gguf_experts_triton's kernel (groups of 64 values, input in read
-# order), and its (BLOCK_N, groups a tile, num_warps); EXPERTS_OVERRIDE forces one (the sweep).
+# order), and its (BLOCK_N, groups a tile, num_warps): the one-row GEMV's usual shape (a warp a
+# program, a few rows), not yet swept on a GPU. EXPERTS_OVERRIDE forces one (the sweep, the tests).
 EXPERTS_ONE_ROW: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 32, 1), "Q3_K": (4, 32, 1)}
 EXPERTS_OVERRIDE: tuple[int, int, int] | None = None
 
@@ -279,9 +281,9 @@ def experts_gemv(
 def experts_one_row_config(name: str, cols: int, on_gpu: bool = True) -> tuple[int, int, int] | None:
     """(BLOCK_N, groups a tile, num_warps) of gguf_experts_triton's kernel for experts of this type
     and width, None where the general kernel runs them: another type, or CPU tensors (Triton's
-    interpreter, the tests: it runs a program at a time, and this kernel's small tiles made a test's
-    minutes into tens; EXPERTS_OVERRIDE runs it there too). The groups a tile are halved until a row
-    is a whole number of tiles (a row's 64-value groups come in fours)."""
+    interpreter in the tests, which runs one program at a time: this kernel's many small programs
+    took a model test from 2 minutes past 7; EXPERTS_OVERRIDE runs it there too). The groups a tile
+    are halved until a row is a whole number of tiles (a row's 64-value groups come in fours)."""
     if name not in EXPERTS_ONE_ROW or not (on_gpu or EXPERTS_OVERRIDE is not None):
         return None
     block_n, groups, warps = EXPERTS_OVERRIDE if EXPERTS_OVERRIDE is not None else EXPERTS_ONE_ROW[name]
