@@ -4,9 +4,9 @@ What llama.cpp's converter does on the way from DeepSeek's official checkpoint, 
 - The FP8 linears are dequantized and stored as Q8_0; bf16 and float32 tensors keep their type;
   `llama-quantize` then puts most 2-D tensors in the chosen mix (even the hyper-connection maps and
   the compressors' position biases). The routed experts (models/deepseek_v4/modules.py's Experts),
-  the linears a decode step reads whole (attention's, the indexer's query, the shared expert's),
-  the head and the embedding stay in their block types; every other tensor the model keeps as
-  floats is dequantized while loading.
+  the linears a decode step reads whole (attention's, the compressors', the indexer's query, the
+  shared expert's), the head and the embedding stay in their block types; every other tensor the
+  model keeps as floats is dequantized while loading.
 - The FP4 routed experts are repacked as MXFP4 (the same values and power-of-two scales) and
   stacked per projection: `ffn_gate_exps` (w1), `ffn_up_exps` (w3), `ffn_down_exps` (w2), each
   [experts, rows, columns], expert after expert. They stay stacked: the model's experts are three

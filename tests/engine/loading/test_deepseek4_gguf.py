@@ -4,8 +4,8 @@ layout, converted by llama.cpp's convert_hf_to_gguf.py and requantized by llama-
 
 - The mapping: every tensor ds4desk reads from the converter's file is the checkpoint tensor it
   came from (within the converter's rounding), so no two tensors are swapped.
-- Packing: the routed experts, the attention and shared-expert linears, the head and the embedding
-  stay in the file's block types (MXFP4, Q8_0, Q2_K, Q3_K, Q4_K, ...), byte for byte; the rest are
+- Packing: the routed experts, the attention, compressor and shared-expert linears, the head and the
+  embedding stay in the file's block types (MXFP4, Q8_0, Q2_K, Q3_K, Q4_K, ...), byte for byte; the rest are
   floats.
 - Exactness: ds4desk's logits, teacher-forced over 140 positions (CSA windows of 4, the HCA window
   of 128 and the raw window of 8 all close or wrap) and then by the graphable decode step, equal
@@ -107,12 +107,16 @@ def test_every_tensor_is_the_checkpoint_tensor_it_came_from(
 
 
 # The weights ds4desk keeps in the file's block types besides the routed experts: the linears a decode
-# step reads in full (attention's, the indexer's query, the shared expert's), the head and the
-# embedding. The rest (compressors, router, hyper-connections) are dequantized.
+# step reads in full (attention's, the compressors', the indexer's query, the shared expert's), the
+# head and the embedding. The rest (router, indexer scorer, hyper-connections) are dequantized.
 KEPT_PACKED = (
     "q_a_proj.weight",
     "q_b_proj.weight",
     "self_attn.kv_proj.weight",
+    "compressor.kv_proj.weight",
+    "compressor.gate_proj.weight",
+    "indexer.kv_proj.weight",
+    "indexer.gate_proj.weight",
     "o_a_proj.weight",
     "o_b_proj.weight",
     "shared_experts.gate_proj.weight",

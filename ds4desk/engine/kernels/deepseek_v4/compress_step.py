@@ -29,6 +29,7 @@ from torch import nn
 
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
 from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, nvidia, on_its_device
+from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 
 # Default: the fused kernel where it can run (NVIDIA CUDA tensors, Triton importable; NVIDIA only: the
 # kernel was written for (and checked on) CUDA, never on ROCm). Forced on: always through the custom
@@ -49,7 +50,10 @@ def enabled(where: Where) -> bool:
 def fuse_projections(module: nn.Module) -> None:
     """Point a compressor's kv_proj and gate_proj weights at the two row halves of one new tensor
     (kept as `module.fused_proj`, outside the state dict), so a decode step projects once. For the
-    model's materialize: the contents are undefined until the loader copies the weights in."""
+    model's materialize: the contents are undefined until the loader copies the weights in. Weights
+    in a GGUF's blocks fuse when both are of one block type (rows of blocks are independent)."""
+    if getattr(module.kv_proj, "type_id", None) != getattr(module.gate_proj, "type_id", None):
+        return
     kv, gate = module.kv_proj.weight, module.gate_proj.weight
     both = torch.empty((kv.shape[0] + gate.shape[0], kv.shape[1]), device=kv.device, dtype=kv.dtype)
     module.kv_proj.weight = nn.Parameter(both[: kv.shape[0]], requires_grad=False)
@@ -61,6 +65,13 @@ def projections(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch
     """x @ kv_projᵀ and x @ gate_projᵀ [T, width]: one product when fuse_projections made the two
     weights views of one tensor (and nothing has replaced them since), else two."""
     kv, gate = module.kv_proj.weight, module.gate_proj.weight
+
+    def times(weight: torch.Tensor, holder: nn.Module) -> torch.Tensor:
+        type_id = getattr(holder, "type_id", None)  # a GGUF's blocks (models/packed.PackedLinear)
+        if type_id is None:
+            return decode_kernels.linear(x, weight)
+        return gguf_matmul(x, weight, type_id, x.shape[1])
+
     both = getattr(module, "fused_proj", None)
     if (
         both is None
@@ -68,8 +79,8 @@ def projections(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch
         or gate.data_ptr() != both.data_ptr() + kv.numel() * kv.element_size()
         or both.shape[0] != kv.shape[0] + gate.shape[0]
     ):
-        return decode_kernels.linear(x, kv), decode_kernels.linear(x, gate)
-    out = decode_kernels.linear(x, both)
+        return times(kv, module.kv_proj), times(gate, module.gate_proj)
+    out = times(both, module.kv_proj)  # fused: both of one type
     return out[:, : kv.shape[0]], out[:, kv.shape[0] :]
 
 

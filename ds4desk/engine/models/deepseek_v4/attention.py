@@ -173,8 +173,8 @@ class PrefillAttention:
         prefill share this path, so they pool identically."""
         count = x.shape[0]
         positions = torch.arange(start, start + count, device=x.device)
-        kv = (x @ comp.kv_proj.weight.t()).float()
-        gate = (x @ comp.gate_proj.weight.t()).float() + comp.position_bias[positions % rate]
+        kv = ops.linear(x, comp.kv_proj).float()
+        gate = ops.linear(x, comp.gate_proj).float() + comp.position_bias[positions % rate]
         buffered = start % rate  # tokens of the open window that earlier calls saw
         kv = torch.cat([state.kv[:buffered], kv])
         gate = torch.cat([state.gate[:buffered], gate])

@@ -295,9 +295,9 @@ class GraphableDecode:
         if at.slot is None or at.here is None or at.closing is None:
             self._compress_fused(comp, state, rows, x, at.pos)
             return
-        kv = (x @ comp.kv_proj.weight.t()).float()  # [1, width]
+        kv = ops.linear(x, comp.kv_proj).float()  # [1, width]
         bias = comp.position_bias.index_select(0, at.slot)
-        gate = torch.add(bias, x @ comp.gate_proj.weight.t())  # float32, as the bias
+        gate = torch.add(bias, ops.linear(x, comp.gate_proj))  # float32, as the bias
         win_kv = torch.where(at.here, kv, state.kv)  # the window holding pos, pos included: [rate, width]
         win_gate = torch.where(at.here, gate, state.gate)
         closing = at.closing

@@ -81,11 +81,20 @@ class Compressor(nn.Module):
     """Gated pooling of `rate` tokens into one entry of `dim`; `overlap` (CSA) doubles the width:
     each token feeds the next window (first half) and its own (second half)."""
 
-    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        dim: int,
+        rate: int,
+        overlap: bool,
+        dtype: torch.dtype,
+        packed: Mapping[str, int] | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         width = 2 * dim if overlap else dim
-        self.kv_proj = Weight((width, hidden), dtype)
-        self.gate_proj = Weight((width, hidden), dtype)
+        self.kv_proj = linear_weight((width, hidden), dtype, False, packed, f"{prefix}.kv_proj")
+        self.gate_proj = linear_weight((width, hidden), dtype, False, packed, f"{prefix}.gate_proj")
         self.position_bias = _param((rate, width), torch.float32)
         self.kv_norm = Weight((dim,), torch.float32)
 
@@ -109,7 +118,7 @@ class Indexer(Compressor):
         packed: Mapping[str, int] | None,
         prefix: str,
     ) -> None:
-        super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_rate, True, dtype)
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_rate, True, dtype, packed, prefix)
         shape = (cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank)
         self.q_b_proj = linear_weight(shape, dtype, fp8, packed, f"{prefix}.q_b_proj")
         self.scorer = Scorer(cfg.hidden_size, cfg.index_heads, dtype)
@@ -145,9 +154,12 @@ class Attention(nn.Module):
         self.sinks = _param((heads,), torch.float32)
         self.compressor: Compressor | None = None
         if layer_type != SLIDING:
-            self.compressor = Compressor(hidden, dim, cfg.rate(layer_type), layer_type == CSA, dtype)
+            compressor = f"{prefix}.compressor"
+            self.compressor = Compressor(
+                hidden, dim, cfg.rate(layer_type), layer_type == CSA, dtype, packed, compressor
+            )
             if layer_type == CSA:
-                self.compressor.indexer = Indexer(cfg, dtype, fp8, packed, f"{prefix}.compressor.indexer")
+                self.compressor.indexer = Indexer(cfg, dtype, fp8, packed, f"{compressor}.indexer")
 
 
 class Router(nn.Module):
@@ -262,9 +274,9 @@ class Layer(nn.Module):
         prefix: str | None = None,
     ) -> None:
         """`packed`: the weights a GGUF stores in block types (name -> GGML type id); of those, the
-        routed experts and the linears (attention's, the indexer's query, the shared expert) stay
-        packed, the rest are built as floats (the loader dequantizes them). `prefix`: the layer's
-        parameter names' (`model.layers.N` by default)."""
+        routed experts and the linears (attention's, the compressors', the indexer's query, the
+        shared expert's) stay packed, the rest are built as floats (the loader dequantizes them).
+        `prefix`: the layer's parameter names' (`model.layers.N` by default)."""
         super().__init__()
         layer_type, mlp_type = kinds or (cfg.layer_types[index], cfg.mlp_layer_types[index])
         prefix = prefix or f"model.layers.{index}"

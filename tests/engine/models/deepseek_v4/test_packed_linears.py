@@ -1,16 +1,18 @@
-"""DeepSeek-V4's linears on a GGUF's blocks (modules.linear_weight -> PackedLinear): ops.linear and the
-grouped low-rank output projection (ops.grouped_low_rank) equal the same math on the dequantized
-weight, on the CPU (gguf_matmul) and on the GGUF kernels (Triton's interpreter without a GPU), where
-one row of the grouped projection goes through the experts GEMV with the groups as its slots."""
+"""DeepSeek-V4's linears on a GGUF's blocks (modules.linear_weight -> PackedLinear): ops.linear, the
+grouped low-rank output projection (ops.grouped_low_rank) and the compressor's projections equal the
+same math on the dequantized weight, on the CPU (gguf_matmul) and on the GGUF kernels (Triton's
+interpreter without a GPU), where one row of the grouped projection goes through the experts GEMV
+with the groups as its slots."""
 
 from __future__ import annotations
 
 import torch
 
 from ds4desk.engine.formats import GGUF_TYPES
+from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.quant import gguf
 from ds4desk.engine.models.deepseek_v4 import ops
-from ds4desk.engine.models.deepseek_v4.modules import Weight, linear_weight
+from ds4desk.engine.models.deepseek_v4.modules import Compressor, Weight, linear_weight
 from ds4desk.engine.models.packed import PackedLinear
 from tests.engine.kernels.quant.test_gguf_triton import tame_blocks
 from tests.engine.triton_check import run_triton_check
@@ -78,3 +80,27 @@ for name in ("Q8_0", "Q2_K"):
 def test_one_row_of_the_grouped_projection_reads_the_groups_as_expert_slots() -> None:
     stdout = run_triton_check(_ONE_ROW_CHECK)
     assert "checked Q8_0 1" in stdout and "checked Q2_K 2" in stdout
+
+
+def test_a_compressors_packed_projections_fuse_and_equal_their_twins() -> None:
+    """The decode step's compressor projections (compress_step.projections) on a GGUF's blocks: kv
+    and gate of one type fuse into one packed matmul, of two types stay two; both equal the float
+    twin's."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 256, generator=gen)
+    for kv_type, gate_type in (("Q8_0", "Q8_0"), ("Q8_0", "Q4_K")):
+        types = {"c.kv_proj.weight": BY_NAME[kv_type].type_id}
+        types["c.gate_proj.weight"] = BY_NAME[gate_type].type_id
+        with torch.device("meta"):
+            packed = Compressor(256, 32, 4, True, torch.float32, types, "c")
+            twin = Compressor(256, 32, 4, True, torch.float32)
+        packed, twin = packed.to_empty(device="cpu"), twin.to_empty(device="cpu")
+        v4_compress_step.fuse_projections(packed)
+        assert hasattr(packed, "fused_proj") == (kv_type == gate_type)
+        for name, kind in (("kv_proj", kv_type), ("gate_proj", gate_type)):
+            blocks = tame_blocks(BY_NAME[kind], 64, 256, seed=len(name))
+            getattr(packed, name).weight.data.copy_(blocks)  # in place: the fused tensor's halves
+            getattr(twin, name).weight.data = gguf.dequantize(blocks, BY_NAME[kind].type_id, (64, 256))
+        want = (x @ twin.kv_proj.weight.t(), x @ twin.gate_proj.weight.t())
+        for got, wanted in zip(v4_compress_step.projections(packed, x), want, strict=True):
+            torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
