@@ -7,7 +7,10 @@ blocks, the rest as floats of --dtype). Per file: the bytes of every parameter h
 tensor bytes, their ratio, and the parameters held as blocks against those held as floats.
 --deepseek4-tiny DIR first writes the DeepSeek-V4 test files there (a tiny random V4 converted by
 llama.cpp's convert_hf_to_gguf.py and requantized by its quantizer: default, Q8_0, Q2_K, Q4_K_M;
-needs llama-cpp-python and the converter tree, as the tests do). Prints one JSON line a file.
+needs llama-cpp-python and the converter tree, as the tests do). --flash counts, on the meta device
+(no memory), the values of DeepSeek-V4-Flash's weights that a GGUF storing every 2-D weight in a
+block type keeps in its blocks, by kind, and their bytes as bf16 and as Q8_0. Prints one JSON line a
+file.
 """
 
 from __future__ import annotations
@@ -44,6 +47,33 @@ def weight_bytes(path: Path, dtype: torch.dtype) -> dict[str, object]:
     }
 
 
+def flash_blocks() -> dict[str, object]:
+    """What a Flash GGUF with every 2-D weight quantized keeps in blocks (the model's own rule)."""
+    from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
+    from ds4desk.engine.models.deepseek_v4.synthetic import flash_config
+    from ds4desk.engine.models.packed import PackedEmbedding, PackedLinear
+
+    config = flash_config()
+    with torch.device("meta"):
+        floats = DeepseekV4Model(config, torch.bfloat16)
+        every = {name: 8 for name, p in floats.named_parameters() if p.dim() == 2}  # GGML's Q8_0
+        model = DeepseekV4Model(config, torch.bfloat16, packed=every)
+    kinds: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            kinds[_kind(name)] = kinds.get(_kind(name), 0) + module.out_features * module.in_features
+        elif isinstance(module, PackedEmbedding):
+            kinds[_kind(name)] = module.num_embeddings * module.embedding_dim
+    values = sum(kinds.values())
+    return {
+        "file": "DeepSeek-V4-Flash (meta)",
+        "block_values": values,
+        "bf16_gb": 2 * values / 1e9,
+        "q8_0_gb": values * 34 / 32 / 1e9,
+        "values_by_kind": kinds,
+    }
+
+
 def _kind(name: str) -> str:
     """A parameter's name without its layer number: one entry for every layer's."""
     parts = name.split(".")
@@ -55,7 +85,10 @@ def main() -> int:
     parser.add_argument("files", nargs="*", type=Path)
     parser.add_argument("--deepseek4-tiny", type=Path, help="write the DeepSeek-V4 test files here first")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--flash", action="store_true", help="count Flash's weights kept in blocks")
     args = parser.parse_args()
+    if args.flash:
+        print(json.dumps(flash_blocks()), flush=True)
     files = list(args.files)
     if args.deepseek4_tiny is not None:
         from tests.engine.loading import deepseek4_files
