@@ -13,7 +13,7 @@ those values is bit 4 h + k of its high-bit bytes t .. t + 15. A code byte becom
 PRMT under 2^23's exponent and one subtraction; the scales multiply each sub-block's sum once, and
 Q2_K's minimums multiply the sub-block's sum of inputs.
 
-The input is read in the kernel's own order (`read_order`): for each unrolled step the G values the
+The input is read in the kernel's own order (gguf_triton._read_order): for each unrolled step the G values the
 G threads of a tile need lie side by side, where in the row's own order they lie 16-256 values apart
 and a warp's load touches up to 32 lines. gguf_triton writes that order with one index_select.
 """
