@@ -245,12 +245,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: to
 
 
 def experts_gemv(
-    x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    type_id: int,
+    cols: int,
+    out: torch.Tensor,
+    ordered: bool = False,
 ) -> torch.Tensor:
     """out [k, rows]: slot j's row is x_j @ dequantize(weight[ids[j]])ᵀ, for the stacked packed
     matrices weight [experts, rows, row_bytes] and the k expert ids `ids` (int64, on the device: no
     host read, no copy of the picked blocks). x is [1, cols] (one row for every slot: the experts'
-    gate and up projections) or [k, cols] (a row a slot: their down projection)."""
+    gate and up projections) or [k, cols] (a row a slot: their down projection). `ordered`: x is
+    already what experts_input gave for this type and width (gate and up then share one)."""
     kind = gguf_type(type_id)
     if kind.name not in _TILES:
         raise ValueError(f"the GGUF kernels do not take {kind.name}")
@@ -273,9 +280,16 @@ def experts_gemv(
         if config is None:
             kernels.experts_gemv(x, ids, weight, type_id, cols, out)
         else:
-            x_read = x.index_select(1, _read_order(cols, config[1], x.device))
+            x_read = x if ordered else experts_input(x, type_id, cols)
             kernels.experts_one_row(x_read, ids, weight, type_id, cols, out, config)
     return out
+
+
+def experts_input(x: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
+    """x [r, cols] as experts_gemv's kernel for this type reads it: in gguf_experts_triton's read
+    order (one index_select) where that kernel runs, else x itself. Pass it with ordered=True."""
+    config = experts_one_row_config(gguf_type(type_id).name, cols, x.is_cuda)
+    return x if config is None else x.index_select(1, _read_order(cols, config[1], x.device))
 
 
 def experts_one_row_config(name: str, cols: int, on_gpu: bool = True) -> tuple[int, int, int] | None:

@@ -66,9 +66,13 @@ def _gguf_experts_by_id(
     pairs, hidden, width = ids.shape[0], x.shape[1], experts.gate_proj.shape[1]
     inputs = x if x.shape[0] == 1 else x.repeat_interleave(k, dim=0)  # one row for all, or a row a pair
     types = experts.type_ids
+    # The input as the experts' kernel reads it, prepared once for gate and up where their types agree.
+    gate_in = gguf_triton.experts_input(inputs, types["gate_proj"], hidden)
+    same = types["up_proj"] == types["gate_proj"]
+    up_in = gate_in if same else gguf_triton.experts_input(inputs, types["up_proj"], hidden)
     gate, up = x.new_empty((pairs, width)), x.new_empty((pairs, width))
-    gguf_triton.experts_gemv(inputs, ids, experts.gate_proj, types["gate_proj"], hidden, gate)
-    gguf_triton.experts_gemv(inputs, ids, experts.up_proj, types["up_proj"], hidden, up)
+    gguf_triton.experts_gemv(gate_in, ids, experts.gate_proj, types["gate_proj"], hidden, gate, ordered=True)
+    gguf_triton.experts_gemv(up_in, ids, experts.up_proj, types["up_proj"], hidden, up, ordered=True)
     act = ops.swiglu(gate, up, limit)
     out = x.new_empty((pairs, hidden))
     return gguf_triton.experts_gemv(act, ids, experts.down_proj, types["down_proj"], width, out)

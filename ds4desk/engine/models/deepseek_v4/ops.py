@@ -5,6 +5,8 @@ weight holders, shared by prefill (attention.py, moe.py, hyper.py) and the graph
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,6 +93,12 @@ def linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
     return decode_kernels.linear(x, weight)
 
 
+@functools.cache
+def _group_ids(groups: int, device: torch.device) -> torch.Tensor:
+    """0 .. groups - 1 on `device`: the groups as experts_gemv's slots, made once, not every step."""
+    return torch.arange(groups, device=device)
+
+
 def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch.Tensor:
     """Attention's grouped low-rank output projection of out [T, H, d]: group g's heads (H / G side
     by side) times rows g R .. (g + 1) R of the weight [G R, H d / G], [T, G R]. A GGUF's blocks
@@ -103,7 +111,7 @@ def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch
         stacked = holder.weight.view(groups, rank, -1)
         if count == 1 and gguf_triton.enabled(out) and gguf_triton.covers(type_id, out.dtype):
             low = out.new_empty((groups, rank))
-            ids = torch.arange(groups, device=out.device)
+            ids = _group_ids(groups, out.device)
             return gguf_triton.experts_gemv(grouped[0], ids, stacked, type_id, cols, low).view(1, -1)
         parts = [gguf_matmul(grouped[:, g].contiguous(), stacked[g], type_id, cols) for g in range(groups)]
         return torch.cat(parts, dim=1)

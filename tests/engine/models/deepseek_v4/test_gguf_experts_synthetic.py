@@ -108,7 +108,7 @@ from tests.engine.models.deepseek_v4.test_gguf_experts_synthetic import SMALL, T
 
 calls = []
 kernel = gt.experts_gemv
-gt.experts_gemv = lambda *args: calls.append(args[3]) or kernel(*args)
+gt.experts_gemv = lambda *args, **kwargs: calls.append(args[3]) or kernel(*args, **kwargs)
 gt.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=torch.float32)
@@ -175,7 +175,7 @@ assert len(grouped) == chose.count(True), (grouped, chose)
 moe.BY_ID_MAX_PAIRS = 2 * 12
 calls = []
 by_id = gt.experts_gemv
-gt.experts_gemv = lambda *args: calls.append(args[0].shape[0]) or by_id(*args)
+gt.experts_gemv = lambda *args, **kwargs: calls.append(args[0].shape[0]) or by_id(*args, **kwargs)
 gt.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
 short = {}
 with torch.inference_mode():
