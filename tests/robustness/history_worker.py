@@ -24,6 +24,7 @@ def main(path: str, seed: int) -> None:
         if chats and roll < 0.15:
             chat = rng.choice(chats)
             title = f"renamed {rng.randrange(10**6)}"
+            say("RENAMING", chat.id, title)  # from here a kill may leave the old title or this one
             history.rename_chat(chat.id, title)
             say("RENAMED", chat.id, title)
         elif chats and roll < 0.25:
