@@ -19,10 +19,11 @@ Measured, per engine where it applies: decode tok/s of NEW_TOKENS after a 512-to
 tok/s of a 4096-token prompt (ds4desk at each prefill chunk size, the best kept), the time to first
 token of a 4096-token prompt, and a follow-up turn (the 4k prompt, its answer and a short question)
 from the snapshot saved after the answer against the same turn cold. Also the chunked delta rule
-alone at 4096 tokens (its share of the prefill) and, as a check that the file and the engines agree,
+alone at 4096 tokens (its share of the prefill; on its kernels and in torch ops, and how far apart
+their results are) and, as a check that the file and the engines agree,
 the relative difference of ds4desk's last logits from transformers' and from ds4desk's own on the
 GGUF. ds4desk rows: "ds4desk" (CUDA graphs, the Triton kernels where they run: Qwen3.5's decode
-step and gated norm, the one-row GEMVs with the norms and residual adds folded in),
+step, chunked delta rule and gated norm, the one-row GEMVs with the norms and residual adds folded in),
 "ds4desk-nokernels" (graphs, those kernels off: what they pay), "ds4desk-eager" (no graphs),
 "ds4desk-gguf" (the GGUF file in place). transformers is skipped cleanly where it has no Qwen3.5 (before 5.2).
 
@@ -58,7 +59,7 @@ from gguf_vocab import add_byte_level_vocab  # a sibling script: bench/ is the s
 from ds4desk.engine.api import SamplingParams, SaveSnapshot
 from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.dense import gemv as dense_gemv
-from ds4desk.engine.kernels.qwen3_5 import gated_norm, linear_decode
+from ds4desk.engine.kernels.qwen3_5 import chunked_delta, gated_norm, linear_decode
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.qwen3_5 import delta_rule
@@ -384,6 +385,7 @@ def bench_ds4desk(
     the snapshot follow-up as well as decode."""
     off = None if kernels else False
     switches = {linear_decode.SWITCH: off, gated_norm.SWITCH: off, dense_gemv.SWITCH: off}
+    switches[chunked_delta.SWITCH] = off
     row: dict[str, Any] = {"engine": name, "graphs": graphs, "qwen35_kernels": kernels}
     with launch.force(switches), torch.inference_mode():
         model = load_model(read_source(path), device, torch.bfloat16).model
@@ -521,8 +523,9 @@ def bench_llama_cpp(binary: Path, gguf_path: Path, sizes: Sizes) -> dict[str, An
 
 
 def delta_rule_share(cfg: dict[str, Any], device: torch.device, tokens: int) -> dict[str, float]:
-    """The chunked delta rule alone over `tokens` positions of one linear layer (float32, as the model
-    runs it), and times the linear layers: its part of a prefill."""
+    """The chunked delta rule alone over `tokens` positions of one linear layer, as the bf16 model
+    runs it (its kernels where they run) and in torch ops (the kernels off), and times the linear
+    layers: its part of a prefill. Also how far the kernels' result is from the torch ops'."""
     gen = torch.Generator(device=device).manual_seed(1)
     heads, dk, dv = cfg["linear_num_value_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
 
@@ -534,10 +537,21 @@ def delta_rule_share(cfg: dict[str, Any], device: torch.device, tokens: int) -> 
     v, g = rand(heads, tokens, dv), -torch.rand(heads, tokens, generator=gen, device=device)
     beta = torch.rand(heads, tokens, generator=gen, device=device)
     state = torch.zeros(heads, dk, dv, device=device)
-    with torch.inference_mode():
-        seconds = timed(lambda: delta_rule.chunked(q, k, v, g, beta, state.zero_()), device)
     layers = cfg["layer_types"].count(LINEAR)
-    return {"delta_rule_layer_s": seconds, "delta_rule_all_layers_s": seconds * layers}
+    result: dict[str, float] = {}
+    outputs = []
+    for name, kernels in (("", None), ("torch_", False)):
+        with launch.force({chunked_delta.SWITCH: kernels}), torch.inference_mode():
+
+            def run() -> torch.Tensor:
+                return delta_rule.chunked(q, k, v, g, beta, state.zero_(), torch.bfloat16)
+
+            seconds = timed(run, device)
+            outputs.append(run())
+        result[f"delta_rule_{name}layer_s"] = seconds
+        result[f"delta_rule_{name}all_layers_s"] = seconds * layers
+    result["delta_rule_kernels_rel_diff"] = relative_difference(*outputs)
+    return result
 
 
 def relative_difference(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -683,7 +697,8 @@ def print_table(result: dict[str, Any], sizes: Sizes) -> None:
         prefill_s = p / ours[keys[1]]
         print(
             f"chunked delta rule at {p} tokens: {share['delta_rule_all_layers_s'] * 1e3:.1f} ms over the "
-            f"linear layers, {100 * share['delta_rule_all_layers_s'] / prefill_s:.0f}% of ds4desk's prefill"
+            f"linear layers, {100 * share['delta_rule_all_layers_s'] / prefill_s:.0f}% of ds4desk's prefill; "
+            f"in torch ops {share['delta_rule_torch_all_layers_s'] * 1e3:.1f} ms"
         )
 
 

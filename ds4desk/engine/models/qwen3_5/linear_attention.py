@@ -153,7 +153,13 @@ def forward(
         core = delta_rule.step(q[0], k[0], v[0], decay[0], beta[0], plan.recurrent)[None]
     else:
         core = delta_rule.chunked(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), decay.t(), beta.t(), plan.recurrent
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            decay.t(),
+            beta.t(),
+            plan.recurrent,
+            x.dtype,
         ).transpose(0, 1)
     z = plan.z(x).view(count, heads, cfg.linear_value_dim)
     if gated_norm.enabled(x):  # one kernel for the prefill's rows (the float32 core rounded inside)
@@ -229,7 +235,7 @@ def roll_back(plan: LinearPlan, window: torch.Tensor, recurrent: torch.Tensor, k
         delta_rule.step(k[0], k[0], v[0], decay[0], beta[0], plan.recurrent)
     else:
         k, v = k.transpose(0, 1), v.transpose(0, 1)
-        delta_rule.chunked(k, k, v, decay.t(), beta.t(), plan.recurrent)
+        delta_rule.chunked(k, k, v, decay.t(), beta.t(), plan.recurrent, plan.conv_weight.dtype)
 
 
 def fits_one_row_kernels(plan: LinearPlan) -> bool:

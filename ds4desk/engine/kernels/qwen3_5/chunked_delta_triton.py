@@ -1,0 +1,208 @@
+"""Triton source of the chunked gated delta rule (chunked_delta.py holds the math and the op).
+
+Three kernels, C tokens a chunk, everything float32:
+- `prepare_kernel`, a program per (chunk, head), all in parallel: the running log-decay γ, the
+  chunk's unit lower-triangular system I + A inverted by forward substitution in registers, and the
+  writes' two parts W = (I + A)⁻¹ (β e^γ K) and U = (I + A)⁻¹ (β V).
+- `state_kernel`, a program per (value block, head), the one sequential part: it carries the state
+  S from chunk to chunk in registers, stores the state each chunk starts from, and turns U into the
+  chunk's real writes U - W S.
+- `output_kernel`, a program per (chunk, head, value block), all in parallel again: each chunk's
+  outputs from the state it started from and its own writes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def prepare_kernel(
+    k,
+    v,
+    g,
+    beta,
+    gam,
+    w,
+    u,
+    length,
+    stride_kh,
+    stride_kt,
+    stride_vh,
+    stride_vt,
+    stride_gh,
+    stride_gt,
+    stride_bh,
+    stride_bt,
+    padded,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, C)
+    t = chunk * C + rows
+    real = t < length
+    # Tokens past the end read as zero keys, zero strength and zero log-decay: they change nothing.
+    gamma = tl.cumsum(tl.load(g + head * stride_gh + t * stride_gt, mask=real, other=0.0), 0)
+    strength = tl.load(beta + head * stride_bh + t * stride_bt, mask=real, other=0.0)
+    tl.store(gam + head * padded + t, gamma)
+
+    # A[t, s] = β_t e^(γ_t - γ_s) (k_t · k_s) for s < t.
+    dots = tl.zeros((C, C), dtype=tl.float32)
+    for start in range(0, DK, BK):
+        cols = start + tl.arange(0, BK)
+        block = tl.load(
+            k + head * stride_kh + t[:, None] * stride_kt + cols[None, :],
+            mask=real[:, None] & (cols[None, :] < DK),
+            other=0.0,
+        )
+        dots += tl.dot(block, tl.trans(block), input_precision=PRECISION)
+    earlier = rows[None, :] < rows[:, None]
+    decay = tl.exp(tl.where(earlier, gamma[:, None] - gamma[None, :], 0.0))
+    lower = tl.where(earlier, dots * decay * strength[:, None], 0.0)
+
+    # (I + A)⁻¹ row by row: row i is e_i - Σ_{j<i} A[i, j] row_j, and rows j < i are final by then.
+    inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        a_row = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), 0)  # A[i, :]
+        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
+        inverse = tl.where(rows[:, None] == i, row[None, :], inverse)
+
+    key_scale = strength * tl.exp(gamma)
+    for start in range(0, DK, BK):
+        cols = start + tl.arange(0, BK)
+        block = tl.load(
+            k + head * stride_kh + t[:, None] * stride_kt + cols[None, :],
+            mask=real[:, None] & (cols[None, :] < DK),
+            other=0.0,
+        )
+        part = tl.dot(inverse, block * key_scale[:, None], input_precision=PRECISION)
+        tl.store(w + (head * padded + t[:, None]) * DK + cols[None, :], part, mask=cols[None, :] < DK)
+    for start in range(0, DV, BV):
+        cols = start + tl.arange(0, BV)
+        block = tl.load(
+            v + head * stride_vh + t[:, None] * stride_vt + cols[None, :],
+            mask=real[:, None] & (cols[None, :] < DV),
+            other=0.0,
+        )
+        part = tl.dot(inverse, block * strength[:, None], input_precision=PRECISION)
+        tl.store(u + (head * padded + t[:, None]) * DV + cols[None, :], part, mask=cols[None, :] < DV)
+
+
+@triton.jit
+def state_kernel(
+    k,
+    gam,
+    w,
+    u,
+    starts,
+    state,
+    length,
+    chunks,
+    stride_kh,
+    stride_kt,
+    padded,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    C: tl.constexpr,
+    BKF: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, C)
+    keys = tl.arange(0, BKF)
+    values = tl.program_id(0) * BV + tl.arange(0, BV)
+    tile = (keys[:, None] < DK) & (values[None, :] < DV)
+    at = keys[:, None] * DV + values[None, :]
+    carried = tl.load(state + head * DK * DV + at, mask=tile, other=0.0)  # [BKF, BV]
+    # A while loop: Triton's interpreter (the tests without a GPU) cannot take a for loop whose bound
+    # is an argument under numpy 2.
+    chunk = 0
+    while chunk < chunks:
+        tl.store(starts + (head * chunks + chunk) * DK * DV + at, carried, mask=tile)
+        t = chunk * C + rows
+        gamma = tl.load(gam + head * padded + t)
+        last = tl.load(gam + head * padded + chunk * C + C - 1)
+        w_part = tl.load(w + (head * padded + t[:, None]) * DK + keys[None, :], mask=keys[None, :] < DK)
+        u_at = u + (head * padded + t[:, None]) * DV + values[None, :]
+        writes = tl.load(u_at, mask=values[None, :] < DV) - tl.dot(w_part, carried, input_precision=PRECISION)
+        tl.store(u_at, writes, mask=values[None, :] < DV)
+        block = tl.load(
+            k + head * stride_kh + t[:, None] * stride_kt + keys[None, :],
+            mask=(t[:, None] < length) & (keys[None, :] < DK),
+            other=0.0,
+        )
+        to_end = block * tl.exp(last - gamma)[:, None]
+        carried = carried * tl.exp(last) + tl.dot(tl.trans(to_end), writes, input_precision=PRECISION)
+        chunk += 1
+    tl.store(state + head * DK * DV + at, carried, mask=tile)
+
+
+@triton.jit
+def output_kernel(
+    q,
+    k,
+    gam,
+    u,
+    starts,
+    out,
+    length,
+    chunks,
+    stride_qh,
+    stride_qt,
+    stride_kh,
+    stride_kt,
+    stride_oh,
+    stride_ot,
+    padded,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.arange(0, C)
+    t = chunk * C + rows
+    real = t < length
+    values = tl.program_id(2) * BV + tl.arange(0, BV)
+    scores = tl.zeros((C, C), dtype=tl.float32)
+    from_start = tl.zeros((C, BV), dtype=tl.float32)
+    start_state = starts + (head * chunks + chunk) * DK * DV
+    for start in range(0, DK, BK):
+        cols = start + tl.arange(0, BK)
+        inside = real[:, None] & (cols[None, :] < DK)
+        q_part = tl.load(
+            q + head * stride_qh + t[:, None] * stride_qt + cols[None, :], mask=inside, other=0.0
+        )
+        k_part = tl.load(
+            k + head * stride_kh + t[:, None] * stride_kt + cols[None, :], mask=inside, other=0.0
+        )
+        scores += tl.dot(q_part, tl.trans(k_part), input_precision=PRECISION)
+        s_part = tl.load(
+            start_state + cols[:, None] * DV + values[None, :],
+            mask=(cols[:, None] < DK) & (values[None, :] < DV),
+            other=0.0,
+        )
+        from_start += tl.dot(q_part, s_part, input_precision=PRECISION)
+    gamma = tl.load(gam + head * padded + t)
+    causal = rows[None, :] <= rows[:, None]
+    scores = tl.where(causal, scores * tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+    writes = tl.load(
+        u + (head * padded + t[:, None]) * DV + values[None, :], mask=values[None, :] < DV, other=0.0
+    )
+    result = from_start * tl.exp(gamma)[:, None] + tl.dot(scores, writes, input_precision=PRECISION)
+    tl.store(
+        out + head * stride_oh + t[:, None] * stride_ot + values[None, :],
+        result,
+        mask=real[:, None] & (values[None, :] < DV),
+    )

@@ -1,0 +1,203 @@
+"""Qwen3.5's chunked gated delta rule as one op (qwen35_chunked_delta): the op is one op whose CPU body
+is the reference, the Triton kernels (on CUDA, or Triton's CPU interpreter) equal the reference at
+Qwen3.5-9B's head shapes and small odd ones, over runs shorter than, equal to and longer than a chunk,
+from a carried state and with the model's strided inputs; the model's prefill through the kernels
+equals its eager prefill; and the kernels compile for Hopper without spills."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4desk.engine.kernels.qwen3_5 import chunked_delta
+from ds4desk.engine.models.qwen3_5 import delta_rule
+from tests.engine.op_names import OpNames
+from tests.engine.triton_check import run_triton_check
+
+
+def inputs(
+    length: int, heads: int, dk: int, dv: int, seed: int, decay: float = 1.0
+) -> tuple[torch.Tensor, ...]:
+    """Random arguments as the model passes them: [T, H, d] tensors seen heads first (transposed
+    views, not contiguous), a carried state."""
+    gen = torch.Generator().manual_seed(seed)
+    q = delta_rule.unit_rows(torch.randn(length, heads, dk, generator=gen)) * dk**-0.5
+    k = delta_rule.unit_rows(torch.randn(length, heads, dk, generator=gen))
+    v = torch.randn(length, heads, dv, generator=gen)
+    # Log-decays from almost none to strong (exp(-decay * 4) per token at the far end).
+    g = -decay * 4 * torch.rand(length, heads, generator=gen)
+    beta = torch.rand(length, heads, generator=gen)
+    state = torch.randn(heads, dk, dv, generator=gen) * 0.3
+    return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(), state
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).norm() / ref.norm())
+
+
+def test_the_op_is_one_op_with_the_reference_result() -> None:
+    q, k, v, g, beta, state = inputs(70, heads=3, dk=8, dv=6, seed=1)
+    carried, expected_state = state.clone(), state.clone()
+    seen = OpNames()
+    with torch.inference_mode(), seen, chunked_delta.SWITCH.force(True):
+        ours = chunked_delta.chunked(q, k, v, g, beta, carried)
+    assert seen.names == ["qwen35_chunked_delta"]  # what a graph capture or an op counter sees
+    expected = chunked_delta.reference(q, k, v, g, beta, expected_state)
+    assert torch.equal(ours, expected) and torch.equal(carried, expected_state)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"state": torch.zeros(3, 8, 6, dtype=torch.float64)}, "float64"),
+        ({"state": torch.zeros(3, 8, 7)}, "state"),
+        ({"beta": torch.zeros(3, 4)}, "beta"),
+        ({"q": torch.zeros(3, 5, 9)}, "q"),
+    ],
+)
+def test_bad_arguments_get_a_clear_error(change: dict[str, torch.Tensor], message: str) -> None:
+    names = ("q", "k", "v", "g", "beta", "state")
+    arguments = {**dict(zip(names, inputs(5, heads=3, dk=8, dv=6, seed=2), strict=True)), **change}
+    with pytest.raises(ValueError, match=message):
+        chunked_delta.chunked(**arguments)
+
+
+# --- the Triton kernels ---------------------------------------------------------------------------
+
+# (length, heads, dk, dv, decay): one token, a run shorter than the smallest chunk, one exact chunk,
+# several chunks with a ragged end, strong decays (a chunk's factors underflow), Qwen3.5-9B's 128-wide
+# heads over three chunks, and widths no power of two.
+CASES = [
+    (1, 3, 8, 6, 1.0),
+    (5, 3, 8, 6, 1.0),
+    (64, 2, 24, 20, 1.0),
+    (100, 3, 8, 6, 1.0),
+    (150, 2, 16, 16, 2.0),
+    (130, 2, 128, 128, 1.0),
+    (40, 1, 256, 96, 1.0),
+]
+
+
+def check_kernels(device: torch.device) -> None:
+    """The kernels against the reference: outputs and the carried state; IEEE float32 products tight,
+    TF32 ones (a 16-bit model's; on a GPU only: the interpreter multiplies in float32) within what
+    TF32's 10-bit mantissa allows, far inside a bf16 model's own rounding."""
+    kernel = chunked_delta._triton_kernel()
+    assert kernel is not None
+    for tf32, tol in ((False, 1e-5), (True, 5e-3)) if device.type == "cuda" else ((False, 1e-5),):
+        for length, heads, dk, dv, decay in CASES:
+            arguments = inputs(length, heads, dk, dv, seed=length, decay=decay)
+            q, k, v, g, beta, state = (t.to(device) for t in arguments)
+            ours, expected_state = state.clone(), state.clone()
+            got = kernel(q, k, v, g, beta, ours, tf32)
+            expected = chunked_delta.reference(q, k, v, g, beta, expected_state)
+            where = (length, heads, dk, dv, decay, tf32)
+            assert got.shape == expected.shape and torch.isfinite(got).all(), where
+            assert relative_error(got, expected) < tol, (where, relative_error(got, expected))
+            assert relative_error(ours, expected_state) < tol, (where, relative_error(ours, expected_state))
+
+
+def check_model(folder: str) -> None:
+    """The tiny Qwen3.5's prefill in chunks of 7 and 82 tokens (each continues the state of the one
+    before; 82 are two of the kernels' chunks), float32, with the kernels forced on, against the same
+    model on the reference."""
+    from ds4desk.engine.loader import load_model
+    from ds4desk.engine.loading.detect import read_source
+    from tests.engine.kernels.qwen3_5.test_linear_decode import CONTEXT, tokens
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    chunked_delta.SWITCH.kernel_on_cpu = True
+    ids = torch.tensor(tokens(89, seed=11), device=device)
+    results = []
+    for flag in (True, False):
+        model = load_model(read_source(Path(folder)), device, torch.float32).model
+        model.allocate_cache(CONTEXT)
+        with chunked_delta.SWITCH.force(flag), torch.inference_mode():
+            logits = [model.forward(ids[s : s + n], s, "all") for s, n in ((0, 7), (7, 82))]
+        results.append(torch.cat(logits))
+    ours, eager = results
+    assert relative_error(ours, eager) < 1e-5, relative_error(ours, eager)
+
+
+_KERNEL_CHECK = """
+import torch
+from tests.engine.kernels.qwen3_5.test_chunked_delta import check_kernels
+
+check_kernels(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+print("triton ok")
+"""
+
+
+def test_the_triton_kernels_equal_the_reference() -> None:
+    """On CUDA the real kernels; without a GPU, Triton's interpreter. Skipped without Triton."""
+    assert "triton ok" in run_triton_check(_KERNEL_CHECK)
+
+
+def test_the_models_prefill_through_the_kernels_equals_its_eager_prefill(tmp_path: Path) -> None:
+    from tests.engine.kernels.qwen3_5.test_linear_decode import write_tiny_folder
+
+    folder = write_tiny_folder(tmp_path / "hf")
+    script = "from tests.engine.kernels.qwen3_5.test_chunked_delta import check_model\n"
+    script += f"check_model({str(folder)!r})\nprint('model ok')\n"
+    assert "model ok" in run_triton_check(script)
+
+
+# --- ahead of time: the kernels as an H200 runs them ----------------------------------------------
+
+
+def hopper_compile(tmp_path: Path, name: str, signature: dict[str, str], constants: dict[str, object]) -> str:
+    """ptxas's report of one kernel compiled for sm_90 at the launcher's warps."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from ds4desk.engine.kernels.qwen3_5 import chunked_delta_triton
+
+    kernel = getattr(chunked_delta_triton, name)
+    signature = signature | dict.fromkeys(constants, "constexpr")
+    names = list(signature)
+    source = ASTSource(
+        fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()}
+    )
+    compiled = compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": chunked_delta.WARPS, "num_stages": 1}
+    )
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptx_file = tmp_path / f"{name}.ptx"
+    ptx_file.write_text(compiled.asm["ptx"])
+    args = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_file), "-o", str(tmp_path / f"{name}.o")]
+    report = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    return report.stderr + report.stdout
+
+
+@pytest.mark.parametrize("dk,dv", [(128, 128), (256, 256)])
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_the_kernels_compile_for_hopper(tmp_path: Path, dk: int, dv: int, precision: str) -> None:
+    """Qwen3.5-9B's heads (128 wide) and twice that, at a full chunk. A 16-bit model's products (TF32
+    inputs) do not spill registers at 128; the float32 model's (IEEE, on the FMA units) compile."""
+    length = 4096
+    precision = {"PRECISION": precision}
+    pointers = {"k": "*fp32", "gam": "*fp32"}
+    prepare = {"k": "*fp32", "v": "*fp32", "g": "*fp32", "beta": "*fp32", "gam": "*fp32"}
+    prepare |= {"w": "*fp32", "u": "*fp32", "length": "i32"}
+    prepare |= dict.fromkeys(("stride_kh", "stride_kt", "stride_vh", "stride_vt"), "i32")
+    prepare |= dict.fromkeys(("stride_gh", "stride_gt", "stride_bh", "stride_bt", "padded"), "i32")
+    state = pointers | {"w": "*fp32", "u": "*fp32", "starts": "*fp32", "state": "*fp32"}
+    state |= dict.fromkeys(("length", "chunks", "stride_kh", "stride_kt", "padded"), "i32")
+    output = {"q": "*fp32"} | pointers | {"u": "*fp32", "starts": "*fp32", "out": "*fp32"}
+    output |= dict.fromkeys(("length", "chunks", "stride_qh", "stride_qt", "stride_kh", "stride_kt"), "i32")
+    output |= dict.fromkeys(("stride_oh", "stride_ot", "padded"), "i32")
+    constants = chunked_delta.launch_constants(dk, dv, length) | precision
+    along = chunked_delta.state_constants(dk, dv, length) | precision
+    for name, signature, values in (
+        ("prepare_kernel", prepare, constants),
+        ("state_kernel", state, along),
+        ("output_kernel", output, constants),
+    ):
+        report = hopper_compile(tmp_path, name, signature, values)
+        if precision["PRECISION"] == "tf32" and dk == 128:
+            assert "0 bytes spill stores" in report, (name, report)
