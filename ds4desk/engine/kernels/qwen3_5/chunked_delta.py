@@ -25,11 +25,10 @@ Then
 for every chunk at once, builds each chunk's end state as an affine map of its start state, applies
 those maps in order (one batched matmul a chunk), and gets every chunk's writes and outputs in two
 batched products. On NVIDIA GPUs with Triton the op runs three kernels instead
-(chunked_delta_triton.py): per chunk and head, the inverse of I + A by forward substitution in
-registers and W_S, W_free from it; per head and block of state columns, the state carried from chunk
-to chunk in registers (the one sequential part), which also turns W_free - W_S S0 into the writes;
-per chunk, head and column block, the outputs. The eager form spends most of its time in the
-batched triangular solves and in a dozen launches a chunk.
+(chunked_delta_triton.py): per chunk and head, the inverse of I + A in blocks of 16 and W_S, W_free
+from it; per head and block of state columns, the state carried from chunk to chunk in registers
+(the one sequential part), which also turns W_free - W_S S0 into the writes; per chunk, head and
+column block, the outputs.
 
 Everything runs in float32 whatever the model's dtype: the state is a long running sum. Shapes: heads
 first, [H, T, d], batch dropped; any strides with the last dimension contiguous.
@@ -227,6 +226,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         gam = torch.empty((heads, padded), **scratch)
         w = torch.empty((heads, padded, dk), **scratch)
         u = torch.empty((heads, padded, dv), **scratch)
+        lower, inverse = (torch.empty((heads, padded, chunk), **scratch) for _ in range(2))
         starts = torch.empty((heads, chunks, dk, dv), **scratch)
         out = torch.empty((heads, length, dv), **scratch)
         settings = {"PRECISION": "tf32" if tf32 else "ieee", "num_warps": WARPS, "num_stages": 1}
@@ -238,6 +238,8 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             gam,
             w,
             u,
+            lower,
+            inverse,
             length,
             k.stride(0),
             k.stride(1),

@@ -2,8 +2,9 @@
 
 Three kernels, C tokens a chunk, everything float32:
 - `prepare_kernel`, a program per (chunk, head), all in parallel: the running log-decay γ, the
-  chunk's unit lower-triangular system I + A inverted by forward substitution in registers, and the
-  writes' two parts W = (I + A)⁻¹ (β e^γ K) and U = (I + A)⁻¹ (β V).
+  chunk's unit lower-triangular system I + A inverted in blocks of 16 (forward substitution inside
+  the diagonal blocks, small matmuls below them), and the writes' two parts W = (I + A)⁻¹ (β e^γ K)
+  and U = (I + A)⁻¹ (β V).
 - `state_kernel`, a program per (value block, head), the one sequential part: it carries the state
   S from chunk to chunk in registers, stores the state each chunk starts from, and turns U into the
   chunk's real writes U - W S.
@@ -26,6 +27,8 @@ def prepare_kernel(
     gam,
     w,
     u,
+    lower_buf,
+    inverse_buf,
     length,
     stride_kh,
     stride_kt,
@@ -67,12 +70,42 @@ def prepare_kernel(
     decay = tl.exp(tl.where(earlier, gamma[:, None] - gamma[None, :], 0.0))
     lower = tl.where(earlier, dots * decay * strength[:, None], 0.0)
 
-    # (I + A)⁻¹ row by row: row i is e_i - Σ_{j<i} A[i, j] row_j, and rows j < i are final by then.
-    inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_row = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), 0)  # A[i, :]
-        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_row[:, None] * inverse, 0)
-        inverse = tl.where(rows[:, None] == i, row[None, :], inverse)
+    # (I + A)⁻¹ in blocks of 16: the diagonal blocks by forward substitution, all at once, then the
+    # blocks below them. A and the inverse pass through this chunk's scratch (a barrier between a
+    # store and the loads of it), because a tile in registers cannot be indexed by row.
+    at = (head * padded + chunk * C) * C
+    tl.store(lower_buf + at + rows[:, None] * C + rows[None, :], lower)
+    tl.debug_barrier()
+    blocks = tl.arange(0, C // 16)
+    r = tl.arange(0, 16)
+    first = blocks[:, None] * 16  # [blocks, 1]: a diagonal block's first row (and column)
+    # diagonal[b, i, j] = ((I + A_bb)⁻¹)[i, j]; row i is e_i - Σ_{j<i} A_bb[i, j] row_j, rows j < i
+    # final by then.
+    diagonal = tl.where((r[None, :, None] == r[None, None, :]) & (first[:, :, None] >= 0), 1.0, 0.0)
+    for i in range(1, 16):
+        a_row = tl.load(lower_buf + at + (first + i) * C + first + r[None, :])  # [blocks, 16]: A_bb[i, :]
+        row = tl.where(r == i, 1.0, 0.0)[None, :] - tl.sum(a_row[:, :, None] * diagonal, 1)
+        diagonal = tl.where((r == i)[None, :, None], row[:, None, :], diagonal)
+    square = r[:, None] * C + r[None, :]  # a 16 x 16 block's offsets from its first element
+    tl.store(inverse_buf + at + (first[:, :, None] * C + first[:, :, None]) + square[None, :, :], diagonal)
+    tl.debug_barrier()
+    # Below the diagonal, block row by block row: T_ij = -T_ii Σ_{j<=m<i} A_im T_mj (from (I + A) T = I).
+    for i in tl.static_range(1, C // 16):
+        t_ii = tl.load(inverse_buf + at + (i * 16) * C + i * 16 + square)
+        for j in tl.static_range(0, i):
+            total = tl.zeros((16, 16), dtype=tl.float32)
+            for m in tl.static_range(j, i):
+                a_im = tl.load(lower_buf + at + (i * 16) * C + m * 16 + square)
+                t_mj = tl.load(inverse_buf + at + (m * 16) * C + j * 16 + square)
+                total += tl.dot(a_im, t_mj, input_precision="ieee")
+            t_ij = -tl.dot(t_ii, total, input_precision="ieee")
+            tl.store(inverse_buf + at + (i * 16) * C + j * 16 + square, t_ij)
+        tl.debug_barrier()
+    inverse = tl.load(
+        inverse_buf + at + rows[:, None] * C + rows[None, :],
+        mask=rows[None, :] // 16 <= rows[:, None] // 16,
+        other=0.0,
+    )
 
     key_scale = strength * tl.exp(gamma)
     for start in range(0, DK, BK):

@@ -67,12 +67,14 @@ def test_bad_arguments_get_a_clear_error(change: dict[str, torch.Tensor], messag
 
 # --- the Triton kernels ---------------------------------------------------------------------------
 
-# (length, heads, dk, dv, decay): one token, a run shorter than the smallest chunk, one exact chunk,
-# several chunks with a ragged end, strong decays (a chunk's factors underflow), Qwen3.5-9B's 128-wide
+# (length, heads, dk, dv, decay): one token, runs shorter than the smallest chunk and than a whole
+# one (chunks of 16 and 32 tokens: one and two blocks of the inverse), one exact chunk, several
+# chunks with a ragged end, strong decays (a chunk's factors underflow), Qwen3.5-9B's 128-wide
 # heads over three chunks, and widths no power of two.
 CASES = [
     (1, 3, 8, 6, 1.0),
     (5, 3, 8, 6, 1.0),
+    (20, 2, 8, 6, 1.0),
     (64, 2, 24, 20, 1.0),
     (100, 3, 8, 6, 1.0),
     (150, 2, 16, 16, 2.0),
@@ -183,7 +185,7 @@ def test_the_kernels_compile_for_hopper(tmp_path: Path, dk: int, dv: int, precis
     precision = {"PRECISION": precision}
     pointers = {"k": "*fp32", "gam": "*fp32"}
     prepare = {"k": "*fp32", "v": "*fp32", "g": "*fp32", "beta": "*fp32", "gam": "*fp32"}
-    prepare |= {"w": "*fp32", "u": "*fp32", "length": "i32"}
+    prepare |= {"w": "*fp32", "u": "*fp32", "lower_buf": "*fp32", "inverse_buf": "*fp32", "length": "i32"}
     prepare |= dict.fromkeys(("stride_kh", "stride_kt", "stride_vh", "stride_vt"), "i32")
     prepare |= dict.fromkeys(("stride_gh", "stride_gt", "stride_bh", "stride_bt", "padded"), "i32")
     state = pointers | {"w": "*fp32", "u": "*fp32", "starts": "*fp32", "state": "*fp32"}
