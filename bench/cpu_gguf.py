@@ -62,7 +62,12 @@ def bench_ds4desk(model: str, prompt: list[int], new: int, repeats: int) -> tupl
 
     engine = Engine()
     try:
-        loaded = engine.load(LoadRequest(path=model, device="cpu", context=len(prompt) + new + 8, chunk=512))
+        # Speculation off: llama.cpp decodes a token a step here, and prompt lookup would draft from
+        # the tiny models' own repetitions (the default "auto" does, for greedy requests).
+        context = len(prompt) + new + 8
+        loaded = engine.load(
+            LoadRequest(path=model, device="cpu", context=context, chunk=512, speculative="off")
+        )
         assert loaded.ok, loaded.error
 
         def once() -> tuple[float, float]:

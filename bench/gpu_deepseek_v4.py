@@ -90,7 +90,13 @@ def bench_ds4desk(
     engine = Engine()
     try:
         request = LoadRequest(
-            str(folder), "cuda", "bfloat16", context=count + new + 8, chunk=chunk, cuda_graphs=graphs
+            str(folder),
+            "cuda",
+            "bfloat16",
+            context=count + new + 8,
+            chunk=chunk,
+            cuda_graphs=graphs,
+            speculative="off",  # a token a step, as the peers decode
         )
         loaded = engine.load(request)
         assert loaded.ok, loaded.error

@@ -79,6 +79,13 @@ def test_smollm2_fused_decode_matches_the_torch_steps(smollm, isa: str, monkeypa
 
 
 @pytest.mark.slow
+def test_smollm2_fused_decode_over_several_attention_segments(smollm, monkeypatch) -> None:
+    # 700 cached positions: three segments of 256 (each its three query heads a kv head at once),
+    # merged.
+    _compare(smollm, 700, 3, monkeypatch)
+
+
+@pytest.mark.slow
 def test_gemma3_fused_decode_matches_across_the_ring_wrap(gemma, monkeypatch) -> None:
     """Gemma 3: (1 + w) norms before and after each block, q/k norms, GELU, its own rope tables per
     layer kind, and projections of several types side by side (q/k/v of Q4_K_M). The window is 512

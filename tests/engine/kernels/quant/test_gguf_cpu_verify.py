@@ -83,6 +83,13 @@ def test_smollm2_verify_step_is_its_decode_steps_bit_for_bit(smollm, count: int,
 
 
 @pytest.mark.slow
+def test_smollm2_verify_step_across_attention_segments_is_bit_for_bit(smollm, monkeypatch) -> None:
+    """From 250, nine tokens read 251 to 259 positions: the first ones one attention segment of 256
+    positions, the later ones two, whose partial sums are merged (the split is the same in both runs)."""
+    _assert_bitwise(_verify_and_decode(smollm, 250, 9, 300, monkeypatch), 9, smollm.vocab_size)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("start", [100, 506], ids=["inside-the-ring", "across-the-wrap"])
 def test_gemma3_verify_step_is_its_decode_steps_bit_for_bit(gemma, start: int, monkeypatch) -> None:
     """Window 512: from 506, nine tokens cross the local layers' ring (positions 512.. overwrite
