@@ -1261,8 +1261,8 @@ INLINE_AVX512 __m512 exp16(__m512 x) {
 /* attend_tile_portable for dim % 16 == 0, in registers, and for the g <= GROUP_MAX query heads of one
  * kv head at once (head j's query at q + j * dim, its state o[j]): each key and value row is loaded
  * once for all of them. */
-static AVX512 void attend_group_tile_avx512(Online *o, int g, const float *q, const float *keys,
-                                            const float *values, int n, int dim, float scale) {
+INLINE_AVX512 void attend_group_tile_body(Online *o, const int g, const float *q, const float *keys,
+                                          const float *values, int n, int dim, float scale) {
     float scores[GROUP_MAX][ATTN_TILE];
     const int vecs = dim / 16;
     for (int i = 0; i < n; i++) {
@@ -1292,15 +1292,55 @@ static AVX512 void attend_group_tile_avx512(Online *o, int g, const float *q, co
         o[j].total = total;
         o[j].max = new_max;
     }
-    for (int v = 0; v < vecs; v++) {
-        __m512 acc[GROUP_MAX];
-        for (int j = 0; j < g; j++) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(o[j].acc + 16 * v), _mm512_set1_ps(rescale[j]));
-        const float *col = values + 16 * v;
-        for (int i = 0; i < n; i++) {
-            const __m512 value = _mm512_loadu_ps(col + (Py_ssize_t)i * dim);
-            for (int j = 0; j < g; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j][i]), value, acc[j]);
+    /* The values, VB vectors of a row at a time (row after row: each row's consecutive lines, not
+     * one 64-byte column of every row per pass), into g * VB <= 16 accumulators in registers. */
+    const int VB = g <= 2 ? 8 : g <= 4 ? 4 : 2;
+    for (int v0 = 0; v0 < vecs; v0 += VB) {
+        const int vb = vecs - v0 < VB ? 1 : VB; /* a tail (dim / 16 not a multiple of VB) goes singly */
+        if (vb == 1 && VB > 1) {
+            for (int v = v0; v < vecs; v++) {
+                __m512 acc[GROUP_MAX];
+                for (int j = 0; j < g; j++)
+                    acc[j] = _mm512_mul_ps(_mm512_loadu_ps(o[j].acc + 16 * v), _mm512_set1_ps(rescale[j]));
+                for (int i = 0; i < n; i++) {
+                    const __m512 value = _mm512_loadu_ps(values + (Py_ssize_t)i * dim + 16 * v);
+                    for (int j = 0; j < g; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j][i]), value, acc[j]);
+                }
+                for (int j = 0; j < g; j++) _mm512_storeu_ps(o[j].acc + 16 * v, acc[j]);
+            }
+            break;
         }
-        for (int j = 0; j < g; j++) _mm512_storeu_ps(o[j].acc + 16 * v, acc[j]);
+        __m512 acc[GROUP_MAX][8];
+        for (int j = 0; j < g; j++)
+            for (int b = 0; b < VB; b++)
+                acc[j][b] = _mm512_mul_ps(_mm512_loadu_ps(o[j].acc + 16 * (v0 + b)), _mm512_set1_ps(rescale[j]));
+        for (int i = 0; i < n; i++) {
+            const float *row = values + (Py_ssize_t)i * dim + 16 * v0;
+            __m512 weight[GROUP_MAX];
+            for (int j = 0; j < g; j++) weight[j] = _mm512_set1_ps(scores[j][i]);
+            for (int b = 0; b < VB; b++) {
+                const __m512 value = _mm512_loadu_ps(row + 16 * b);
+                for (int j = 0; j < g; j++) acc[j][b] = _mm512_fmadd_ps(weight[j], value, acc[j][b]);
+            }
+        }
+        for (int j = 0; j < g; j++)
+            for (int b = 0; b < VB; b++) _mm512_storeu_ps(o[j].acc + 16 * (v0 + b), acc[j][b]);
+    }
+}
+
+/* The body above for each group size as a constant, so that its loops over the heads unroll and
+ * their accumulators stay in registers (with g a variable they lived on the stack). */
+static AVX512 void attend_group_tile_avx512(Online *o, int g, const float *q, const float *keys,
+                                            const float *values, int n, int dim, float scale) {
+    switch (g) {
+    case 1: attend_group_tile_body(o, 1, q, keys, values, n, dim, scale); break;
+    case 2: attend_group_tile_body(o, 2, q, keys, values, n, dim, scale); break;
+    case 3: attend_group_tile_body(o, 3, q, keys, values, n, dim, scale); break;
+    case 4: attend_group_tile_body(o, 4, q, keys, values, n, dim, scale); break;
+    case 5: attend_group_tile_body(o, 5, q, keys, values, n, dim, scale); break;
+    case 6: attend_group_tile_body(o, 6, q, keys, values, n, dim, scale); break;
+    case 7: attend_group_tile_body(o, 7, q, keys, values, n, dim, scale); break;
+    default: attend_group_tile_body(o, 8, q, keys, values, n, dim, scale); break;
     }
 }
 #endif

@@ -313,3 +313,26 @@ def test_two_models_decoding_at_once_each_get_their_logits(smollm, monkeypatch) 
         thread.join()
     for want, got in zip(alone, together, strict=True):
         assert got is not None and (got - want).abs().max().item() <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def wide_groups(tmp_path_factory):
+    """A Q8_0 llama of 18 query heads on one kv head, 80 wide (llama.cpp's quantizer): the fused
+    attention takes the group 8 + 8 + 2 heads at a time, and 80 / 16 = 5 vectors a row leave a tail
+    after the 2- and 8-vector runs of value rows."""
+    pytest.importorskip("llama_cpp")
+    from tests.engine.gguf_fakes import WideSizes, quantize_with_llama_cpp, wide_weights, write_wide_gguf
+
+    sizes = WideSizes(hidden=256, ffn=512, heads=18, kv_heads=1, head_dim=80, layers=2)
+    folder = tmp_path_factory.mktemp("wide_groups")
+    source = write_wide_gguf(folder / "f32.gguf", "llama", wide_weights("llama", sizes, seed=3), sizes)
+    path = quantize_with_llama_cpp(source, folder / "q8.gguf", "Q8_0", pure=True)
+    model = load_model(read_source(path), CPU, torch.float32).model
+    assert (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim) == (18, 1, 80)
+    return model
+
+
+@pytest.mark.slow
+def test_many_heads_on_one_kv_head_decode_as_the_torch_steps(wide_groups, monkeypatch) -> None:
+    # 300 cached positions: two attention segments of 256.
+    _compare(wide_groups, 300, 3, monkeypatch)
