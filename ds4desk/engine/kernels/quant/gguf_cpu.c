@@ -723,9 +723,10 @@ INLINE_AVX512 __m512 q2_k_sub(const uint8_t *b, int s, float d, float dmin) {
         }                                                                                            \
     } while (0)
 
-/* A dequantized row goes out with streaming stores where it is 64-byte aligned: the prefill's tile
- * is then read by torch.mm on every thread, and rewriting lines that other cores hold took ~8x as
- * long as the decoding itself (Gemma-3-270M, 128 tokens, 2 threads: 80 ms against 9.5 ms). */
+/* A dequantized row goes out with streaming stores where it is 64-byte aligned. The prefill's tile
+ * is read by torch.mm on every thread, so its lines sit in the other cores' caches when the next
+ * tile is decoded into the same scratch; plain stores then wait for each line's ownership, which
+ * made the decoding several times slower than on its own (docs/BENCHMARKS.md, CPU GGUF, 2026-12-05). */
 #define STORE_EMIT(W0, W1, OFF)                                                                      \
     do {                                                                                             \
         const int off_ = (OFF);                                                                      \
@@ -1373,7 +1374,7 @@ typedef struct {
     const Layer *L;
     const float *qkv; /* [T][qkv.rows]: each token's rotated queries first */
     Py_ssize_t pos;   /* token t is at pos + t */
-    Py_ssize_t segments; /* per token in `parts` (max_segments) */
+    Py_ssize_t segments; /* per token in `parts`: the most that any of the tokens reads */
     float *parts;     /* [T][heads][segments][2 + dim]: max, total, acc */
 } AttendJob;
 
@@ -1449,10 +1450,11 @@ static void merge_segments(const AttendJob *a, int T, float *out) {
     }
 }
 
-/* Tokens [t0, t0 + T) of a step attend: items on the threads where there is enough to share. */
+/* The T tokens at positions at .. at + T - 1 attend: items on the threads where there is enough to
+ * share. The last token reads the most positions (a window or the cache's rows bound them all). */
 static void attend(const Layer *L, const float *qkv, Py_ssize_t at, int T, float *parts, float *out, int threads) {
-    AttendJob job = {L, qkv, at, max_segments(L), parts};
-    Py_ssize_t last = at + T - 1, reads = (last - first_read(L, last) + 1) * T;
+    Py_ssize_t last = at + T - 1, lo = first_read(L, last), reads = (last - lo + 1) * T;
+    AttendJob job = {L, qkv, at, segments_of(lo, last), parts};
     /* Threads only where a head's loop is long enough to pay for waking them. */
     int attend_threads = reads * L->dim * L->heads >= 64 * 1024 ? threads : 1;
     parallel_items(attend_items, &job, (Py_ssize_t)T * L->kv_heads * job.segments, attend_threads);
