@@ -913,8 +913,9 @@ static void dequant_rows(const void *job, Py_ssize_t r0, Py_ssize_t r1) {
  * Every step computes what the torch path computes, in float32 and in the same order per value
  * (RMSNorm as x * rsqrt(mean(x^2) + eps) * w, RoPE as x * cos + swap(x) * sin, the residual as
  * (y + bias) + x); sums (the GEMVs, the norms' means, attention) differ in their order only.
- * Attention is one pass over the keys with a running maximum (online softmax), so it needs no
- * buffer of scores however long the cache. */
+ * Attention is one pass over each segment of keys with a running maximum (online softmax), the
+ * segments' partial sums then merged (see AttendJob), so it needs no buffer of scores however long
+ * the cache. */
 
 #define MAX_PARTS 4
 
