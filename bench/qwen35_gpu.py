@@ -384,8 +384,12 @@ def bench_ds4desk(
     """One ds4desk configuration on `path` (a folder or a GGUF). `full`: the prefill sweep, TTFT and
     the snapshot follow-up as well as decode."""
     off = None if kernels else False
-    switches = {linear_decode.SWITCH: off, gated_norm.SWITCH: off, dense_gemv.SWITCH: off}
-    switches[chunked_delta.SWITCH] = off
+    switches = {
+        linear_decode.SWITCH: off,
+        gated_norm.SWITCH: off,
+        chunked_delta.SWITCH: off,
+        dense_gemv.SWITCH: off,
+    }
     row: dict[str, Any] = {"engine": name, "graphs": graphs, "qwen35_kernels": kernels}
     with launch.force(switches), torch.inference_mode():
         model = load_model(read_source(path), device, torch.bfloat16).model
