@@ -29,7 +29,7 @@ import torch
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.formats import GGUF_TYPES
-from ds4desk.engine.kernels.quant import gguf_triton
+from ds4desk.engine.kernels.quant import gguf_tiles
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.deepseek_v4 import moe
@@ -161,9 +161,9 @@ def main() -> None:
         moe.GROUPED_MIN_SHARE = args.grouped_share
     if args.experts_tiles is not None:
         swept = json.loads(args.experts_tiles.read_text())
-        gguf_triton.EXPERTS_TILES.update({name: tuple(setting) for name, setting in swept["tiles"].items()})
+        gguf_tiles.EXPERTS_TILES.update({name: tuple(setting) for name, setting in swept["tiles"].items()})
         one_row = swept.get("one_row_tiles", {})
-        gguf_triton.EXPERTS_ONE_ROW.update({name: tuple(setting) for name, setting in one_row.items()})
+        gguf_tiles.EXPERTS_ONE_ROW.update({name: tuple(setting) for name, setting in one_row.items()})
     types = dict(zip(PROJECTIONS, args.experts.split(","), strict=True))
     lengths = [int(n) for n in args.prompts.split(",")]
     layers = TINY["num_hidden_layers"] if args.tiny else args.layers
@@ -194,8 +194,8 @@ def main() -> None:
         "torch": torch.__version__,
         "model": str(args.model) if args.model else "made on the device",
         "grouped_min_share": moe.GROUPED_MIN_SHARE,
-        "experts_tiles": {name: list(setting) for name, setting in gguf_triton.EXPERTS_TILES.items()},
-        "experts_one_row": {name: list(setting) for name, setting in gguf_triton.EXPERTS_ONE_ROW.items()},
+        "experts_tiles": {name: list(setting) for name, setting in gguf_tiles.EXPERTS_TILES.items()},
+        "experts_one_row": {name: list(setting) for name, setting in gguf_tiles.EXPERTS_ONE_ROW.items()},
         "layers": layers,
         "experts": types,
         "build_s": build_s,

@@ -1,4 +1,4 @@
-"""Time the GGUF experts GEMV (gguf_triton.experts_gemv: the decode step's picked experts read in place
+"""Time the GGUF experts GEMV (gguf_experts.experts_gemv: the decode step's picked experts read in place
 by id) on DeepSeek-V4-Flash's expert shapes, over a sweep of its tile settings.
 
     PYTHONPATH=. python3 bench/gguf_experts_gemv.py [--types Q2_K,Q3_K] [--general] [--out FILE.json]
@@ -7,11 +7,11 @@ by id) on DeepSeek-V4-Flash's expert shapes, over a sweep of its tile settings.
 picks drawn anew for each of the graph's calls (the stack is many times the L2 cache, as a layer's
 experts are). Each setting is replayed from one CUDA graph, median of 5 replays. Two kernels: the
 general GEMV in its experts form (gguf_blocks_triton; (BLOCK_N, values per iteration, warps)) and,
-for the types in gguf_triton.EXPERTS_ONE_ROW, gguf_experts_triton's (BLOCK_N, groups a tile, warps),
+for the types in gguf_tiles.EXPERTS_ONE_ROW, gguf_experts_triton's (BLOCK_N, groups a tile, warps),
 which experts_gemv runs for them (its time includes the index_select that writes the input in its
 read order). One JSON line a type, shape and kernel with the default's time, the best three and the
 picked bytes' GB/s against the copy bandwidth; a type's setting with the least time over both shapes
-goes in "tiles" (general, gguf_triton.EXPERTS_TILES) and "one_row_tiles" (EXPERTS_ONE_ROW), which
+goes in "tiles" (general, gguf_tiles.EXPERTS_TILES) and "one_row_tiles" (EXPERTS_ONE_ROW), which
 bench/flash_one_gpu.py --experts-tiles FILE runs with. The general kernel is swept with --general;
 without, only its current setting is timed, beside the other kernel. Without CUDA it prints why and
 exits 0.
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_gemv import BY_NAME, copy_bandwidth, graph_time, packed_weight  # a sibling script
 
 from ds4desk.engine.formats import gguf_packed_bytes
+from ds4desk.engine.kernels.quant import gguf_experts, gguf_tiles
 from ds4desk.engine.kernels.quant import gguf_triton as gt
 
 EXPERTS, PICKED, HIDDEN, WIDTH = 256, 6, 4096, 2048
@@ -56,25 +57,29 @@ def bench(name: str, shape: tuple[str, int, int, int], bandwidth: float, kernel:
     picked_bytes = PICKED * rows * gguf_packed_bytes(kind.type_id, (cols,))
 
     def call(i: int) -> None:
-        gt.experts_gemv(x, picks[i], stacked, kind.type_id, cols, out)
+        gguf_experts.experts_gemv(x, picks[i], stacked, kind.type_id, cols, out)
 
-    one_row = gt.EXPERTS_ONE_ROW.pop(name, None)  # the general kernel runs while it is out
+    one_row = gguf_tiles.EXPERTS_ONE_ROW.pop(name, None)  # the general kernel runs while it is out
     general = kernel == "general"
     if not general:
-        gt.EXPERTS_ONE_ROW[name] = one_row
+        gguf_tiles.EXPERTS_ONE_ROW[name] = one_row
     settings = (GENERAL_SETTINGS if general else ONE_ROW_SETTINGS) if sweep else []
     timings = {}
     for setting in [None, *settings]:
-        gt.OVERRIDE, gt.EXPERTS_OVERRIDE = (setting, None) if general else (None, setting)
+        gguf_tiles.OVERRIDE, gguf_tiles.EXPERTS_OVERRIDE = (setting, None) if general else (None, setting)
         try:
             timings[setting] = graph_time(call, DRAWS)
         except Exception as error:  # a setting the compiler refuses (registers, shared memory)
             print(f"  {name} {label} {setting}: {type(error).__name__}", file=sys.stderr)
-    gt.OVERRIDE = gt.EXPERTS_OVERRIDE = None
+    gguf_tiles.OVERRIDE = gguf_tiles.EXPERTS_OVERRIDE = None
     if one_row is not None:
-        gt.EXPERTS_ONE_ROW[name] = one_row
+        gguf_tiles.EXPERTS_ONE_ROW[name] = one_row
     default = timings.pop(None)
-    current = gt.experts_config(name, rows, cols, 132) if general else gt.experts_one_row_config(name, cols)
+    current = (
+        gguf_tiles.experts_config(name, rows, cols, 132)
+        if general
+        else gguf_tiles.experts_one_row_config(name, cols)
+    )
     timings.setdefault(tuple(current), default)
     every = {",".join(map(str, s)): t * 1e6 for s, t in timings.items()}
     best = sorted(timings.items(), key=lambda item: item[1])[:3]
@@ -113,7 +118,7 @@ def main() -> int:
     }
     for name in args.types.split(","):
         kernels = [("general", "tiles", args.general)]
-        if name in gt.EXPERTS_ONE_ROW:
+        if name in gguf_tiles.EXPERTS_ONE_ROW:
             kernels.append(("one_row", "one_row_tiles", True))
         for kernel, key, sweep in kernels:
             rows = [bench(name, shape, bandwidth, kernel, sweep) for shape in SHAPES]

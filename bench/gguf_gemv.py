@@ -33,7 +33,7 @@ import torch
 from ds4desk.engine.formats import GGUF_TYPES, gguf_packed_bytes
 from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.launch import next_power_of_two
-from ds4desk.engine.kernels.quant import gguf
+from ds4desk.engine.kernels.quant import gguf, gguf_tiles
 from ds4desk.engine.kernels.quant import gguf_triton as gt
 
 HIDDEN, FFN, KV, VOCAB = 2048, 8192, 512, 49152
@@ -49,7 +49,9 @@ SHAPES = [
 CALLS = 40
 L2_BYTES = 256 << 20
 SWEPT_SHAPES = ("q", "k_v", "gate_up", "down", "head")  # --sweep: the shapes whose settings are tried
-ONE_ROW_TYPES = tuple(gt.ONE_ROW_GROUPS)  # the types with their own one-row kernel (gguf_gemv1_triton)
+ONE_ROW_TYPES = tuple(
+    gguf_tiles.ONE_ROW_GROUPS
+)  # the types with their own one-row kernel (gguf_gemv1_triton)
 # (BLOCK_N, values per row per iteration, num_warps) of the general kernel tried by --sweep
 # (values a tile, warps) of the one-row kernel tried by --sweep, with 1-16 rows a program: a tile wider
 # than the row is cut to the row (so on a 2048-column row, more warps share the same groups).
@@ -161,19 +163,22 @@ def bench(name: str, shape: tuple[str, int, int, str], configs: list[tuple[int, 
     row["packed_mb"] = packed_bytes / 1e6
     row["rel_err_t4"] = rel_err
     row["rel_err_t1"] = rel_err1
-    gt.OVERRIDE = None
+    gguf_tiles.OVERRIDE = None
     one_row = name in ONE_ROW_TYPES
     if one_row:
-        row["one_row_config"] = list(gt.one_row_config(name, rows, cols))
-        kept, gt.ONE_ROW_MIN_ROWS = gt.ONE_ROW_MIN_ROWS, {}  # the general kernel, for comparison
+        row["one_row_config"] = list(gguf_tiles.one_row_config(name, rows, cols))
+        kept, gguf_tiles.ONE_ROW_MIN_ROWS = (
+            gguf_tiles.ONE_ROW_MIN_ROWS,
+            {},
+        )  # the general kernel, for comparison
         row["general_gemv_us"] = graph_time(gemv1, copies) * 1e6
         row[f"general_{fused}_gemv_us"] = graph_time(fused_form, copies) * 1e6
-        gt.ONE_ROW_MIN_ROWS = dict.fromkeys(kept, 0)  # the one-row kernel, whatever the height
+        gguf_tiles.ONE_ROW_MIN_ROWS = dict.fromkeys(kept, 0)  # the one-row kernel, whatever the height
         row["one_row_gemv_us"] = graph_time(gemv1, copies) * 1e6
         row[f"one_row_{fused}_gemv_us"] = graph_time(fused_form, copies) * 1e6
-        gt.ONE_ROW_MIN_ROWS = kept
+        gguf_tiles.ONE_ROW_MIN_ROWS = kept
     row["default_config"] = list(
-        gt.gemv_config(rows, cols, torch.cuda.get_device_properties(0).multi_processor_count)
+        gguf_tiles.gemv_config(rows, cols, torch.cuda.get_device_properties(0).multi_processor_count)
     )
     row["gemv_us"] = graph_time(gemv1, copies) * 1e6
     row["gemv_gb_s"] = packed_bytes / row["gemv_us"] / 1e3
@@ -195,25 +200,28 @@ def bench(name: str, shape: tuple[str, int, int, str], configs: list[tuple[int, 
     row["dequantize_exact"] = exact
 
     if configs and label in SWEPT_SHAPES:
-        kept, gt.ONE_ROW_MIN_ROWS = gt.ONE_ROW_MIN_ROWS, dict.fromkeys(gt.ONE_ROW_MIN_ROWS, 0)
+        kept, gguf_tiles.ONE_ROW_MIN_ROWS = (
+            gguf_tiles.ONE_ROW_MIN_ROWS,
+            dict.fromkeys(gguf_tiles.ONE_ROW_MIN_ROWS, 0),
+        )
         tried = []
         seen = set()
         for config in configs[name] if one_row else GENERAL_CONFIGS:
             if one_row:  # a tile wider than the row is cut to it: time each distinct setting once
-                n_groups = cols // gt.ONE_ROW_GROUPS[name]
+                n_groups = cols // gguf_tiles.ONE_ROW_GROUPS[name]
                 config = (config[0], min(config[1], next_power_of_two(n_groups)), config[2])
                 if config in seen:
                     continue
                 seen.add(config)
-                gt.ONE_ROW_OVERRIDE = config
+                gguf_tiles.ONE_ROW_OVERRIDE = config
             else:
-                gt.OVERRIDE = config
+                gguf_tiles.OVERRIDE = config
             try:
                 tried.append((graph_time(gemv1, copies) * 1e6, config))
             except Exception as exc:  # a setting that does not compile is skipped, not fatal
                 print(f"  {name} {label} {config}: {type(exc).__name__}", flush=True)
-        gt.OVERRIDE = gt.ONE_ROW_OVERRIDE = None
-        gt.ONE_ROW_MIN_ROWS = kept
+        gguf_tiles.OVERRIDE = gguf_tiles.ONE_ROW_OVERRIDE = None
+        gguf_tiles.ONE_ROW_MIN_ROWS = kept
         tried.sort()
         row["best"] = [{"us": us, "gb_s": packed_bytes / us / 1e3, "config": list(c)} for us, c in tried[:3]]
     print(json.dumps(row), flush=True)
@@ -238,7 +246,7 @@ def main() -> int:
     if args.sweep:  # (BLOCK_N, groups a tile, warps) of the one-row kernel, by type
         configs = {
             t: [
-                (b, values // gt.ONE_ROW_GROUPS[t], warps)
+                (b, values // gguf_tiles.ONE_ROW_GROUPS[t], warps)
                 for b, (values, warps) in itertools.product((1, 2, 4, 8, 16), ONE_ROW_TILES)
                 if b * values <= 16384  # more spills registers
             ]

@@ -1,4 +1,4 @@
-"""Triton source of the GGUF kernels (gguf_triton.py launches them): the block decoders, the GEMV
+"""Triton source of the GGUF kernels (gguf_launch.py launches them): the block decoders, the GEMV
 and the dequantize-to-scratch kernel. Imported only where Triton is.
 
 A tile is [BLOCK_N rows, S sub-blocks, W, V]: sub-block s of a row holds its values s*L .. s*L + L - 1
@@ -148,7 +148,7 @@ def decode(w, row_off, s, j, c0, c1, c2, c3, KIND: tl.constexpr):
     the rows at byte offsets row_off ([BLOCK_N, 1, 1, 1] int64) of the packed weight w, all of them
     real (the loads are not masked: no zero-fill per load, and whole vectors). Value j = V * w + b of
     a sub-block is at [.., w, b] (j: [1, 1, W, V]); the codes are read V bytes at a time (V: the
-    alignment of the type's code bytes, gguf_triton._TILES). c0..c3: the codebook of IQ4_NL, IQ4_XS
+    alignment of the type's code bytes, gguf_tiles.TILES). c0..c3: the codebook of IQ4_NL, IQ4_XS
     and MXFP4 (see _codebook)."""
     if KIND == Q8_0:  # d | 32 int8 codes: q * d
         base = row_off + s * 34

@@ -1,5 +1,5 @@
 """Triton source of the experts GEMV for the 2- and 3-bit K-quants (Q2_K, Q3_K: the routed experts of
-a DeepSeek-V4 GGUF mix), out[slot] = x_slot @ dequantize(W[ids[slot]])ᵀ; gguf_triton.experts_gemv
+a DeepSeek-V4 GGUF mix), out[slot] = x_slot @ dequantize(W[ids[slot]])ᵀ; gguf_experts.experts_gemv
 launches it. The general kernel (gguf_blocks_triton.gemv_kernel) decodes a tile [rows, sub-blocks,
 units, bytes] and issues about 15 instructions a weight value; this one follows the one-row GEMV of
 gguf_gemv1_triton: tiles [G groups, BLOCK_N rows], a thread holds one group of every row of its
@@ -13,9 +13,9 @@ those values is bit 4 h + k of its high-bit bytes t .. t + 15. A code byte becom
 PRMT under 2^23's exponent and one subtraction; the scales multiply each sub-block's sum once, and
 Q2_K's minimums multiply the sub-block's sum of inputs.
 
-The input is read in the kernel's own order (gguf_triton._read_order): for each unrolled step the G values the
+The input is read in the kernel's own order (gguf_experts.read_order): for each unrolled step the G values the
 G threads of a tile need lie side by side, where in the row's own order they lie 16-256 values apart
-and a warp's load touches up to 32 lines. gguf_triton writes that order with one index_select.
+and a warp's load touches up to 32 lines. gguf_experts.experts_input writes that order with one index_select.
 """
 
 from __future__ import annotations

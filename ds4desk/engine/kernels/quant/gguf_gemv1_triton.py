@@ -1,6 +1,6 @@
 """Triton source of the one-row GEMV for the GGUF types a decode step spends its time on (Q8_0, Q4_K,
 Q6_K: Q8_0 files and the K-quant mixes), y = x @ dequantize(W)ᵀ for x [1, K], and of the kernel that
-prepares its input row. gguf_triton.py launches them; the general kernel
+prepares its input row. gguf_launch.py launches them; the general kernel
 (gguf_blocks_triton.gemv_kernel) takes the other types, more rows, and the small matrices.
 
 At batch 1 the general kernel is bound by the instructions it issues per weight value, about 15,

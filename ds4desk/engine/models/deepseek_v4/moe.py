@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ds4desk.engine.kernels.deepseek_v4 import route as v4_route
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
-from ds4desk.engine.kernels.quant import gguf_triton
+from ds4desk.engine.kernels.quant import gguf_experts, gguf_triton
 from ds4desk.engine.kernels.quant.fp4 import fp4_experts_gemv, fp4_grouped_matmul
 from ds4desk.engine.kernels.quant.fp8 import fp8_row_, fp8_row_fits
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
@@ -67,15 +67,15 @@ def _gguf_experts_by_id(
     inputs = x if x.shape[0] == 1 else x.repeat_interleave(k, dim=0)  # one row for all, or a row a pair
     types = experts.type_ids
     # The input as the experts' kernel reads it, prepared once for gate and up where their types agree.
-    gate_in = gguf_triton.experts_input(inputs, types["gate_proj"], hidden)
+    gate_in = gguf_experts.experts_input(inputs, types["gate_proj"], hidden)
     same = types["up_proj"] == types["gate_proj"]
-    up_in = gate_in if same else gguf_triton.experts_input(inputs, types["up_proj"], hidden)
+    up_in = gate_in if same else gguf_experts.experts_input(inputs, types["up_proj"], hidden)
     gate, up = x.new_empty((pairs, width)), x.new_empty((pairs, width))
-    gguf_triton.experts_gemv(gate_in, ids, experts.gate_proj, types["gate_proj"], hidden, gate, ordered=True)
-    gguf_triton.experts_gemv(up_in, ids, experts.up_proj, types["up_proj"], hidden, up, ordered=True)
+    gguf_experts.experts_gemv(gate_in, ids, experts.gate_proj, types["gate_proj"], hidden, gate, ordered=True)
+    gguf_experts.experts_gemv(up_in, ids, experts.up_proj, types["up_proj"], hidden, up, ordered=True)
     act = ops.swiglu(gate, up, limit)
     out = x.new_empty((pairs, hidden))
-    return gguf_triton.experts_gemv(act, ids, experts.down_proj, types["down_proj"], width, out)
+    return gguf_experts.experts_gemv(act, ids, experts.down_proj, types["down_proj"], width, out)
 
 
 # The share of a layer's experts a prefill chunk must reach for the grouped GEMM on whole

@@ -13,7 +13,7 @@ from torch import nn
 
 from ds4desk.engine.kernels.deepseek_v4 import moe_tail
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
-from ds4desk.engine.kernels.quant import gguf_triton
+from ds4desk.engine.kernels.quant import gguf_experts, gguf_triton
 from ds4desk.engine.kernels.quant.fp8 import fp8_linear
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
@@ -112,7 +112,7 @@ def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch
         if count == 1 and gguf_triton.enabled(out) and gguf_triton.covers(type_id, out.dtype):
             low = out.new_empty((groups, rank))
             ids = _group_ids(groups, out.device)
-            return gguf_triton.experts_gemv(grouped[0], ids, stacked, type_id, cols, low).view(1, -1)
+            return gguf_experts.experts_gemv(grouped[0], ids, stacked, type_id, cols, low).view(1, -1)
         parts = [gguf_matmul(grouped[:, g].contiguous(), stacked[g], type_id, cols) for g in range(groups)]
         return torch.cat(parts, dim=1)
     weight = holder.weight.view(groups, -1, holder.weight.shape[-1])

@@ -240,6 +240,8 @@ import torch
 from ds4desk.engine.formats import GGUF_TYPES
 from ds4desk.engine.kernels.dense import decode_attention as da
 from ds4desk.engine.kernels.quant import gguf_triton as gt
+from ds4desk.engine.kernels.quant import gguf_launch
+from ds4desk.engine.kernels.quant import gguf_tiles
 
 by_name = {t.name: t for t in GGUF_TYPES.values()}
 da.SWITCH.forced = gt.SWITCH.forced = True
@@ -257,7 +259,8 @@ for dtype in (torch.bfloat16, torch.float32):
         # What o's own input kernel would have made of the attention output (gt.gemv's COPY mode).
         want = torch.empty_like(buffer)
         order = (kind, groups, out.numel() // 64)
-        gt._kernels().prepare(out.reshape(1, -1), None, 0.0, out.numel(), want, gt.INPUT_COPY, order)
+        copy = gguf_tiles.INPUT_COPY
+        gguf_launch.kernels().prepare(out.reshape(1, -1), None, 0.0, out.numel(), want, copy, order)
         assert torch.equal(buffer, want), (name, groups, dtype)
         print("checked", name, groups, dtype, flush=True)
 print("ordered ok")

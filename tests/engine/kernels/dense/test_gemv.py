@@ -284,6 +284,7 @@ import torch
 from ds4desk.engine.kernels.dense import gemv as kd
 from ds4desk.engine.kernels.dense import decode_attention as da
 from ds4desk.engine.kernels.quant import gguf_triton
+from ds4desk.engine.kernels.quant import gguf_tiles
 from ds4desk.engine.loader import fill, plan_load
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine import loader
@@ -311,8 +312,8 @@ for family, weights in [CASE]:
     # Every height on the one-row kernel, so that the gate/up GEMV writes the down projection's
     # input and the attention o's (Q4_K: in read order), as on a real model's shapes; 16 rows a
     # program (Triton's interpreter runs a program's tile at once, and a program at a time).
-    gguf_triton.ONE_ROW_MIN_ROWS = dict.fromkeys(gguf_triton.ONE_ROW_GROUPS, 0)
-    gguf_triton.ONE_ROW_OVERRIDE = (16, 16, 1)
+    gguf_tiles.ONE_ROW_MIN_ROWS = dict.fromkeys(gguf_tiles.ONE_ROW_GROUPS, 0)
+    gguf_tiles.ONE_ROW_OVERRIDE = (16, 16, 1)
     with gguf_triton.SWITCH.force(True):
         model.allocate_cache(64)
     plans = model._shards[0].plans

@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from ds4desk.engine.formats import GGUF_TYPES, IQ4_NL_VALUES, GgufType
-from ds4desk.engine.kernels.quant import gguf, gguf_triton
+from ds4desk.engine.kernels.quant import gguf, gguf_launch, gguf_tiles, gguf_triton
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from tests.engine.kernels.quant.samples import needs_nvidia_gpu
 from tests.engine.kernels.quant.test_gguf import random_blocks
@@ -102,9 +102,7 @@ def test_covers_only_the_block_types_and_float_activations() -> None:
     with gguf_triton.SWITCH.force(True):
         for name in COVERED:
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                assert gguf_triton.covers(BY_NAME[name].type_id, dtype) == (
-                    gguf_triton._kernels() is not None
-                )
+                assert gguf_triton.covers(BY_NAME[name].type_id, dtype) == (gguf_launch.kernels() is not None)
         assert not gguf_triton.covers(BY_NAME["F16"].type_id, torch.float32)
         assert not gguf_triton.covers(BY_NAME["Q8_0"].type_id, torch.float64)
         assert not gguf_triton.covers(9, torch.float32)  # Q8_1: refused by ds4desk
@@ -117,9 +115,9 @@ def test_every_block_type_of_the_table_is_covered() -> None:
     assert block_types == set(COVERED)
 
 
-@pytest.mark.parametrize("values", [IQ4_NL_VALUES, gguf_triton._MXFP4_DOUBLED])
+@pytest.mark.parametrize("values", [IQ4_NL_VALUES, gguf_tiles.MXFP4_DOUBLED])
 def test_the_codebook_words_hold_the_table(values: tuple[int, ...]) -> None:
-    words = gguf_triton._codebook_words(values)
+    words = gguf_tiles.codebook_words(values)
     assert all(-(1 << 31) <= w < 1 << 31 for w in words)
     unpacked = [((words[c // 4] >> (8 * (c % 4))) & 0xFF) for c in range(16)]
     assert [b - 256 if b >= 128 else b for b in unpacked] == [int(v) for v in values]
@@ -129,7 +127,7 @@ def test_the_codebook_words_hold_the_table(values: tuple[int, ...]) -> None:
     ("rows", "cols"), [(2048, 2048), (512, 2048), (8192, 2048), (2048, 8192), (49152, 2048)]
 )
 def test_the_gemv_settings_give_every_sm_work(rows: int, cols: int) -> None:
-    block_n, values, warps = gguf_triton.gemv_config(rows, cols, sms=132)
+    block_n, values, warps = gguf_tiles.gemv_config(rows, cols, sms=132)
     assert -(-rows // block_n) >= 132 and values <= cols and values & (values - 1) == 0
     assert warps in (4, 8)
 
@@ -150,6 +148,9 @@ def test_malformed_operands_are_refused() -> None:
 _CHECK = """
 import torch
 from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
+from ds4desk.engine.kernels.quant import gguf_experts
+from ds4desk.engine.kernels.quant import gguf_launch
+from ds4desk.engine.kernels.quant import gguf_tiles
 from tests.engine.kernels.quant.test_gguf_triton import (
     BY_NAME, GGUF_PY_QUANTIZES, accumulation_bound, assert_matches, quantized_blocks, rel_error,
     tame_blocks, wild_blocks,
@@ -188,7 +189,7 @@ for name in TYPES:
     if name in FULL:
         shapes += [(12, 2048, (4, 512, 4)), (33, 256, (1, 256, 4))]
     for rows, cols, tiles in shapes:
-        gt.OVERRIDE = tiles
+        gguf_tiles.OVERRIDE = tiles
         raw = tame_blocks(kind, rows, cols, seed=rows).to(device)
         if name in GGUF_PY_QUANTIZES and tiles is None:
             raw = quantized_blocks(kind, rows, cols, seed=rows).to(device)
@@ -207,7 +208,7 @@ for name in TYPES:
             x = randn(3, 2 * cols).to(torch.float16)[:, :cols]
             out = gt.matmul(x, raw, kind.type_id, cols, torch.empty(3, rows, device=device, dtype=x.dtype))
             assert_matches(out, x.float() @ w.t(), accumulation_bound(x, raw, kind, cols), (name, "fp16"))
-    gt.OVERRIDE = None
+    gguf_tiles.OVERRIDE = None
 
     # Prefill: the weight dequantized to x's dtype (exact, tested above), then one mm.
     rows, cols = 40, 512
@@ -227,7 +228,7 @@ for name in TYPES:
     # The decode step's fused forms (one row).
     if name in FULL:
         rows, cols = 50, 512
-        gt.OVERRIDE = (4, 256, 4)
+        gguf_tiles.OVERRIDE = (4, 256, 4)
         raw = tame_blocks(kind, rows, cols, seed=8).to(device)
         w = gguf.dequantize(raw, kind.type_id, (rows, cols))
         for dtype in (torch.float32, torch.bfloat16):
@@ -259,7 +260,7 @@ for name in TYPES:
             slack = 0.0 if dtype == torch.float32 else 2.0**-8
             bound = accumulation_bound(normed, raw, kind, cols)
             assert_matches(out, normed.float() @ w.t(), bound, (name, "norm", dtype), slack)
-        gt.OVERRIDE = None
+        gguf_tiles.OVERRIDE = None
     print("checked", name)
 print("triton ok")
 """
@@ -283,12 +284,16 @@ def test_the_triton_kernels_equal_the_reference(types: tuple[str, ...]) -> None:
 _ONE_ROW_CHECK = """
 import torch
 from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
+from ds4desk.engine.kernels.quant import gguf_experts
+from ds4desk.engine.kernels.quant import gguf_launch
+from ds4desk.engine.kernels.quant import gguf_tiles
 from tests.engine.kernels.quant.test_gguf_triton import (
     BY_NAME, accumulation_bound, assert_matches, quantized_blocks, tame_blocks,
 )
 
 gt.SWITCH.forced = True
-gt.ONE_ROW_MIN_ROWS = dict.fromkeys(gt.ONE_ROW_GROUPS, 0)  # every height takes the one-row kernel
+# every height takes the one-row kernel
+gguf_tiles.ONE_ROW_MIN_ROWS = dict.fromkeys(gguf_tiles.ONE_ROW_GROUPS, 0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 gen = torch.Generator().manual_seed(1)
 
@@ -297,11 +302,11 @@ def randn(*shape, scale=1.0):
 
 for name in ("Q8_0", "Q4_K", "Q6_K"):
     kind = BY_NAME[name]
-    group = gt.ONE_ROW_GROUPS[name]
+    group = gguf_tiles.ONE_ROW_GROUPS[name]
     # (rows, cols, settings): rows no program height divides, a row of groups that the tile does
     # not divide (masked groups), several tiles along a row, and the default settings.
     for rows, cols, config in [(9, 768, (4, 8, 1)), (20, 1024, (8, 4096 // group // 2, 1)), (6, 512, None)]:
-        gt.ONE_ROW_OVERRIDE = config
+        gguf_tiles.ONE_ROW_OVERRIDE = config
         blocks = quantized_blocks if name == "Q8_0" else tame_blocks
         raw = blocks(kind, rows, cols, seed=rows).to(device)
         w = gguf.dequantize(raw, kind.type_id, (rows, cols))
@@ -333,7 +338,7 @@ for name in ("Q8_0", "Q4_K", "Q6_K"):
             gt.norm_gemv(x, norm, raw, kind.type_id, cols, 1e-5, out)
             bound = accumulation_bound(normed, raw, kind, cols)
             assert_matches(out, normed.float() @ w.t(), bound, (what, "norm"), slack)
-    gt.ONE_ROW_OVERRIDE = None
+    gguf_tiles.ONE_ROW_OVERRIDE = None
     print("checked", name)
 print("one row ok")
 """
@@ -351,6 +356,9 @@ _EXPERTS_CHECK = """
 import itertools
 import torch
 from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
+from ds4desk.engine.kernels.quant import gguf_experts
+from ds4desk.engine.kernels.quant import gguf_launch
+from ds4desk.engine.kernels.quant import gguf_tiles
 from tests.engine.kernels.quant.test_gguf_triton import (
     BY_NAME, accumulation_bound, assert_matches, tame_blocks,
 )
@@ -366,13 +374,14 @@ for name in {types}:
     mats = [gguf.dequantize(stacked[e], kind.type_id, (rows, cols)) for e in range(experts)]
     # Q2_K and Q3_K run on gguf_experts_triton's kernel on a GPU (or forced): its default tiles, and
     # two tiles a row of 16 rows a program (40 rows: the last program's rows past the end).
-    settings = [None, gt.EXPERTS_ONE_ROW[name], (16, 4, 1)] if name in gt.EXPERTS_ONE_ROW else [None]
+    one_row = gguf_tiles.EXPERTS_ONE_ROW
+    settings = [None, one_row[name], (16, 4, 1)] if name in one_row else [None]
     for setting, dtype in itertools.product(settings, (torch.float32, torch.bfloat16)):
-        gt.EXPERTS_OVERRIDE = setting
+        gguf_tiles.EXPERTS_OVERRIDE = setting
         for inputs in (1, len(ids)):  # one row for every slot (gate, up), a row a slot (down)
             x = torch.randn(inputs, cols, generator=gen).to(device, dtype)
             out = torch.full((len(ids), rows), float("nan"), device=device, dtype=dtype)
-            got = gt.experts_gemv(x, ids, stacked, kind.type_id, cols, out)
+            got = gguf_experts.experts_gemv(x, ids, stacked, kind.type_id, cols, out)
             assert got is out
             for slot, expert in enumerate(ids.tolist()):
                 row = x[min(slot, inputs - 1)][None]
@@ -399,9 +408,9 @@ def test_the_experts_gemv_compiles_for_an_h200(name: str, tmp_path: object) -> N
     from ds4desk.engine.kernels.quant import gguf_blocks_triton as source
 
     kind = BY_NAME[name]
-    sub, unit = gguf_triton._TILES[name]
+    sub, unit = gguf_tiles.TILES[name]
     for rows, cols in ((2048, 4096), (4096, 2048)):  # gate / up, down
-        block_n, values, warps = gguf_triton.experts_config(name, rows, cols, sms=132)
+        block_n, values, warps = gguf_tiles.experts_config(name, rows, cols, sms=132)
         args = {"x": "*bf16", "w": "*u8", "out": "*bf16", "norm": "*bf16", "rows": "i32", "row_bytes": "i32"}
         args |= {"stride_x": "i32", "stride_out": "i32", "eps": "fp32", "c0": "i32", "c1": "i32"}
         args |= {"c2": "i32", "c3": "i32", "ids": "*i64", "expert_bytes": "i32", "x_step": "i32"}
@@ -415,7 +424,7 @@ def test_the_experts_gemv_compiles_for_an_h200(name: str, tmp_path: object) -> N
         assert _stack_bytes(cubin, tmp_path) in (None, 0), (name, rows, cols)
 
 
-@pytest.mark.parametrize("name", list(gguf_triton.EXPERTS_ONE_ROW))
+@pytest.mark.parametrize("name", list(gguf_tiles.EXPERTS_ONE_ROW))
 def test_the_low_bit_experts_kernel_compiles_for_an_h200(name: str, tmp_path: object) -> None:
     """gguf_experts_triton's kernel with Flash's expert shapes and its settings for them
     (experts_one_row_config), PTX byte conversion included, passes Triton's compiler and ptxas for
@@ -424,7 +433,7 @@ def test_the_low_bit_experts_kernel_compiles_for_an_h200(name: str, tmp_path: ob
     from ds4desk.engine.kernels.quant import gguf_experts_triton as source
 
     for cols in (4096, 2048):  # gate / up, down
-        block_n, groups, warps = gguf_triton.experts_one_row_config(name, cols)
+        block_n, groups, warps = gguf_tiles.experts_one_row_config(name, cols)
         args = {"x": "*bf16", "ids": "*i64", "w": "*u8", "out": "*bf16", "rows": "i32", "row_bytes": "i32"}
         args |= {"expert_bytes": "i32", "x_step": "i32", "out_step": "i32"}
         constants = {"KIND": BY_NAME[name].type_id, "G": groups, "N_GROUPS": cols // 64}
@@ -438,10 +447,14 @@ def test_the_low_bit_experts_kernel_compiles_for_an_h200(name: str, tmp_path: ob
 _SILU_PAIR_CHECK = """
 import torch
 from ds4desk.engine.kernels.quant import gguf_triton as gt
+from ds4desk.engine.kernels.quant import gguf_experts
+from ds4desk.engine.kernels.quant import gguf_launch
+from ds4desk.engine.kernels.quant import gguf_tiles
 from tests.engine.kernels.quant.test_gguf_triton import BY_NAME, tame_blocks
 
 gt.SWITCH.forced = True
-gt.ONE_ROW_MIN_ROWS = dict.fromkeys(gt.ONE_ROW_GROUPS, 0)  # every height takes the one-row kernel
+# every height takes the one-row kernel
+gguf_tiles.ONE_ROW_MIN_ROWS = dict.fromkeys(gguf_tiles.ONE_ROW_GROUPS, 0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 gen = torch.Generator().manual_seed(2)
 hidden, ffn = 256, 768  # 12 groups of 64 a down row: tiles of 16 (or 8) groups leave 4 unwritten
@@ -456,7 +469,7 @@ CASES = [
 q8 = tame_blocks(BY_NAME["Q8_0"], 2 * ffn, hidden, seed=3).to(device)
 assert not gt.silu_pair_fits(q8, BY_NAME["Q8_0"].type_id, q8[:hidden], BY_NAME["Q8_0"].type_id)
 for gate_up_name, down_name, config, dtypes, steps in CASES:
-    gt.ONE_ROW_OVERRIDE = config
+    gguf_tiles.ONE_ROW_OVERRIDE = config
     gk, dk = BY_NAME[gate_up_name], BY_NAME[down_name]
     gate_up = tame_blocks(gk, 2 * ffn, hidden, seed=3).to(device)
     down = tame_blocks(dk, hidden, ffn, seed=4).to(device)
@@ -564,9 +577,9 @@ def test_the_kernels_compile_for_an_h200(name: str, dtype: str, t: int, form: st
     from ds4desk.engine.kernels.quant import gguf_blocks_triton as source
 
     kind = BY_NAME[name]
-    sub, unit = gguf_triton._TILES[name]
+    sub, unit = gguf_tiles.TILES[name]
     rows, cols = (512, 2048) if t > 1 else (2048, 8192 if form == "silu_add" else 2048)
-    block_n, values, warps = gguf_triton.gemv_config(rows, cols, sms=132)
+    block_n, values, warps = gguf_tiles.gemv_config(rows, cols, sms=132)
     row_bytes = gguf_triton.gguf_packed_bytes(kind.type_id, (cols,))
     pointer = f"*{dtype}"
     args = {"x": pointer, "w": "*u8", "out": pointer, "norm": pointer, "rows": "i32", "row_bytes": "i32"}
@@ -595,7 +608,7 @@ def test_the_kernels_compile_for_an_h200(name: str, dtype: str, t: int, form: st
         args = {"w": "*u8", "out": pointer, "rows": "i32", "row_bytes": "i32", "stride_out": "i32"}
         args |= {"c0": "i32", "c1": "i32", "c2": "i32", "c3": "i32"}
         constants = {"KIND": kind.type_id, "L": sub, "V": unit, "S": 256 // sub, "N_SUB": cols // sub}
-        constants["BLOCK_N"] = gguf_triton._DEQUANT_BLOCK_N
+        constants["BLOCK_N"] = gguf_tiles.DEQUANT_BLOCK_N
         options = {"num_warps": 4, "enable_fp_fusion": False}
         aligned = {"w", "out", "stride_out"} | ({"row_bytes"} if row_bytes % 16 == 0 else set())
         dequantize = _compile_for_hopper(source.dequantize_kernel, args, constants, aligned, options)
@@ -613,11 +626,11 @@ def test_the_one_row_kernel_compiles_for_an_h200(name: str, rows: int, cols: int
     from ds4desk.engine.kernels.quant import gguf_gemv1_triton as source
 
     kind = BY_NAME[name]
-    block_n, groups, warps = gguf_triton.one_row_config(name, rows, cols)
-    read_order = name in gguf_triton.READ_ORDER_TYPES
+    block_n, groups, warps = gguf_tiles.one_row_config(name, rows, cols)
+    read_order = name in gguf_tiles.READ_ORDER_TYPES
     x_type = "*fp32" if read_order else "*bf16"
     args = {"x": x_type, "w": "*u8", "out": "*bf16", "rows": "i32", "row_bytes": "i32"}
-    n_groups = cols // gguf_triton.ONE_ROW_GROUPS[name]
+    n_groups = cols // gguf_tiles.ONE_ROW_GROUPS[name]
     constants = {
         "KIND": kind.type_id,
         "G": groups,
@@ -638,8 +651,8 @@ def test_the_one_row_kernel_compiles_for_an_h200(name: str, rows: int, cols: int
         options = {"num_warps": warps}
         gemv = _compile_for_hopper(source.gemv1_kernel, paired_args, paired, aligned | {"act"}, options)
         assert _stack_bytes(gemv, tmp_path) in (None, 0), (name, "paired gate/up gemv spills")
-    order = {"KIND": kind.type_id, "G": groups, "V": gguf_triton.ONE_ROW_GROUPS[name], "N_GROUPS": n_groups}
-    for mode in (gguf_triton.INPUT_COPY, gguf_triton.INPUT_NORM, gguf_triton.INPUT_SILU):
+    order = {"KIND": kind.type_id, "G": groups, "V": gguf_tiles.ONE_ROW_GROUPS[name], "N_GROUPS": n_groups}
+    for mode in (gguf_tiles.INPUT_COPY, gguf_tiles.INPUT_NORM, gguf_tiles.INPUT_SILU):
         for ordered in (False, True) if read_order else (False,):
             out = "*fp32" if ordered else "*bf16"
             args = {"x": "*bf16", "norm": "*bf16", "out": out, "eps": "fp32"}
@@ -670,7 +683,7 @@ def test_the_gpu_kernels_on_the_model_shapes(name: str, rows: int, cols: int) ->
         out = gguf_matmul(x, raw, kind.type_id, cols)
         # Prefill (more than GEMV_MAX_ROWS rows) multiplies the weight rounded to bfloat16, in cuBLAS,
         # which may add bfloat16 products in reduced precision.
-        prefill = t > gguf_triton.GEMV_MAX_ROWS
+        prefill = t > gguf_tiles.GEMV_MAX_ROWS
         want = x.float() @ (w.bfloat16().float() if prefill else w).t()
         bound = accumulation_bound(x, raw, kind, cols)
         assert_matches(out, want, bound, (name, t, rows, cols), 2.0**-7 if prefill else 0.0)

@@ -103,13 +103,15 @@ def test_the_model_on_its_blocks_equals_its_twin_on_floats() -> None:
 _BY_ID_CHECK = """
 import torch
 from ds4desk.engine.kernels.quant import gguf_triton as gt
+from ds4desk.engine.kernels.quant import gguf_experts
+from ds4desk.engine.kernels.quant import gguf_tiles
 from ds4desk.engine.models.deepseek_v4.synthetic import build_gguf_experts
 from tests.engine.models.deepseek_v4.test_gguf_experts_synthetic import SMALL, TYPES
 
 calls = []
-kernel = gt.experts_gemv
-gt.experts_gemv = lambda *args, **kwargs: calls.append(args[3]) or kernel(*args, **kwargs)
-gt.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
+kernel = gguf_experts.experts_gemv
+gguf_experts.experts_gemv = lambda *args, **kwargs: calls.append(args[3]) or kernel(*args, **kwargs)
+gguf_tiles.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=torch.float32)
 ids = torch.randint(0, SMALL.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).to(device)
@@ -141,6 +143,8 @@ def test_the_decode_step_reads_the_picked_blocks_in_place() -> None:
 _PREFILL_CHECK = """
 import torch
 from ds4desk.engine.kernels.quant import gguf_triton as gt
+from ds4desk.engine.kernels.quant import gguf_experts
+from ds4desk.engine.kernels.quant import gguf_tiles
 from ds4desk.engine.models.deepseek_v4 import moe
 from ds4desk.engine.models.deepseek_v4.synthetic import build_gguf_experts
 from tests.engine.models.deepseek_v4.test_gguf_experts_synthetic import SMALL, TYPES
@@ -174,9 +178,9 @@ assert len(grouped) == chose.count(True), (grouped, chose)
 # A chunk of at most BY_ID_MAX_PAIRS (token, slot) pairs reads each pair's expert in place by id.
 moe.BY_ID_MAX_PAIRS = 2 * 12
 calls = []
-by_id = gt.experts_gemv
-gt.experts_gemv = lambda *args, **kwargs: calls.append(args[0].shape[0]) or by_id(*args, **kwargs)
-gt.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
+by_id = gguf_experts.experts_gemv
+gguf_experts.experts_gemv = lambda *args, **kwargs: calls.append(args[0].shape[0]) or by_id(*args, **kwargs)
+gguf_tiles.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
 short = {}
 with torch.inference_mode():
     for forced in (False, True):

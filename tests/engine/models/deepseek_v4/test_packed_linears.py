@@ -59,13 +59,14 @@ def test_packed_linears_equal_their_dequantized_twins_on_the_cpu() -> None:
 _ONE_ROW_CHECK = """
 import torch
 from ds4desk.engine.kernels.quant import gguf_triton
+from ds4desk.engine.kernels.quant import gguf_experts
 from ds4desk.engine.models.deepseek_v4 import ops
 from tests.engine.models.deepseek_v4.test_packed_linears import _pair
 
 gguf_triton.SWITCH.forced = True
 calls = []
-real = gguf_triton.experts_gemv
-gguf_triton.experts_gemv = lambda *args: calls.append(1) or real(*args)
+real = gguf_experts.experts_gemv
+gguf_experts.experts_gemv = lambda *args: calls.append(1) or real(*args)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 for name in ("Q8_0", "Q2_K"):
     packed, twin = _pair(name, 4 * 16, 256)
