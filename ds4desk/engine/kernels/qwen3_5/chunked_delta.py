@@ -1,16 +1,10 @@
 """The gated delta rule over a run of tokens (a prefill chunk, a verify step) as one op: `chunked`.
 
-Per value head the state is a matrix S [dk, dv]. A token with query q, key k (both unit length,
-q also scaled by dk^-1/2), value v, log-decay g <= 0 and write strength beta in (0, 1) does
-
-    S' = exp(g) S                      (forget a little of everything)
-    u  = beta (v - S'ᵀ k)              (the part of v the state does not already predict)
-    S  = S' + k uᵀ                     (write it under k)
-    o  = Sᵀ q
-
-The chunked form does that C tokens at a time with matmuls instead of a token loop. Inside a chunk,
-with γ_t the running sum of g from the chunk's start and S0 the state before it, the writes u_t
-depend on the earlier writes of the chunk through
+The recurrence (per value head a state matrix S, and per token its query q, key k, value v,
+log-decay g and write strength beta) is written out in models/qwen3_5/delta_rule.py. The chunked
+form runs it C tokens at a time with matmuls instead of a token loop. Inside a chunk, with γ_t the
+running sum of g from the chunk's start and S0 the state before it, the writes u_t depend on the
+earlier writes of the chunk through
 
     u_t + Σ_{s<t} beta_t exp(γ_t - γ_s) (k_t·k_s) u_s = beta_t v_t - beta_t exp(γ_t) S0ᵀ k_t,
 

@@ -19,6 +19,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _token_rows(base, head, stride_h, stride_t, t, length, cols, D: tl.constexpr):
+    """Rows t and columns cols of one head's [T, D] tensor: zero past the run's `length` tokens (which
+    then change nothing) and past its D columns."""
+    return tl.load(
+        base + head * stride_h + t[:, None] * stride_t + cols[None, :],
+        mask=(t[:, None] < length) & (cols[None, :] < D),
+        other=0.0,
+    )
+
+
+@triton.jit
 def prepare_kernel(
     k,
     v,
@@ -60,11 +71,7 @@ def prepare_kernel(
     dots = tl.zeros((C, C), dtype=tl.float32)
     for start in range(0, DK, BK):
         cols = start + tl.arange(0, BK)
-        block = tl.load(
-            k + head * stride_kh + t[:, None] * stride_kt + cols[None, :],
-            mask=real[:, None] & (cols[None, :] < DK),
-            other=0.0,
-        )
+        block = _token_rows(k, head, stride_kh, stride_kt, t, length, cols, DK)
         dots += tl.dot(block, tl.trans(block), input_precision=PRECISION)
     earlier = rows[None, :] < rows[:, None]
     decay = tl.exp(tl.where(earlier, gamma[:, None] - gamma[None, :], 0.0))
@@ -110,20 +117,12 @@ def prepare_kernel(
     key_scale = strength * tl.exp(gamma)
     for start in range(0, DK, BK):
         cols = start + tl.arange(0, BK)
-        block = tl.load(
-            k + head * stride_kh + t[:, None] * stride_kt + cols[None, :],
-            mask=real[:, None] & (cols[None, :] < DK),
-            other=0.0,
-        )
+        block = _token_rows(k, head, stride_kh, stride_kt, t, length, cols, DK)
         part = tl.dot(inverse, block * key_scale[:, None], input_precision=PRECISION)
         tl.store(w + (head * padded + t[:, None]) * DK + cols[None, :], part, mask=cols[None, :] < DK)
     for start in range(0, DV, BV):
         cols = start + tl.arange(0, BV)
-        block = tl.load(
-            v + head * stride_vh + t[:, None] * stride_vt + cols[None, :],
-            mask=real[:, None] & (cols[None, :] < DV),
-            other=0.0,
-        )
+        block = _token_rows(v, head, stride_vh, stride_vt, t, length, cols, DV)
         part = tl.dot(inverse, block * strength[:, None], input_precision=PRECISION)
         tl.store(u + (head * padded + t[:, None]) * DV + cols[None, :], part, mask=cols[None, :] < DV)
 
@@ -167,11 +166,7 @@ def state_kernel(
         u_at = u + (head * padded + t[:, None]) * DV + values[None, :]
         writes = tl.load(u_at, mask=values[None, :] < DV) - tl.dot(w_part, carried, input_precision=PRECISION)
         tl.store(u_at, writes, mask=values[None, :] < DV)
-        block = tl.load(
-            k + head * stride_kh + t[:, None] * stride_kt + keys[None, :],
-            mask=(t[:, None] < length) & (keys[None, :] < DK),
-            other=0.0,
-        )
+        block = _token_rows(k, head, stride_kh, stride_kt, t, length, keys, DK)
         to_end = block * tl.exp(last - gamma)[:, None]
         carried = carried * tl.exp(last) + tl.dot(tl.trans(to_end), writes, input_precision=PRECISION)
         chunk += 1
@@ -213,13 +208,8 @@ def output_kernel(
     start_state = starts + (head * chunks + chunk) * DK * DV
     for start in range(0, DK, BK):
         cols = start + tl.arange(0, BK)
-        inside = real[:, None] & (cols[None, :] < DK)
-        q_part = tl.load(
-            q + head * stride_qh + t[:, None] * stride_qt + cols[None, :], mask=inside, other=0.0
-        )
-        k_part = tl.load(
-            k + head * stride_kh + t[:, None] * stride_kt + cols[None, :], mask=inside, other=0.0
-        )
+        q_part = _token_rows(q, head, stride_qh, stride_qt, t, length, cols, DK)
+        k_part = _token_rows(k, head, stride_kh, stride_kt, t, length, cols, DK)
         scores += tl.dot(q_part, tl.trans(k_part), input_precision=PRECISION)
         s_part = tl.load(
             start_state + cols[:, None] * DV + values[None, :],

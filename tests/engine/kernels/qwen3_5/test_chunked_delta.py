@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ds4desk.engine.kernels.qwen3_5 import chunked_delta
-from ds4desk.engine.models.qwen3_5 import delta_rule
+from tests.engine.models.qwen3_5.test_delta_rule import inputs as head_first_inputs
 from tests.engine.op_names import OpNames
 from tests.engine.triton_check import run_triton_check
 
@@ -21,17 +21,10 @@ from tests.engine.triton_check import run_triton_check
 def inputs(
     length: int, heads: int, dk: int, dv: int, seed: int, decay: float = 1.0
 ) -> tuple[torch.Tensor, ...]:
-    """Random arguments as the model passes them: [T, H, d] tensors seen heads first (transposed
-    views, not contiguous), a carried state."""
-    gen = torch.Generator().manual_seed(seed)
-    q = delta_rule.unit_rows(torch.randn(length, heads, dk, generator=gen)) * dk**-0.5
-    k = delta_rule.unit_rows(torch.randn(length, heads, dk, generator=gen))
-    v = torch.randn(length, heads, dv, generator=gen)
-    # Log-decays from almost none to strong (exp(-decay * 4) per token at the far end).
-    g = -decay * 4 * torch.rand(length, heads, generator=gen)
-    beta = torch.rand(length, heads, generator=gen)
-    state = torch.randn(heads, dk, dv, generator=gen) * 0.3
-    return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(), state
+    """test_delta_rule's random arguments laid out as the model passes them: [T, H, d] tensors seen
+    heads first (transposed views, not contiguous), a carried state."""
+    *per_token, state = head_first_inputs(length, heads, dk, dv, seed, decay)
+    return (*(t.transpose(0, 1).contiguous().transpose(0, 1) for t in per_token), state)
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
