@@ -35,9 +35,10 @@ OVERRIDE: tuple[int, int, int] | None = None
 # 46.3 -> 33.3 us (13-15% of the copy bandwidth). On a GPU these two types now take EXPERTS_ONE_ROW.
 EXPERTS_TILES: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 512, 2), "Q3_K": (4, 256, 2)}
 # The types experts_gemv runs on gguf_experts_triton's kernel (groups of 64 values, input in read
-# order), and its (BLOCK_N, groups a tile, num_warps): the one-row GEMV's usual shape (a warp a
-# program, a few rows), not yet swept on a GPU. EXPERTS_OVERRIDE forces one (the sweep, the tests).
-EXPERTS_ONE_ROW: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 32, 1), "Q3_K": (4, 32, 1)}
+# order), and its (BLOCK_N, groups a tile, num_warps): the least time over Flash's two expert shapes
+# in an H200 sweep (bench/gguf_experts_gemv.py, 2026-12-05: 19-26 us a call of six experts, against
+# 33-35 us on the general GEMV). EXPERTS_OVERRIDE forces one (the sweep, the tests).
+EXPERTS_ONE_ROW: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 32, 1), "Q3_K": (2, 32, 1)}
 EXPERTS_OVERRIDE: tuple[int, int, int] | None = None
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
