@@ -8,8 +8,9 @@ Q4_K_M. ds4desk runs each file in place with its weights packed; llama.cpp (llam
 it with as many threads as there are CPUs. Each measurement is the median of `--repeats` runs in a
 fresh process. The floor for decode is the file's tensor bytes over the measured copy bandwidth (a
 token reads every weight once). `ds4desk-torch` is ds4desk with the fused one-token CPU layer turned
-off (DS4DESK_CPU_FUSED_DECODE=0), the decode path before it. Prints a table with the ratios and
-writes JSON under bench/results/.
+off (DS4DESK_CPU_FUSED_DECODE=0), the decode path before it; `ds4desk-bf16` is ds4desk with prefill's
+products in bfloat16 (DS4DESK_CPU_BF16_PREFILL=1, an opt-in: see quant/gguf_cpu.py). Prints a table
+with the ratios and writes JSON under bench/results/.
 """
 
 from __future__ import annotations
@@ -108,10 +109,14 @@ def bench_llama_cpp(model: str, prompt: list[int], new: int, repeats: int) -> tu
 WORKERS: dict[str, Callable[[str, list[int], int, int], tuple[float, float]]] = {
     "ds4desk": bench_ds4desk,
     "ds4desk-torch": bench_ds4desk,  # decode on the torch steps: the fused CPU layer turned off
+    "ds4desk-bf16": bench_ds4desk,  # prefill's products in bfloat16 (the opt-in of quant/gguf_cpu.py)
     "llama.cpp": bench_llama_cpp,
 }
 # Environment a worker runs under, per engine.
-WORKER_ENV: dict[str, dict[str, str]] = {"ds4desk-torch": {"DS4DESK_CPU_FUSED_DECODE": "0"}}
+WORKER_ENV: dict[str, dict[str, str]] = {
+    "ds4desk-torch": {"DS4DESK_CPU_FUSED_DECODE": "0"},
+    "ds4desk-bf16": {"DS4DESK_CPU_BF16_PREFILL": "1"},
+}
 
 
 def in_child(engine: str, model: Path, prompt: list[int], new: int, repeats: int) -> tuple[float, float]:

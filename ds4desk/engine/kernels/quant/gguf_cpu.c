@@ -8,8 +8,9 @@
  *       y[t, r] = sum_c x[t, c] * W[r, c], decoding each block once for up to eight rows of x: the
  *       decode path and a speculative verify step (T up to 16), each row of y bit for bit the same
  *       whatever T is.
- *   dequantize(type, w, w_stride, rows, cols, dst, threads)
- *       W as float32 [rows, cols] into dst: a prefill tile, which torch.mm then multiplies.
+ *   dequantize(type, w, w_stride, rows, cols, dst, threads, bf16=False)
+ *       W as float32 [rows, cols] into dst: a prefill tile, which torch.mm then multiplies; with
+ *       bf16, those float32 values rounded to bfloat16 (AVX-512 only), for a product in bfloat16.
  *   make_layer(...) / decode_layers(layers, x, pos, threads)
  *       decoder layers (the dense family's or Gemma 3's) for one token, x updated in place: the
  *       norms, GEMVs, RoPE, cache writes, attention and residual adds of a decode step in one call
@@ -156,7 +157,7 @@ static inline int iq4_xs_scale(const uint8_t *b, int i) {
 
 typedef struct Gemv Gemv;
 typedef void (*GemvFn)(const Gemv *, Py_ssize_t, Py_ssize_t);
-typedef void (*DequantFn)(const uint8_t *, int, int, float *);
+typedef void (*DequantFn)(const uint8_t *, int, int, void *); /* float32 or bfloat16 rows */
 
 /* ---- portable decoders: one block to float32, in the reference's order of operations -------------- */
 
@@ -739,6 +740,24 @@ INLINE_AVX512 __m512 q2_k_sub(const uint8_t *b, int s, float d, float dmin) {
         }                                                                                            \
     } while (0)
 
+/* The same rows as bfloat16, rounded to nearest even in integer ops (AVX-512F alone; the values are
+ * finite): the prefill's tile where torch.mm multiplies in bfloat16 (gguf_cpu.py, BF16_PREFILL). */
+INLINE_AVX512 __m256i bf16_rne(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+#define STORE_BF16_EMIT(W0, W1, OFF)                                                                 \
+    do {                                                                                             \
+        const __m512i both_ = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_rne(W0)), bf16_rne(W1), 1); \
+        if (streamed)                                                                                \
+            _mm512_stream_si512((__m512i *)(dst + (OFF)), both_);                                    \
+        else                                                                                         \
+            _mm512_storeu_si512(dst + (OFF), both_);                                                 \
+    } while (0)
+
 #define PREFETCH_BYTES 4096
 
 /* The most rows of x one pass over the weight multiplies: each decoded block feeds 2 * NT FMAs
@@ -800,10 +819,17 @@ INLINE_AVX512 void prefetch_row(const uint8_t *row, int bytes) {
             t0 += nt;                                                                                \
         }                                                                                            \
     }                                                                                                \
-    static AVX512 void dequant_##NAME(const uint8_t *row, int cols, int block_values, float *dst) {  \
+    static AVX512 void dequant_##NAME(const uint8_t *row, int cols, int block_values, void *out) {   \
+        float *dst = out;                                                                            \
         const int blocks = cols / block_values;                                                      \
         const int streamed = ((uintptr_t)dst & 63) == 0;                                             \
         LOOP(row, blocks, STORE_EMIT);                                                               \
+    }                                                                                                \
+    static AVX512 void dequant_bf16_##NAME(const uint8_t *row, int cols, int block_values, void *out) { \
+        uint16_t *dst = out;                                                                         \
+        const int blocks = cols / block_values;                                                      \
+        const int streamed = ((uintptr_t)dst & 63) == 0;                                             \
+        LOOP(row, blocks, STORE_BF16_EMIT);                                                          \
     }
 
 DEFINE_KERNELS(q4_0, LOOP_Q4_0)
@@ -822,11 +848,13 @@ DEFINE_KERNELS(iq4_xs, LOOP_IQ4_XS)
 DEFINE_KERNELS(f16, LOOP_F16)
 DEFINE_KERNELS(bf16, LOOP_BF16)
 
-static void avx512_kernels(int type, int cols, GemvFn *gemv, DequantFn *dequant) {
+/* The type's AVX-512 kernels: its GEMV, its float32 and its bfloat16 row decoders (NULL: none). */
+static void avx512_kernels(int type, int cols, GemvFn *gemv, DequantFn *dequant, DequantFn *dequant_rounded) {
     *gemv = NULL;
-    *dequant = NULL;
+    *dequant = *dequant_rounded = NULL;
     switch (type) {
-#define CASE(ID, NAME) case ID: *gemv = gemv_##NAME; *dequant = dequant_##NAME; break;
+#define CASE(ID, NAME)                                                                               \
+    case ID: *gemv = gemv_##NAME; *dequant = dequant_##NAME; *dequant_rounded = dequant_bf16_##NAME; break;
         CASE(T_Q4_0, q4_0) CASE(T_Q4_1, q4_1) CASE(T_Q5_0, q5_0) CASE(T_Q5_1, q5_1) CASE(T_Q8_0, q8_0)
         CASE(T_IQ4_NL, iq4_nl) CASE(T_MXFP4, mxfp4) CASE(T_Q2_K, q2_k) CASE(T_Q3_K, q3_k)
         CASE(T_Q4_K, q4_k) CASE(T_Q5_K, q5_k) CASE(T_Q6_K, q6_k) CASE(T_IQ4_XS, iq4_xs)
@@ -835,7 +863,7 @@ static void avx512_kernels(int type, int cols, GemvFn *gemv, DequantFn *dequant)
     }
     if ((type == T_F16 || type == T_BF16) && cols % 32) {
         *gemv = NULL;
-        *dequant = NULL;
+        *dequant = *dequant_rounded = NULL;
     }
 }
 #endif /* HAVE_AVX512_KERNELS */
@@ -881,8 +909,9 @@ typedef struct {
     const uint8_t *w;
     Py_ssize_t w_stride;
     int cols;
-    float *dst;
-    DequantFn fast; /* NULL: the portable decoder */
+    void *dst;      /* float32 rows, or bfloat16 ones where `fast` is a bfloat16 decoder */
+    size_t value_bytes;
+    DequantFn fast; /* NULL: the portable decoder (float32 only) */
 } Dequant;
 
 static void gemv_rows(const void *job, Py_ssize_t r0, Py_ssize_t r1) {
@@ -893,10 +922,11 @@ static void gemv_rows(const void *job, Py_ssize_t r0, Py_ssize_t r1) {
 static void dequant_rows(const void *job, Py_ssize_t r0, Py_ssize_t r1) {
     const Dequant *d = job;
     for (Py_ssize_t r = r0; r < r1; r++) {
+        char *row = (char *)d->dst + r * (Py_ssize_t)d->cols * d->value_bytes;
         if (d->fast)
-            d->fast(d->w + r * d->w_stride, d->cols, d->ti->block_values, d->dst + r * (Py_ssize_t)d->cols);
+            d->fast(d->w + r * d->w_stride, d->cols, d->ti->block_values, row);
         else
-            portable_dequant_row(d->ti, d->w + r * d->w_stride, d->cols, d->dst + r * (Py_ssize_t)d->cols);
+            portable_dequant_row(d->ti, d->w + r * d->w_stride, d->cols, (float *)row);
     }
 #ifdef HAVE_AVX512_KERNELS
     if (d->fast) _mm_sfence(); /* the streaming stores are visible before the rows are read */
@@ -955,8 +985,8 @@ static GemvFn pick_gemv(const TypeInfo *ti, int cols) {
 #ifdef HAVE_AVX512_KERNELS
     if (use_avx512) {
         GemvFn fast;
-        DequantFn unused;
-        avx512_kernels(ti->type, cols, &fast, &unused);
+        DequantFn unused, unused_bf16;
+        avx512_kernels(ti->type, cols, &fast, &unused, &unused_bf16);
         if (fast) return fast;
     }
 #else
@@ -1765,8 +1795,8 @@ static PyObject *py_gemv(PyObject *self, PyObject *args) {
 #ifdef HAVE_AVX512_KERNELS
     if (use_avx512) {
         GemvFn fast;
-        DequantFn unused;
-        avx512_kernels(type, cols, &fast, &unused);
+        DequantFn unused, unused_bf16;
+        avx512_kernels(type, cols, &fast, &unused, &unused_bf16);
         if (fast) g.kernel = fast;
     }
 #endif
@@ -1779,25 +1809,29 @@ static PyObject *py_gemv(PyObject *self, PyObject *args) {
 
 static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     (void)self;
-    int type, cols, threads;
+    int type, cols, threads, bf16 = 0;
     unsigned long long w_ptr, dst_ptr;
     Py_ssize_t w_stride, rows;
-    if (!PyArg_ParseTuple(args, "iKnniKi", &type, &w_ptr, &w_stride, &rows, &cols, &dst_ptr, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "iKnniKi|p", &type, &w_ptr, &w_stride, &rows, &cols, &dst_ptr, &threads, &bf16))
+        return NULL;
     const TypeInfo *ti = type_info(type);
     if (ti == NULL || cols <= 0 || cols % ti->block_values || rows < 0) {
         PyErr_SetString(PyExc_ValueError, "dequantize: unsupported type or shape");
         return NULL;
     }
     const uint8_t *w = (const uint8_t *)(uintptr_t)w_ptr;
-    float *dst = (float *)(uintptr_t)dst_ptr;
-    DequantFn fast = NULL;
+    DequantFn fast = NULL, fast_bf16 = NULL;
 #ifdef HAVE_AVX512_KERNELS
     if (use_avx512) {
         GemvFn unused;
-        avx512_kernels(type, cols, &unused, &fast);
+        avx512_kernels(type, cols, &unused, &fast, &fast_bf16);
     }
 #endif
-    Dequant job = {ti, w, w_stride, cols, dst, fast};
+    if (bf16 && fast_bf16 == NULL) {
+        PyErr_SetString(PyExc_ValueError, "dequantize: bfloat16 rows need this type's AVX-512 decoder");
+        return NULL;
+    }
+    Dequant job = {ti, w, w_stride, cols, (void *)(uintptr_t)dst_ptr, bf16 ? 2 : 4, bf16 ? fast_bf16 : fast};
     if ((Py_ssize_t)rows * w_stride < PARALLEL_MIN_BYTES) threads = 1;
     Py_BEGIN_ALLOW_THREADS
     parallel_rows(dequant_rows, &job, rows, threads);
@@ -1809,6 +1843,19 @@ static PyObject *py_kernel_isa(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
     return PyUnicode_FromString(use_avx512 ? "avx512" : "portable");
+}
+
+static PyObject *py_has_avx512_bf16(PyObject *self, PyObject *args) {
+    /* Whether the CPU multiplies bfloat16 natively (AVX512_BF16): oneDNN's bfloat16 products are then
+     * about 3x its float32 ones, and without it slower than them. */
+    (void)self;
+    (void)args;
+#ifdef HAVE_AVX512_KERNELS
+    __builtin_cpu_init();
+    return PyBool_FromLong(__builtin_cpu_supports("avx512bf16"));
+#else
+    Py_RETURN_FALSE;
+#endif
 }
 
 static PyObject *py_set_isa(PyObject *self, PyObject *args) {
@@ -1827,12 +1874,13 @@ static PyMethodDef METHODS[] = {
     {"gemv", py_gemv, METH_VARARGS,
      "gemv(type, w_ptr, w_stride, rows, cols, x_ptr, T, x_stride, y_ptr, y_stride, threads): y = x @ W^T"},
     {"dequantize", py_dequantize, METH_VARARGS,
-     "dequantize(type, w_ptr, w_stride, rows, cols, dst_ptr, threads): W as float32 [rows, cols]"},
+     "dequantize(type, w_ptr, w_stride, rows, cols, dst_ptr, threads, bf16=False): W as float32 (or bfloat16) [rows, cols]"},
     {"make_layer", py_make_layer, METH_VARARGS,
      "make_layer(dims, eps, attn_scale, act, sin_folded, window, norms, qkv, o, gate_up, down, cache, tables)"},
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(layers, x_ptr, pos, threads): one token through a tuple of layers, x updated in place"},
     {"kernel_isa", py_kernel_isa, METH_NOARGS, "the instruction set the kernels use: avx512 or portable"},
+    {"has_avx512_bf16", py_has_avx512_bf16, METH_NOARGS, "whether the CPU has AVX512_BF16"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('portable' | 'best'): for tests"},
     {NULL, NULL, 0, NULL},
 };

@@ -8,11 +8,18 @@ after this module has checked every dtype, shape and stride, and with the GIL re
   threads. They read the packed bytes once per pass and never make a float copy of the weight; each
   row of y gets the same sums in the same order whatever T is, so a verify step's logits are bit
   for bit a decode step's.
-- longer x (prefill): a tile of rows dequantized into a bounded float32 scratch, then torch.mm
-  (oneDNN / MKL) on it, tile by tile, so a prompt goes as fast as it would on float weights.
+- longer x (prefill): a tile of rows dequantized into a bounded scratch, then torch.mm (oneDNN /
+  MKL) on it, tile by tile, so a prompt goes as fast as it would on float weights.
 
 Both dequantize with the same float32 operations as the reference (quant/gguf.py), so they differ
 from `gguf_matmul.reference_matmul` only in the order of the sums.
+
+BF16_PREFILL, opt-in (DS4DESK_CPU_BF16_PREFILL=1, on a CPU with AVX-512 BF16), trades that for
+speed: prefill's tiles are those values rounded to bfloat16 and so is x; oneDNN's bfloat16 product
+sums in float32 and rounds its result to bfloat16. The products run about 3x faster on Zen 4 and a
+small model's prefill about 1.8x (docs/BENCHMARKS.md, CPU GGUF), but the logits move: it is off by
+default because the model tests' oracles (transformers on the same values, and top-1 agreement
+with llama.cpp) hold prefill to float32 error, and these roundings fail them.
 
 `FusedLayer` runs a whole decoder layer for one token in one C call (the GEMVs above plus norms,
 RoPE, the cache write and attention): on a small model the torch calls between the GEMVs cost as
@@ -25,6 +32,7 @@ and gguf_matmul falls back to the reference; a log line at import says so.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4desk.engine.formats import GGUF_TYPES
+from ds4desk.engine.kernels.launch import Switch, Where
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +62,7 @@ TILE_VALUES = 1 << 21
 _ROW_BYTES: dict[int, tuple[int, int]] = {
     t.type_id: (t.block_values, t.block_bytes) for t in GGUF_TYPES.values() if t.name != "F32"
 }
-_scratch = threading.local()
+_scratches = threading.local()
 _F32, _U8 = torch.float32, torch.uint8
 
 
@@ -65,6 +74,23 @@ def available() -> bool:
 def kernel_isa() -> str:
     """The instruction set the kernels run with: "avx512", "portable", or "missing"."""
     return _ext.kernel_isa() if _ext is not None else "missing"
+
+
+def bf16_products_run_fast() -> bool:
+    """Whether the CPU multiplies bfloat16 natively (where the bfloat16 prefill pays) and the AVX-512
+    decoders, which write bfloat16 tiles, run."""
+    return kernel_isa() == "avx512" and _ext.has_avx512_bf16()
+
+
+def _bf16_prefill_asked(where: Where) -> bool:
+    return os.environ.get("DS4DESK_CPU_BF16_PREFILL") == "1" and bf16_products_run_fast()
+
+
+BF16_PREFILL = Switch(
+    "quant.gguf_cpu_bf16",
+    "CPU prefill products on GGUF weights in bfloat16 (tiles and x rounded; float32 sums); opt-in",
+    _bf16_prefill_asked,
+)
 
 
 def covers(type_id: int, dtype: torch.dtype) -> bool:
@@ -132,18 +158,28 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: 
     return out
 
 
-def dequantize(weight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
-    """The float32 [rows, cols] weight, decoded by the C kernels (the prefill path's tile decoder)."""
+def dequantize(weight: torch.Tensor, type_id: int, cols: int, dtype: torch.dtype = _F32) -> torch.Tensor:
+    """The [rows, cols] weight decoded by the C kernels (the prefill path's tile decoder): float32, or
+    those values rounded to bfloat16 (the AVX-512 decoders only: where BF16_PREFILL can run)."""
     assert _ext is not None
     block_values, block_bytes = _ROW_BYTES[type_id]
     rows, row_bytes = weight.shape
     if weight.dtype != torch.uint8 or cols % block_values or row_bytes != cols // block_values * block_bytes:
         raise ValueError(f"gguf_cpu.dequantize: weight {tuple(weight.shape)} is not type {type_id} x {cols}")
+    if dtype not in (_F32, torch.bfloat16):
+        raise ValueError(f"gguf_cpu.dequantize: no {dtype} rows (float32 or bfloat16)")
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    dst = torch.empty((rows, cols), dtype=torch.float32)
+    dst = torch.empty((rows, cols), dtype=dtype)
     _ext.dequantize(
-        type_id, weight.data_ptr(), weight.stride(0), rows, cols, dst.data_ptr(), torch.get_num_threads()
+        type_id,
+        weight.data_ptr(),
+        weight.stride(0),
+        rows,
+        cols,
+        dst.data_ptr(),
+        torch.get_num_threads(),
+        dtype == torch.bfloat16,
     )
     return dst
 
@@ -151,11 +187,14 @@ def dequantize(weight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
 def _tiled_matmul(
     x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: torch.Tensor, threads: int
 ) -> None:
-    """out = x @ Wᵀ as tiles of rows: each dequantized into the scratch, then one torch.mm."""
+    """out = x @ Wᵀ as tiles of rows: each dequantized into the scratch, then one torch.mm (in
+    bfloat16 where BF16_PREFILL is on)."""
     rows = weight.shape[0]
     tile = max(1, min(rows, TILE_VALUES // cols))
-    scratch = _scratch_floats(tile * cols)
-    x = x.contiguous()
+    rounded = BF16_PREFILL.on(x)
+    dtype = torch.bfloat16 if rounded else _F32
+    scratch = _scratch(tile * cols, dtype)
+    x = x.to(dtype).contiguous()
     for start in range(0, rows, tile):
         stop = min(rows, start + tile)
         w = scratch[: (stop - start) * cols].view(stop - start, cols)
@@ -167,20 +206,21 @@ def _tiled_matmul(
             cols,
             w.data_ptr(),
             threads,
+            rounded,
         )
-        if start == 0 and stop == rows and out.is_contiguous():
+        if start == 0 and stop == rows and out.is_contiguous() and not rounded:
             torch.mm(x, w.t(), out=out)
         else:
             out[:, start:stop] = torch.mm(x, w.t())
 
 
-def _scratch_floats(count: int) -> torch.Tensor:
-    """This thread's float32 scratch of at least `count` values (kept between calls: prefill calls
+def _scratch(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch of at least `count` values of `dtype` (kept between calls: prefill calls
     this for every layer, and a fresh multi-MiB buffer would be page-faulted in every time)."""
-    buffer = getattr(_scratch, "buffer", None)
+    buffers = _scratches.__dict__.setdefault("by_dtype", {})
+    buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < count:
-        buffer = torch.empty(count, dtype=torch.float32)
-        _scratch.buffer = buffer
+        buffer = buffers[dtype] = torch.empty(count, dtype=dtype)
     return buffer
 
 

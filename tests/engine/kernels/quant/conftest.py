@@ -11,7 +11,9 @@ from ds4desk.engine.kernels.quant import gguf_cpu
 
 @pytest.fixture(params=["avx512", "portable"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each test runs on the AVX-512 kernels (where the CPU has them) and on the portable ones."""
+    """Each test runs on the AVX-512 kernels (where the CPU has them) and on the portable ones, with
+    prefill's products in float32 (BF16_PREFILL off, also where the environment asks for it):
+    test_gguf_cpu.py holds the bfloat16 ones to their own bound."""
     ext = gguf_cpu._ext
     if ext is None:
         pytest.skip("the C extension is not built")
@@ -20,6 +22,7 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "portable":
         ext.set_isa("portable")
     try:
-        yield request.param
+        with gguf_cpu.BF16_PREFILL.force(False):
+            yield request.param
     finally:
         ext.set_isa("best")
