@@ -17,7 +17,7 @@ from `gguf_matmul.reference_matmul` only in the order of the sums.
 BF16_PREFILL, opt-in (DS4DESK_CPU_BF16_PREFILL=1, on a CPU with AVX-512 BF16), trades that for
 speed: prefill's tiles are those values rounded to bfloat16 and so is x; oneDNN's bfloat16 product
 sums in float32 and rounds its result to bfloat16. The products run about 3x faster on Zen 4 and a
-small model's prefill about 1.8x (docs/BENCHMARKS.md, CPU GGUF), but the logits move: it is off by
+small model's prefill 1.4-2.1x (docs/BENCHMARKS.md, CPU GGUF), but the logits move: it is off by
 default because the model tests' oracles (transformers on the same values, and top-1 agreement
 with llama.cpp) hold prefill to float32 error, and these roundings fail them.
 
