@@ -780,6 +780,15 @@ INLINE_AVX512 void prefetch_row(const uint8_t *row, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
 }
 
+/* A row decoder writing VALUE rows (float32 or bfloat16) through STORE. */
+#define DEFINE_DEQUANT(FN, VALUE, STORE, LOOP)                                                       \
+    static AVX512 void FN(const uint8_t *row, int cols, int block_values, void *out) {               \
+        VALUE *dst = out;                                                                            \
+        const int blocks = cols / block_values;                                                      \
+        const int streamed = ((uintptr_t)dst & 63) == 0;                                             \
+        LOOP(row, blocks, STORE);                                                                    \
+    }
+
 #define DEFINE_KERNELS(NAME, LOOP)                                                                   \
     INLINE_AVX512 void gemv_##NAME##_nt(const Gemv *g, Py_ssize_t r0, Py_ssize_t r1, int t0, const int NT) { \
         const int blocks = g->cols / g->ti->block_values;                                            \
@@ -819,18 +828,8 @@ INLINE_AVX512 void prefetch_row(const uint8_t *row, int bytes) {
             t0 += nt;                                                                                \
         }                                                                                            \
     }                                                                                                \
-    static AVX512 void dequant_##NAME(const uint8_t *row, int cols, int block_values, void *out) {   \
-        float *dst = out;                                                                            \
-        const int blocks = cols / block_values;                                                      \
-        const int streamed = ((uintptr_t)dst & 63) == 0;                                             \
-        LOOP(row, blocks, STORE_EMIT);                                                               \
-    }                                                                                                \
-    static AVX512 void dequant_bf16_##NAME(const uint8_t *row, int cols, int block_values, void *out) { \
-        uint16_t *dst = out;                                                                         \
-        const int blocks = cols / block_values;                                                      \
-        const int streamed = ((uintptr_t)dst & 63) == 0;                                             \
-        LOOP(row, blocks, STORE_BF16_EMIT);                                                          \
-    }
+    DEFINE_DEQUANT(dequant_##NAME, float, STORE_EMIT, LOOP)                                          \
+    DEFINE_DEQUANT(dequant_bf16_##NAME, uint16_t, STORE_BF16_EMIT, LOOP)
 
 DEFINE_KERNELS(q4_0, LOOP_Q4_0)
 DEFINE_KERNELS(q4_1, LOOP_Q4_1)

@@ -76,9 +76,9 @@ def kernels() -> Kernels | None:
         name = gguf_type(type_id).name
         if prepared is not None and not (t == 1 and one_row_fits(name, rows)):
             raise ValueError(f"only the one-row GEMV reads a prepared input, not a {rows}-row {name}")
+        x = x if x.stride(1) == 1 else x.contiguous()
+        target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
         if t == 1 and one_row_fits(name, rows):
-            x = x if x.stride(1) == 1 else x.contiguous()
-            target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
             mode = INPUT_SILU if silu else INPUT_NORM if with_norm else INPUT_COPY
             config, n_groups, size = one_row_plan(name, rows, cols)
             # The input row, prepared once for every program: in the order the GEMV reads it, or
@@ -94,12 +94,8 @@ def kernels() -> Kernels | None:
                 launch_input(x, norm, eps, cols, x_row, mode)
                 x = x_row
             launch_one_row(x, weight, type_id, config, n_groups, target, residual, pair)
-            if target is not out:
-                out.copy_(target)
-            return
-        x = x if x.stride(1) == 1 else x.contiguous()
-        target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
-        launch_blocks(x, weight, type_id, cols, target, norm, eps, silu, with_norm, residual, pdl(x))
+        else:
+            launch_blocks(x, weight, type_id, cols, target, norm, eps, silu, with_norm, residual, pdl(x))
         if target is not out:
             out.copy_(target)
 
