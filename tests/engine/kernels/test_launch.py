@@ -35,7 +35,9 @@ KERNEL_MODULES = (
 
 def test_every_kernel_module_declares_its_switch_and_one_check() -> None:
     names = [switch.name for switch in launch.switches()]
-    assert names == sorted([*KERNEL_MODULES, "launch.pdl", "quant.fp8_scaled_mm", "quant.gguf_cpu_bf16"])
+    assert names == sorted(
+        [*KERNEL_MODULES, "launch.pdl", "quant.fp8_scaled_mm", "quant.gguf_cpu_bf16", "quant.gguf_cpu_rows"]
+    )
     for name in KERNEL_MODULES:
         module = importlib.import_module(f"ds4desk.engine.kernels.{name}")
         assert module.SWITCH.name == name and module.SWITCH.doc and callable(module.enabled)

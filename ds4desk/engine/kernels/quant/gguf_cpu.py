@@ -224,6 +224,95 @@ def _scratch(count: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer
 
 
+# --- prefill's row-wise ops ---------------------------------------------------------------------
+# The steps between a prompt's matmuls (RMSNorm, the per-head norm and RoPE, the gated activation),
+# each one pass in C with the fused layer's own functions, where torch takes several ops and a pool
+# wake-up for each: together about a tenth of Gemma-3-270M's 128-token prefill on two cores.
+
+
+def _row_ops_asked(where: Where) -> bool:
+    return os.environ.get("DS4DESK_CPU_ROW_OPS", "1") != "0"
+
+
+ROW_OPS = Switch(
+    "quant.gguf_cpu_rows",
+    "prefill's RMSNorms, per-head norm + RoPE and gated activation in one C pass each (CPU, float32)",
+    _row_ops_asked,
+)
+
+
+def row_ops_take(x: torch.Tensor) -> bool:
+    """Whether the row ops below run for x: float32 on the CPU, rows of contiguous values, the
+    extension built and ROW_OPS on. Elsewhere the caller's torch ops do."""
+    return _ext is not None and x.dtype is _F32 and x.is_cpu and x.stride(-1) == 1 and ROW_OPS.on(x)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [T, D] (any row stride) times weight [D] (or none), as a new [T, D]."""
+    _check_rows(x, 2)
+    tokens, dim = x.shape
+    if weight is not None:
+        _check_table(weight, (dim,))
+    out = torch.empty((tokens, dim), dtype=_F32)
+    _ext.norm_rows(
+        x.data_ptr(), x.stride(0), tokens, 1, dim, _pointer(weight), False, eps, 0, 0, False,
+        out.data_ptr(), dim, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def norm_rope_(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, sin_folded: bool
+) -> torch.Tensor:
+    """In place on x [T, H, D] (heads D apart, any token stride): each head's RMSNorm times its row
+    of weight [H, D], then RoPE with token t's row of cos and sin [T, D] (rotate-half; `sin_folded`:
+    sin's first half already negated). Returns x."""
+    _check_rows(x, 3)
+    tokens, heads, dim = x.shape
+    if x.stride(1) != dim or x.stride(0) < heads * dim or dim > 512 or dim % 2:
+        raise ValueError(f"gguf_cpu.norm_rope_: x {tuple(x.shape)} strides {x.stride()} do not fit")
+    _check_table(weight, (heads, dim))
+    _check_table(cos, (tokens, dim))
+    _check_table(sin, (tokens, dim))
+    _ext.norm_rows(
+        x.data_ptr(), x.stride(0), tokens, heads, dim, weight.data_ptr(), True, eps, cos.data_ptr(),
+        sin.data_ptr(), sin_folded, x.data_ptr(), x.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    return x
+
+
+def gated_rows(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """activation(gate) * up for gate_up [T, 2F] (gate, then up; any row stride), as a new [T, F]."""
+    _check_rows(gate_up, 2)
+    tokens, width = gate_up.shape
+    if width % 2 or activation not in ACTIVATIONS:
+        raise ValueError(f"gguf_cpu.gated_rows: {tuple(gate_up.shape)} with {activation!r} does not fit")
+    ffn = width // 2
+    out = torch.empty((tokens, ffn), dtype=_F32)
+    _ext.gated_rows(
+        ACTIVATIONS[activation], gate_up.data_ptr(), gate_up.stride(0), tokens, ffn, out.data_ptr(), ffn,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _check_rows(x: torch.Tensor, dims: int) -> None:
+    """x has `dims` dimensions, float32 on the CPU, its last one contiguous and its rows apart by a
+    non-negative stride: the C side walks it from its data pointer."""
+    if x.dim() != dims or x.dtype is not _F32 or not x.is_cpu or x.stride(-1) != 1 or min(x.stride()) < 0:
+        raise ValueError(f"gguf_cpu: rows {tuple(x.shape)} {x.dtype} strides {x.stride()} do not fit")
+
+
+def _check_table(table: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A float32 CPU tensor of exactly `shape`, contiguous: what the C side reads through its pointer."""
+    if table.shape != shape or table.dtype is not _F32 or not table.is_cpu or not table.is_contiguous():
+        raise ValueError(f"gguf_cpu: a table {tuple(table.shape)} {table.dtype} where {shape} float32 goes")
+
+
+def _pointer(table: torch.Tensor | None) -> int:
+    return 0 if table is None else table.data_ptr()
+
+
 # --- one decoder layer for one token ------------------------------------------------------------
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}

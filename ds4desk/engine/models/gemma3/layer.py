@@ -92,6 +92,8 @@ class Shard:
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: in float32, times the float32 (1 + weight) `scale`, then cast back."""
+    if x.dim() == 2 and gguf_cpu.row_ops_take(x):
+        return gguf_cpu.rms_norm_rows(x, scale, eps)
     if scale.dim() == 1:
         return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(x.dtype)
     return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * scale).to(x.dtype)
@@ -162,18 +164,22 @@ class LayerSteps(ABC):
         count = x.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
         qkv = plan.qkv(rms_norm(x, plan.input_norm, self.eps))
-        qk = rms_norm(
-            qkv[:, : (heads + kv_heads) * dim].view(count, heads + kv_heads, dim), plan.qk_norm, self.eps
-        )
+        qk = qkv[:, : (heads + kv_heads) * dim].view(count, heads + kv_heads, dim)
         cos, sin = self.rope(self.local if plan.window is not None else self.global_)
-        qk = rotate(qk, cos, sin)
+        if count > 1 and gguf_cpu.row_ops_take(qkv):  # a prompt on the CPU: one C pass, in place
+            gguf_cpu.norm_rope_(qk, plan.qk_norm, cos.squeeze(1), sin.squeeze(1), self.eps, sin_folded=False)
+        else:
+            qk = rotate(rms_norm(qk, plan.qk_norm, self.eps), cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * dim :].view(count, kv_heads, dim)
         attn = plan.o(self.attend(q, k, v, plan))
         x = x + rms_norm(attn, plan.post_attention_norm, self.eps)
         gate_up = plan.gate_up(rms_norm(x, plan.pre_feedforward_norm, self.eps))
-        width = gate_up.shape[1] // 2
-        act = F.gelu(gate_up[:, :width], approximate=self.approximate) * gate_up[:, width:]
+        if gguf_cpu.row_ops_take(gate_up):
+            act = gguf_cpu.gated_rows(gate_up, "gelu_tanh" if self.approximate == "tanh" else "gelu")
+        else:
+            width = gate_up.shape[1] // 2
+            act = F.gelu(gate_up[:, :width], approximate=self.approximate) * gate_up[:, width:]
         return x + rms_norm(plan.down(act), plan.post_feedforward_norm, self.eps)
 
     @abstractmethod
