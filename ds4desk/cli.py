@@ -82,6 +82,16 @@ def _weights_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _cpu_prefill_argument(parser: argparse.ArgumentParser) -> None:
+    from ds4desk.engine.api import CPU_PREFILL_MODES
+
+    parser.add_argument(
+        "--cpu-prefill", choices=CPU_PREFILL_MODES, default="float32",
+        help="how a prompt on the CPU multiplies GGUF weights: float32 (the default, exact) or bfloat16 "
+        "(about 1.5-3x faster on CPUs with AVX-512 BF16, logits rounded slightly differently)",
+    )  # fmt: skip
+
+
 def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
     from ds4desk.engine.api import SPECULATIVE_MODES
 
@@ -151,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help=DEVICE_HELP)
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     _weights_argument(gen)
+    _cpu_prefill_argument(gen)
     _split_arguments(gen)
     _speculative_arguments(gen)
     _warm_up_argument(gen)
@@ -174,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("--chunk", type=int, default=0, help="prefill chunk size in tokens (0: automatic)")
     session.add_argument("--context", type=int, default=4096, help="context size in tokens")
     _weights_argument(session)
+    _cpu_prefill_argument(session)
     _speculative_arguments(session)
     _warm_up_argument(session)
 
@@ -196,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the data directory's snapshots folder)",
     )
     _weights_argument(serve)
+    _cpu_prefill_argument(serve)
     _warm_up_argument(serve)
 
     check = verbs.add_parser("check", help="say what a model path is, or why it cannot be loaded")
@@ -327,6 +340,7 @@ def load_request_of(args: argparse.Namespace) -> LoadRequest:
         devices=getattr(args, "devices", None),
         layer_split=getattr(args, "layer_split", None),
         weights=args.weights,
+        cpu_prefill=args.cpu_prefill,
         draft=getattr(args, "draft", None),
         speculative=getattr(args, "speculative", "auto"),
         warm_up=getattr(args, "warm_up", True),

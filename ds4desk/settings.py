@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ds4desk.engine.api import WEIGHT_MODES, LoadRequest, SamplingParams, ThinkingBudget
+from ds4desk.engine.api import CPU_PREFILL_MODES, WEIGHT_MODES, LoadRequest, SamplingParams, ThinkingBudget
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class Settings:
     cuda_graphs: str = "auto"  # "auto" (on for CUDA, off for HIP) | "on" | "off"
     # "as-stored" | "q8" | "q4": a 16-bit model's linear weights quantized at load (Q8_0 / Q4_K).
     weights: str = "as-stored"
+    # A prompt's products on GGUF weights on the CPU: "float32" (exact) | "bfloat16" (faster where
+    # the CPU has AVX-512 BF16).
+    cpu_prefill: str = "float32"
     # Speculative decoding (SPECULATIVE_CHOICES): auto is the draft model when one is loaded (File >
     # Load draft model…), else prompt lookup; off for models whose cache cannot roll back.
     speculative: str = "auto"
@@ -129,6 +132,7 @@ class Settings:
             devices=tuple(self.devices) if self.devices and not device else None,
             layer_split=tuple(self.layer_split) if self.devices and self.layer_split and not device else None,
             weights=self.weights,
+            cpu_prefill=self.cpu_prefill,
             draft=draft,
             speculative=self.speculative,
         )
@@ -283,6 +287,8 @@ def _validated(name: str, value: Any) -> Any:
             ok = value in ("auto", "on", "off")
         case "weights":
             ok = value in WEIGHT_MODES
+        case "cpu_prefill":
+            ok = value in CPU_PREFILL_MODES
         case "devices":
             ok = (
                 isinstance(value, list)

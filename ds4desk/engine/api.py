@@ -234,6 +234,10 @@ class LoadRequest:
     draft: str | None = None
     # The default of every request's GenerateRequest.speculative (one of SPECULATIVE_MODES).
     speculative: str = "auto"
+    # How a prompt on the CPU multiplies GGUF weights (one of CPU_PREFILL_MODES): "float32", exact to
+    # the dequantized weights, or "bfloat16", about 1.5-3x faster where the CPU multiplies bfloat16
+    # natively (AVX-512 BF16; elsewhere float32 is kept), with logits rounded slightly differently.
+    cpu_prefill: str = "float32"
     # Run what the first request would otherwise pay for (graph capture, kernel compilation, first
     # calls) as the load's last stage, so the first answer is as fast as the next (engine/warm_up.py).
     warm_up: bool = True
@@ -246,6 +250,9 @@ SPECULATIVE_MODES = ("off", "auto", "draft", "mtp", "lookup")
 
 # LoadRequest.weights: "as-stored", "q8" (Q8_0 blocks) or "q4" (Q4_K blocks).
 WEIGHT_MODES = ("as-stored", "q8", "q4")
+
+# LoadRequest.cpu_prefill.
+CPU_PREFILL_MODES = ("float32", "bfloat16")
 
 
 @dataclass(slots=True, frozen=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ds4desk.engine.api import (
+    CPU_PREFILL_MODES,
     WARM_UP_UNIT,
     WEIGHT_MODES,
     EngineError,
@@ -325,6 +326,11 @@ class Engine(Parking):
             modes = ", ".join(WEIGHT_MODES)
             raise EngineFailure(
                 ErrorCode.BAD_REQUEST, f"weights must be one of {modes}, got {request.weights!r}"
+            )
+        if request.cpu_prefill not in CPU_PREFILL_MODES:
+            raise EngineFailure(
+                ErrorCode.BAD_REQUEST,
+                f"cpu_prefill must be one of {', '.join(CPU_PREFILL_MODES)}, got {request.cpu_prefill!r}",
             )
         check_mode(request.speculative)
         beside = self._load_draft_beside(request)

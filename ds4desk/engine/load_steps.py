@@ -36,7 +36,13 @@ def fill_and_start(
     graphs = graphs_wanted(request.cuda_graphs, device, loaded.model)
     chunk = request.chunk or auto_chunk(device.type)
     runtime = Runtime(
-        loaded.model, device, context=plan.context, chunk=chunk, graphs=graphs, defer_graphs=defer_graphs
+        loaded.model,
+        device,
+        context=plan.context,
+        chunk=chunk,
+        graphs=graphs,
+        defer_graphs=defer_graphs,
+        cpu_prefill=request.cpu_prefill,
     )
     return loaded, runtime
 

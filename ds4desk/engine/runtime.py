@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -21,6 +22,7 @@ from ds4desk.engine.api import (
 )
 from ds4desk.engine.budget import ThinkingGate
 from ds4desk.engine.graphs import GraphedDecode
+from ds4desk.engine.kernels.quant import gguf_cpu
 from ds4desk.engine.logprobs import token_logprobs
 from ds4desk.engine.models.base import CausalLM
 from ds4desk.engine.sampling import check_sampling, make_generator, sample
@@ -85,9 +87,11 @@ class Runtime:
         chunk: int = 512,
         graphs: bool = False,
         defer_graphs: bool = False,
+        cpu_prefill: str = "float32",
     ) -> None:
         """`graphs`: decode through captured CUDA graphs, captured here, or by `capture_graphs` when
-        `defer_graphs` (the load's warm-up stage does, with its progress)."""
+        `defer_graphs` (the load's warm-up stage does, with its progress). `cpu_prefill`: the products
+        of a prompt on GGUF weights on the CPU (LoadRequest.cpu_prefill)."""
         if context <= 0 or chunk <= 0:
             raise EngineFailure(
                 ErrorCode.BAD_REQUEST, f"context ({context}) and chunk ({chunk}) must be positive"
@@ -96,6 +100,10 @@ class Runtime:
         self.device = device
         self.context = context
         self.chunk = chunk
+        # bfloat16 products only where the CPU multiplies bfloat16 natively: elsewhere they are slower.
+        self.bf16_prefill = (
+            cpu_prefill == "bfloat16" and device.type == "cpu" and gguf_cpu.bf16_products_run_fast()
+        )
         if device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(CUDNN_ATTENTION)  # process-wide, as SDPA's choice is
         try:
@@ -444,7 +452,9 @@ class Runtime:
     ) -> torch.Tensor | None:
         """Prefill ids[start:] in chunks; returns the last position's logits, None when cancelled.
         A chunk also ends at `split_at`, where `at_split` gets the logits of that position."""
-        with torch.inference_mode():
+        # The load's choice of products holds for this model's prompts only (the switch is the process's).
+        products = gguf_cpu.BF16_PREFILL.force(True) if self.bf16_prefill else contextlib.nullcontext()
+        with torch.inference_mode(), products:
             try:
                 if split_at is None and len(ids) - start <= GRAPHED_SUFFIX_TOKENS:
                     start, logits = self._graphed_prefill(ids, start, should_cancel)

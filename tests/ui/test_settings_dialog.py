@@ -230,3 +230,23 @@ def test_weights_choice_is_shown_saved_and_used_by_the_next_load(
     dialog.weights.setCurrentIndex(dialog.weights.findData("as-stored"))
     dialog.accept()
     assert Settings.load(settings_path).weights == "as-stored"
+
+
+def test_cpu_prompt_math_is_shown_saved_and_used_by_the_next_load(
+    qtbot, open_window, settings_path: Path, run
+) -> None:
+    backend = FakeBackend()
+    window = open_window(backend)
+    assert backend.load_requests[-1].cpu_prefill == "float32"  # exact by default
+    dialog = open_dialog(qtbot, window)
+    labels = [dialog.cpu_prefill.itemText(i) for i in range(dialog.cpu_prefill.count())]
+    assert labels == ["Exact (float32)", "Fast (bfloat16)"]
+    assert "AVX-512 BF16" in dialog.cpu_prefill.toolTip()
+    assert "CPU prompt math" in dialog.note.text()
+
+    dialog.cpu_prefill.setCurrentIndex(dialog.cpu_prefill.findData("bfloat16"))
+    qtbot.mouseClick(dialog.ok_button, Qt.MouseButton.LeftButton)
+    assert window.settings.cpu_prefill == "bfloat16"
+    assert Settings.load(settings_path).cpu_prefill == "bfloat16"
+    run(window.load_model())
+    assert backend.load_requests[-1].cpu_prefill == "bfloat16"

@@ -14,8 +14,9 @@ after this module has checked every dtype, shape and stride, and with the GIL re
 Both dequantize with the same float32 operations as the reference (quant/gguf.py), so they differ
 from `gguf_matmul.reference_matmul` only in the order of the sums.
 
-BF16_PREFILL, opt-in (DS4DESK_CPU_BF16_PREFILL=1, on a CPU with AVX-512 BF16), trades that for
-speed: prefill's tiles are those values rounded to bfloat16 and so is x; oneDNN's bfloat16 product
+BF16_PREFILL, opt-in (a load's `cpu_prefill="bfloat16"`, which Runtime turns on around that model's
+prompts; DS4DESK_CPU_BF16_PREFILL=1 for the whole process; on a CPU with AVX-512 BF16 only), trades
+that for speed: prefill's tiles are those values rounded to bfloat16 and so is x; oneDNN's bfloat16 product
 sums in float32 and rounds its result to bfloat16. The products run about 3x faster on Zen 4 and a
 small model's prefill 1.4-2.1x (docs/BENCHMARKS.md, CPU GGUF), but the logits move: it is off by
 default because the model tests' oracles (transformers on the same values, and top-1 agreement
