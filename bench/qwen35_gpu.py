@@ -59,7 +59,7 @@ from gguf_vocab import add_byte_level_vocab  # a sibling script: bench/ is the s
 from ds4desk.engine.api import SamplingParams, SaveSnapshot
 from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.dense import gemv as dense_gemv
-from ds4desk.engine.kernels.qwen3_5 import chunked_delta, gated_norm, linear_decode
+from ds4desk.engine.kernels.qwen3_5 import causal_conv, chunked_delta, gated_norm, linear_decode
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.qwen3_5 import delta_rule
@@ -388,6 +388,7 @@ def bench_ds4desk(
         linear_decode.SWITCH: off,
         gated_norm.SWITCH: off,
         chunked_delta.SWITCH: off,
+        causal_conv.SWITCH: off,
         dense_gemv.SWITCH: off,
     }
     row: dict[str, Any] = {"engine": name, "graphs": graphs, "qwen35_kernels": kernels}
@@ -398,6 +399,7 @@ def bench_ds4desk(
         row["kernels_on"] = {
             "linear_decode": linear_decode.enabled(device),
             "gated_norm": gated_norm.enabled(device),
+            "causal_conv": causal_conv.enabled(device),
             "dense_gemv": dense_gemv.enabled(device),
         }
         short = prompt_ids(sizes.decode_prompt, vocab)
@@ -558,6 +560,34 @@ def delta_rule_share(cfg: dict[str, Any], device: torch.device, tokens: int) -> 
     return result
 
 
+def conv_share(cfg: dict[str, Any], device: torch.device, tokens: int) -> dict[str, float]:
+    """The causal convolution + silu over `tokens` rows of one linear layer in bf16, on its kernel and
+    as the eager ops (cat, conv1d, silu, the transposed copy), times the linear layers, and how far
+    the two results are apart."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    channels = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    channels += cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    taps = cfg["linear_conv_kernel_dim"]
+    inputs = torch.randn(tokens, channels, generator=gen, device=device).bfloat16()
+    window = torch.randn(channels, taps - 1, generator=gen, device=device).bfloat16()
+    weight = torch.rand(channels, taps, generator=gen, device=device).bfloat16() - 0.5
+    layers = cfg["layer_types"].count(LINEAR)
+    result: dict[str, float] = {}
+    outputs = []
+    for name, kernel in (("", None), ("torch_", False)):
+        with causal_conv.SWITCH.force(kernel), torch.inference_mode():
+
+            def run() -> torch.Tensor:
+                return causal_conv.causal_conv_silu(inputs, window, weight)
+
+            seconds = timed(run, device)
+            outputs.append(run())
+        result[f"conv_{name}layer_s"] = seconds
+        result[f"conv_{name}all_layers_s"] = seconds * layers
+    result["conv_kernel_rel_diff"] = relative_difference(*outputs)
+    return result
+
+
 def relative_difference(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).norm() / ref.norm())
 
@@ -652,6 +682,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
     if "delta_rule" not in args.skip:
         result["chunked_delta_rule"] = delta_rule_share(cfg, device, sizes.prefill_prompt)
+    if "conv" not in args.skip:
+        result["causal_conv"] = conv_share(cfg, device, sizes.prefill_prompt)
     result["rows"] = rows
     print_table(result, sizes)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -704,6 +736,12 @@ def print_table(result: dict[str, Any], sizes: Sizes) -> None:
             f"linear layers, {100 * share['delta_rule_all_layers_s'] / prefill_s:.0f}% of ds4desk's prefill; "
             f"in torch ops {share['delta_rule_torch_all_layers_s'] * 1e3:.1f} ms"
         )
+    conv = result.get("causal_conv")
+    if conv:
+        print(
+            f"causal convolution at {p} tokens: {conv['conv_all_layers_s'] * 1e3:.2f} ms over the linear "
+            f"layers; as the eager ops {conv['conv_torch_all_layers_s'] * 1e3:.2f} ms"
+        )
 
 
 def main() -> None:
@@ -718,7 +756,7 @@ def main() -> None:
         default="",
         type=lambda text: set(filter(None, text.split(","))),
         help="rows to leave out: ds4desk-nokernels, ds4desk-eager, ds4desk-gguf, transformers, llama.cpp, "
-        "delta_rule",
+        "delta_rule, conv",
     )
     parser.add_argument("--work", type=Path, help="where to write the model (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")

@@ -27,6 +27,7 @@ KERNEL_MODULES = (
     "quant.fp4",
     "quant.fp8",
     "quant.gguf_triton",
+    "qwen3_5.causal_conv",
     "qwen3_5.chunked_delta",
     "qwen3_5.gated_norm",
     "qwen3_5.linear_decode",

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.kernels.dense import gemv as dense_gemv
-from ds4desk.engine.kernels.qwen3_5 import gated_norm, linear_decode
+from ds4desk.engine.kernels.qwen3_5 import causal_conv, gated_norm, linear_decode
 from ds4desk.engine.models.packed import Projection, linear, projection_of
 from ds4desk.engine.models.qwen3_5 import delta_rule
 from ds4desk.engine.models.qwen3_5.config import Qwen35Config
@@ -199,8 +199,17 @@ def _convolve(plan: LinearPlan, mixed: torch.Tensor, real: torch.Tensor | None =
     assert plan.conv_state is not None
     window = plan.conv_state
     kept = window.shape[1]
+    count = mixed.shape[0]
+    if count > 1 and real is None and causal_conv.enabled(mixed):
+        # One kernel reads the rows in place (kernels/qwen3_5/causal_conv.py); the window moves after it.
+        out = causal_conv.causal_conv_silu(mixed, window, plan.conv_weight)
+        if count >= kept:
+            window.copy_(mixed[count - kept :].t())
+        else:
+            window.copy_(torch.cat((window[:, count:], mixed.t()), dim=1))
+        return out
     extended = torch.cat((window, mixed.t()), dim=1)  # [channels, kept + T]
-    if mixed.shape[0] == 1:
+    if count == 1:
         # One token: a multiply-add over the taps, no conv launch (and shapes a graph can keep).
         out = (extended * plan.conv_weight).sum(dim=1, keepdim=True)
     else:
@@ -209,7 +218,9 @@ def _convolve(plan: LinearPlan, mixed: torch.Tensor, real: torch.Tensor | None =
         window.copy_(extended[:, -kept:])
     else:  # the window ends at the last real input, found on the device
         window.copy_(extended.index_select(1, real + torch.arange(kept, device=real.device)))
-    return F.silu(out).t()
+    # Rows of contiguous channels, as the kernel writes them: the reductions over q/k heads that follow
+    # then sum in the same order on either path.
+    return F.silu(out).t().contiguous()
 
 
 def roll_back(plan: LinearPlan, window: torch.Tensor, recurrent: torch.Tensor, kept: int) -> None:
