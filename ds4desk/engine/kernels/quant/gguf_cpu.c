@@ -1697,7 +1697,8 @@ typedef struct {
     float *x;             /* token t, head h: x + t * x_stride + h * dim */
     Py_ssize_t x_stride;
     int heads, dim;
-    const float *weight;  /* NULL, one row [dim] for every head, or a row per head [heads][dim] */
+    const float *weight;  /* NULL, one row [dim] for every head, or a row per head [heads][dim];
+                           * with a rotation, NULL: no norm, only the rotation (norm_rotate) */
     int weight_per_head;
     float eps;
     const float *cos, *sin; /* NULL: no rotation; else token t's rows at + t * dim */
@@ -1729,7 +1730,7 @@ static PyObject *py_norm_rows(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KnniiKpfKKpKni", &x_ptr, &x_stride, &tokens, &heads, &dim, &w_ptr, &per_head, &eps,
                           &cos_ptr, &sin_ptr, &sin_folded, &out_ptr, &out_stride, &threads))
         return NULL;
-    if (tokens < 0 || heads <= 0 || dim <= 0 || (cos_ptr && (dim > 512 || dim % 2 || out_ptr != x_ptr || !w_ptr)) ||
+    if (tokens < 0 || heads <= 0 || dim <= 0 || (cos_ptr && (dim > 512 || dim % 2 || out_ptr != x_ptr || !per_head)) ||
         (cos_ptr != 0) != (sin_ptr != 0)) {
         PyErr_SetString(PyExc_ValueError, "norm_rows: unsupported shape");
         return NULL;

@@ -262,21 +262,28 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     return out
 
 
-def norm_rope_(
-    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, sin_folded: bool
+def rope_(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    sin_folded: bool,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
-    """In place on x [T, H, D] (heads D apart, any token stride): each head's RMSNorm times its row
-    of weight [H, D], then RoPE with token t's row of cos and sin [T, D] (rotate-half; `sin_folded`:
-    sin's first half already negated). Returns x."""
+    """RoPE in place on x [T, H, D] (heads D apart, any token stride) with token t's row of cos and
+    sin [T, D] (rotate-half; `sin_folded`: sin's first half already negated), after each head's
+    RMSNorm times its row of `norm` [H, D] where there is one (Qwen3's and Gemma 3's q/k norms).
+    Returns x."""
     _check_rows(x, 3)
     tokens, heads, dim = x.shape
     if x.stride(1) != dim or x.stride(0) < heads * dim or dim > 512 or dim % 2:
-        raise ValueError(f"gguf_cpu.norm_rope_: x {tuple(x.shape)} strides {x.stride()} do not fit")
-    _check_table(weight, (heads, dim))
+        raise ValueError(f"gguf_cpu.rope_: x {tuple(x.shape)} strides {x.stride()} do not fit")
+    if norm is not None:
+        _check_table(norm, (heads, dim))
     _check_table(cos, (tokens, dim))
     _check_table(sin, (tokens, dim))
     _ext.norm_rows(
-        x.data_ptr(), x.stride(0), tokens, heads, dim, weight.data_ptr(), True, eps, cos.data_ptr(),
+        x.data_ptr(), x.stride(0), tokens, heads, dim, _pointer(norm), True, eps, cos.data_ptr(),
         sin.data_ptr(), sin_folded, x.data_ptr(), x.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     return x

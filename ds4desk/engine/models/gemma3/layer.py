@@ -167,7 +167,7 @@ class LayerSteps(ABC):
         qk = qkv[:, : (heads + kv_heads) * dim].view(count, heads + kv_heads, dim)
         cos, sin = self.rope(self.local if plan.window is not None else self.global_)
         if count > 1 and gguf_cpu.row_ops_take(qkv):  # a prompt on the CPU: one C pass, in place
-            gguf_cpu.norm_rope_(qk, plan.qk_norm, cos.squeeze(1), sin.squeeze(1), self.eps, sin_folded=False)
+            gguf_cpu.rope_(qk, cos.squeeze(1), sin.squeeze(1), False, plan.qk_norm, self.eps)
         else:
             qk = rotate(rms_norm(qk, plan.qk_norm, self.eps), cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]

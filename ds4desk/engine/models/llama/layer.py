@@ -239,8 +239,8 @@ class PrefillSteps(_TorchSteps):
         self.q_width = self.heads * self.dim
         self.qk_width = (self.heads + self.kv_heads) * self.dim
         assert shard.cos is not None and shard.sin is not None and shard.half_swap is not None
-        self.cos = shard.cos[start : self.end].unsqueeze(1)  # [T, 1, D]
-        self.sin = shard.sin[start : self.end].unsqueeze(1)
+        self.cos_rows, self.sin_rows = shard.cos[start : self.end], shard.sin[start : self.end]  # [T, D]
+        self.cos, self.sin = self.cos_rows.unsqueeze(1), self.sin_rows.unsqueeze(1)  # [T, 1, D]
         self.swap = shard.half_swap
         self.flash = flash  # DenseModel.fused_attention
         self.masks: dict[int | None, torch.Tensor] = {}  # per window, made by the first layer
@@ -256,7 +256,10 @@ class PrefillSteps(_TorchSteps):
         assert plan.kv_cache is not None
         qk = qkv[:, : self.qk_width].view(self.count, self.heads + self.kv_heads, self.dim)
         # Written back into qkv, so keys and values reach the cache in one copy.
-        _rotate(qk, plan.qk_norm, self.cos, self.sin, self.swap, self.eps, self.exact)
+        if self.exact and gguf_cpu.row_ops_take(qkv):  # on the CPU: one C pass
+            gguf_cpu.rope_(qk, self.cos_rows, self.sin_rows, True, plan.qk_norm, self.eps)
+        else:
+            _rotate(qk, plan.qk_norm, self.cos, self.sin, self.swap, self.eps, self.exact)
         plan.kv_cache[:, :, self.start : self.end].copy_(
             qkv[:, self.q_width :].view(self.count, 2, self.kv_heads, self.dim).permute(1, 2, 0, 3)
         )
@@ -280,6 +283,8 @@ class PrefillSteps(_TorchSteps):
         return attn.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, q_width)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gguf_cpu.row_ops_take(gate_up):
+            return gguf_cpu.gated_rows(gate_up, "silu")
         return silu_mul(gate_up)
 
 
@@ -487,6 +492,8 @@ def attention_out_input(plan: LayerPlan) -> tuple[torch.Tensor, int, int] | None
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, exact: bool) -> torch.Tensor:
     """RMSNorm computed in float32; the weight multiplies after the cast back (as the reference)."""
+    if exact and x.dim() == 2 and gguf_cpu.row_ops_take(x):
+        return gguf_cpu.rms_norm_rows(x, weight, eps)
     if exact:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)

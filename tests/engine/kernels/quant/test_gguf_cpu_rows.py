@@ -1,4 +1,4 @@
-"""Prefill's row-wise C ops in quant/gguf_cpu.py (RMSNorm, per-head norm + RoPE, gated activation)
+"""Prefill's row-wise C ops in quant/gguf_cpu.py (RMSNorm, RoPE after a per-head norm, gated activation)
 against the torch ops they stand in for, on the AVX-512 and the portable kernels, on rows that are
 views into wider tensors (as a prompt's q/k heads are views into its qkv projection)."""
 
@@ -36,24 +36,26 @@ def test_rms_norm_rows_is_torchs(tokens: int, dim: int, isa: str) -> None:
     torch.testing.assert_close(gguf_cpu.rms_norm_rows(x, None, 1e-5), torch_rms_norm(x, None, 1e-5), **TIGHT)
 
 
+@pytest.mark.parametrize("normed", [True, False])
 @pytest.mark.parametrize("sin_folded", [False, True])
 @pytest.mark.parametrize(("heads", "dim"), [(5, 256), (12, 64)])
-def test_norm_rope_rotates_the_normed_heads_in_place(
-    heads: int, dim: int, sin_folded: bool, isa: str
+def test_rope_rotates_the_heads_in_place_after_their_norm(
+    heads: int, dim: int, sin_folded: bool, normed: bool, isa: str
 ) -> None:
     tokens, kv_width = 37, 2 * dim
     generator = torch.Generator().manual_seed(heads)
     qkv = torch.randn(tokens, heads * dim + kv_width, generator=generator) * 2
     values_before = qkv[:, heads * dim :].clone()
-    weight = torch.randn(heads, dim, generator=generator)
+    norm = torch.randn(heads, dim, generator=generator) if normed else None
     angles = torch.randn(tokens, dim // 2, generator=generator) * 4
     cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
     sin = torch.cat((angles.sin(), angles.sin()), dim=-1)
     qk = qkv[:, : heads * dim].view(tokens, heads, dim)
-    expected = torch_rope(torch_rms_norm(qk, weight, 1e-6), cos[:, None], sin[:, None])
+    source = torch_rms_norm(qk, norm, 1e-6) if normed else qk
+    expected = torch_rope(source, cos[:, None], sin[:, None])
     given_sin = torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1) if sin_folded else sin
 
-    returned = gguf_cpu.norm_rope_(qk, weight, cos, given_sin.contiguous(), 1e-6, sin_folded)
+    returned = gguf_cpu.rope_(qk, cos, given_sin.contiguous(), sin_folded, norm, 1e-6)
 
     assert returned is qk
     torch.testing.assert_close(qk, expected, **TIGHT)
@@ -88,9 +90,9 @@ def test_rows_that_do_not_fit_are_refused() -> None:
     heads = torch.randn(4, 2, 64)
     table = torch.ones(4, 64)
     with pytest.raises(ValueError):  # rows that overlap: an in-place rotation would read its own writes
-        gguf_cpu.norm_rope_(heads[:1].expand(4, 2, 64), torch.ones(2, 64), table, table, 1e-6, False)
+        gguf_cpu.rope_(heads[:1].expand(4, 2, 64), table, table, False, torch.ones(2, 64), 1e-6)
     with pytest.raises(ValueError):
-        gguf_cpu.norm_rope_(heads, torch.ones(2, 64), table[:3], table[:3], 1e-6, False)  # tables too short
+        gguf_cpu.rope_(heads, table[:3], table[:3], False)  # tables too short
     with pytest.raises(ValueError):
         gguf_cpu.gated_rows(torch.randn(4, 7), "silu")  # gate and up of unequal widths
     with pytest.raises(ValueError):
