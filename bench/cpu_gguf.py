@@ -6,7 +6,8 @@
 By default the embedded SmolLM2-135M Q4_1 and, where its package is installed, Gemma-3-270M
 Q4_K_M. ds4desk runs each file in place with its weights packed; llama.cpp (llama-cpp-python) runs
 it with as many threads as there are CPUs. Each measurement is the median of `--repeats` runs in a
-fresh process. The floor for decode is the file's tensor bytes over the measured copy bandwidth (a
+fresh process; with `--rounds N` the engines take N turns each and the figures are the medians of
+the turns. The floor for decode is the file's tensor bytes over the measured copy bandwidth (a
 token reads every weight once). `ds4desk-torch` is ds4desk with the fused one-token CPU layer turned
 off (DS4DESK_CPU_FUSED_DECODE=0), the decode path before it; `ds4desk-bf16` is ds4desk with prefill's
 products in bfloat16 (DS4DESK_CPU_BF16_PREFILL=1, an opt-in: see quant/gguf_cpu.py);
@@ -45,8 +46,9 @@ class Row:
     engine: str
     prompt_tokens: int
     new_tokens: int
-    prefill_tok_s: float
+    prefill_tok_s: float  # the median over the rounds
     decode_tok_s: float
+    rounds: list[tuple[float, float]]  # each round's (prefill, decode)
 
 
 def median_of(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float, float]:
@@ -188,6 +190,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--rounds", type=int, default=1, help="each engine this many times in turn, in fresh processes"
+    )
+    parser.add_argument(
         "--engines", default="ds4desk,llama.cpp", help=f"comma-separated, of: {', '.join(WORKERS)}"
     )
     args = parser.parse_args()
@@ -205,14 +210,23 @@ def main() -> None:
         floors[model.name] = {"tensor_bytes": tensor_bytes, "decode_tok_s": bandwidth / tensor_bytes}
         for count in args.prompt_tokens:
             prompt = prompt_ids(count, vocab)
-            for engine in args.engines.split(","):
-                prefill, decode = in_child(engine, model, prompt, args.new_tokens, args.repeats)
-                rows.append(Row(model.name, engine, count, args.new_tokens, prefill, decode))
-                print(
-                    f"  {model.name:36} {engine:10} prompt {count:5}: prefill {prefill:8.1f} tok/s, "
-                    f"decode {decode:7.1f} tok/s",
-                    file=sys.stderr,
-                )
+            engines = args.engines.split(",")
+            rounds: dict[str, list[tuple[float, float]]] = {engine: [] for engine in engines}
+            # The engines take turns, round after round: this VM's speed drifts by tens of percent
+            # over minutes, and a slow spell then slows every engine instead of one.
+            for _ in range(args.rounds):
+                for engine in engines:
+                    prefill, decode = in_child(engine, model, prompt, args.new_tokens, args.repeats)
+                    rounds[engine].append((prefill, decode))
+                    print(
+                        f"  {model.name:36} {engine:10} prompt {count:5}: prefill {prefill:8.1f} tok/s, "
+                        f"decode {decode:7.1f} tok/s",
+                        file=sys.stderr,
+                    )
+            for engine, measured in rounds.items():
+                prefill = statistics.median(p for p, _ in measured)
+                decode = statistics.median(d for _, d in measured)
+                rows.append(Row(model.name, engine, count, args.new_tokens, prefill, decode, measured))
 
     print(f"\nGGUF on CPU ({os.cpu_count()} threads); copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     heads = f"{'prompt':>6} {'prefill':>9} {'x':>6} {'decode':>8} {'x':>6} {'/floor':>7}"
