@@ -561,12 +561,17 @@ def delta_rule_share(cfg: dict[str, Any], device: torch.device, tokens: int) -> 
 
 
 def conv_share(cfg: dict[str, Any], device: torch.device, tokens: int) -> dict[str, float]:
-    """The causal convolution + silu over `tokens` rows of one linear layer in bf16, on its kernel and
-    as the eager ops (cat, conv1d, silu, the transposed copy), times the linear layers, and how far
-    the two results are apart."""
+    """The linear layers' input stage (causal convolution, silu, the heads the delta rule reads) over
+    `tokens` rows of one layer in bf16, on its kernel and as the eager ops, times the linear layers,
+    and how far the two results are apart."""
     gen = torch.Generator(device=device).manual_seed(2)
-    channels = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
-    channels += cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    heads = (
+        cfg["linear_num_key_heads"],
+        cfg["linear_key_head_dim"],
+        cfg["linear_num_value_heads"],
+        cfg["linear_value_head_dim"],
+    )
+    channels = 2 * heads[0] * heads[1] + heads[2] * heads[3]
     taps = cfg["linear_conv_kernel_dim"]
     inputs = torch.randn(tokens, channels, generator=gen, device=device).bfloat16()
     window = torch.randn(channels, taps - 1, generator=gen, device=device).bfloat16()
@@ -577,11 +582,11 @@ def conv_share(cfg: dict[str, Any], device: torch.device, tokens: int) -> dict[s
     for name, kernel in (("", None), ("torch_", False)):
         with causal_conv.SWITCH.force(kernel), torch.inference_mode():
 
-            def run() -> torch.Tensor:
-                return causal_conv.causal_conv_silu(inputs, window, weight)
+            def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return causal_conv.conv_heads(inputs, window, weight, *heads, interleaved=True)
 
             seconds = timed(run, device)
-            outputs.append(run())
+            outputs.append(torch.cat([t.flatten() for t in run()]))
         result[f"conv_{name}layer_s"] = seconds
         result[f"conv_{name}all_layers_s"] = seconds * layers
     result["conv_kernel_rel_diff"] = relative_difference(*outputs)
@@ -739,7 +744,7 @@ def print_table(result: dict[str, Any], sizes: Sizes) -> None:
     conv = result.get("causal_conv")
     if conv:
         print(
-            f"causal convolution at {p} tokens: {conv['conv_all_layers_s'] * 1e3:.2f} ms over the linear "
+            f"convolution to heads at {p} tokens: {conv['conv_all_layers_s'] * 1e3:.2f} ms over the linear "
             f"layers; as the eager ops {conv['conv_torch_all_layers_s'] * 1e3:.2f} ms"
         )
 

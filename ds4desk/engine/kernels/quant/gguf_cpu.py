@@ -231,14 +231,14 @@ def _scratch(count: int, dtype: torch.dtype) -> torch.Tensor:
 # wake-up for each: together about a tenth of Gemma-3-270M's 128-token prefill on two cores.
 
 
-def _row_ops_asked(where: Where) -> bool:
-    return os.environ.get("DS4DESK_CPU_ROW_OPS", "1") != "0"
-
+# DS4DESK_CPU_ROW_OPS=0 turns them off for a process (the benchmark's peer); read once, since the
+# check runs for every norm of every layer.
+_ROW_OPS_ASKED = os.environ.get("DS4DESK_CPU_ROW_OPS", "1") != "0"
 
 ROW_OPS = Switch(
     "quant.gguf_cpu_rows",
-    "prefill's RMSNorms, per-head norm + RoPE and gated activation in one C pass each (CPU, float32)",
-    _row_ops_asked,
+    "prefill's RMSNorms, RoPE after the q/k norms and gated activation in one C pass each (CPU, float32)",
+    lambda where: _ROW_OPS_ASKED,
 )
 
 

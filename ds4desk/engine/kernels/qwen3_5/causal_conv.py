@@ -1,14 +1,21 @@
-"""Qwen3.5's causal depthwise convolution + silu over a prompt's rows as one op: `causal_conv_silu`.
+"""The input stage of Qwen3.5's linear-attention layer over a prompt's rows as one op: `conv_heads`.
 
 A linear-attention layer convolves its q/k/v channels with `kernel` taps each, continuing from the
-window it kept (the last kernel - 1 inputs before this chunk), then takes silu. Eagerly
-(models/qwen3_5/linear_attention._convolve) that is the inputs transposed and put behind the window
-([C, kept + T], a copy), F.conv1d, silu and a transposed view: at Qwen3.5-9B's shapes on an H200,
-3.6 ms of a 4k-token prefill's 38.4 ms (bench/results/qwen35_prefill_profile_20261205T0538Z.txt),
-for what reads and writes about 64 MB a layer. On NVIDIA GPUs with Triton it is one kernel that
-reads the inputs [T, C] where they are (and the window for the first kernel - 1 rows), sums the taps
-in float32 and writes silu of the rounded sum as [T, C] once. The window's update (a [C, kernel - 1]
-copy) stays with the caller, after the op: the op's programs read the old window. Elsewhere
+window it kept (the last kernel - 1 inputs before this chunk), and takes silu; the delta rule then
+reads per value head the query and key of its key head, each scaled to unit length (the query also
+by dk^-1/2), and the value, in float32. Eagerly (models/qwen3_5/linear_attention.py: `_convolve`
+and `_heads`) that is the inputs transposed behind the window ([C, kept + T], a copy), F.conv1d, silu,
+a transposed copy, a float32 copy and norm of each of q and k, their repeat to the value heads and
+a float32 copy of v: at Qwen3.5-9B's shapes on an H200 the convolution alone took 3.6 ms of a
+4k-token prefill's 38.4 ms (bench/results/qwen35_prefill_profile_20261205T0538Z.txt), and the steps
+after it most of the ~5 ms of elementwise kernels and copies there.
+
+On NVIDIA GPUs with Triton it is one kernel (causal_conv_triton.py), a program per block of rows
+and value head: it reads
+the inputs [T, C] where they are (the window for the first kernel - 1 rows), sums the taps in
+float32, rounds where the eager ops round (the convolution's output and silu's, in the model's
+dtype), and writes the three float32 tensors once. The window's update (a [C, kernel - 1] copy)
+stays with the caller, after the op: the op's programs read the old window. Elsewhere
 `reference` runs, the eager math op for op.
 """
 
@@ -16,145 +23,147 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.kernels.launch import Switch, Where, nvidia, on_its_device
+from ds4desk.engine.kernels.launch import Switch, Where, next_power_of_two, nvidia, on_its_device
+from ds4desk.engine.kernels.qwen3_5.linear_decode import NORM_EPS, unit_rows
 
 SWITCH = Switch(
     "qwen3_5.causal_conv",
-    "Qwen3.5's causal depthwise convolution + silu over a prefill chunk's rows as one kernel",
+    "Qwen3.5's causal convolution, silu and per-head q/k/v of a prefill chunk as one kernel",
     lambda where: nvidia(where) and _triton_kernel() is not None,
 )
 
-BLOCK_T, BLOCK_C = 32, 128  # a program's rows and channels: 4096 outputs
+BLOCK_T = 16  # a program's rows
 
 
 def enabled(where: Where) -> bool:
-    """Whether the model should call `causal_conv_silu` for tensors on `where`."""
+    """Whether the model should call `conv_heads` for tensors on `where`."""
     return SWITCH.on(where)
 
 
-def causal_conv_silu(inputs: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(conv) of inputs [T, C] after window [C, K - 1] with weight [C, K] (tap K - 1 on the
-    current row): a new [T, C] in inputs' dtype. The window is read, not updated. Always the custom
-    op (see `enabled`)."""
-    if inputs.dim() != 2 or weight.dim() != 2 or weight.shape[0] != inputs.shape[1]:
+def conv_heads(
+    inputs: torch.Tensor,
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    key_heads: int,
+    key_dim: int,
+    value_heads: int,
+    value_dim: int,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """inputs [T, C] after window [C, K - 1], weight [C, K] (tap K - 1 on the current row), C =
+    2 key_heads key_dim + value_heads value_dim: (q, k [T, value_heads, key_dim], v [T, value_heads,
+    value_dim]), float32. Value head h reads key head h // (value_heads / key_heads) where
+    `interleaved` (Hugging Face's order), else h % key_heads (a GGUF's). The window is read, not
+    updated. Always the custom op (see `enabled`)."""
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    if inputs.dim() != 2 or inputs.shape[1] != channels or weight.shape[0] != channels or weight.dim() != 2:
         raise ValueError(
-            f"inputs {tuple(inputs.shape)} and weight {tuple(weight.shape)} must be [T, C], [C, K]"
+            f"inputs {tuple(inputs.shape)} and weight {tuple(weight.shape)} must be [T, {channels}], "
+            f"[{channels}, K]"
         )
-    if window.shape != (inputs.shape[1], weight.shape[1] - 1):
+    if window.shape != (channels, weight.shape[1] - 1):
         raise ValueError(
-            f"window {tuple(window.shape)} must be [C, K - 1] = [{inputs.shape[1]}, {weight.shape[1] - 1}]"
+            f"window {tuple(window.shape)} must be [C, K - 1] = [{channels}, {weight.shape[1] - 1}]"
         )
     if not inputs.dtype == window.dtype == weight.dtype:
         raise ValueError(
             f"inputs, window and weight differ in dtype: {inputs.dtype}, {window.dtype}, {weight.dtype}"
         )
-    return _fused_op(inputs, window, weight)
+    if key_heads <= 0 or value_heads % key_heads:
+        raise ValueError(f"{value_heads} value heads are no multiple of {key_heads} key heads")
+    return _fused_op(inputs, window, weight, key_heads, key_dim, value_heads, value_dim, interleaved)
 
 
-def reference(inputs: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear_attention._convolve's math for a chunk of more than one row, op for op."""
+def reference(
+    inputs: torch.Tensor,
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    key_heads: int,
+    key_dim: int,
+    value_heads: int,
+    value_dim: int,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear_attention's `_convolve` (more than one row) and `_heads`, op for op."""
+    count = inputs.shape[0]
     extended = torch.cat((window, inputs.t()), dim=1)  # [C, kept + T]
     out = F.conv1d(extended[None], weight[:, None, :], groups=extended.shape[0])[0]
-    return F.silu(out).t().contiguous()
+    mixed = F.silu(out).t().contiguous()
+    key_width, repeat = key_heads * key_dim, value_heads // key_heads
+    q, k, v = mixed.split([key_width, key_width, value_heads * value_dim], dim=1)
+    q = unit_rows(q.view(count, key_heads, key_dim)) * key_dim**-0.5
+    k = unit_rows(k.view(count, key_heads, key_dim))
+    if repeat > 1 and not interleaved:
+        q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
+    elif repeat > 1:
+        shape = (count, value_heads, key_dim)
+        q = q[:, :, None].expand(count, key_heads, repeat, key_dim).reshape(shape)
+        k = k[:, :, None].expand(count, key_heads, repeat, key_dim).reshape(shape)
+    return q, k, v.reshape(count, value_heads, value_dim).float()
 
 
-@torch.library.custom_op("ds4desk::qwen35_causal_conv", mutates_args=())
-def _fused_op(inputs: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("ds4desk::qwen35_conv_heads", mutates_args=())
+def _fused_op(
+    inputs: torch.Tensor,
+    window: torch.Tensor,
+    weight: torch.Tensor,
+    key_heads: int,
+    key_dim: int,
+    value_heads: int,
+    value_dim: int,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kernel = _triton_kernel() if SWITCH.kernel_runs_on(inputs) else None
     run = reference if kernel is None else kernel
-    return run(inputs, window, weight)
+    return run(inputs, window, weight, key_heads, key_dim, value_heads, value_dim, interleaved)
 
 
 @_fused_op.register_fake
-def _(inputs, window, weight):
-    return inputs.new_empty(inputs.shape)
+def _(inputs, window, weight, key_heads, key_dim, value_heads, value_dim, interleaved):
+    count = inputs.shape[0]
+    q = inputs.new_empty((count, value_heads, key_dim), dtype=torch.float32)
+    return q, torch.empty_like(q), inputs.new_empty((count, value_heads, value_dim), dtype=torch.float32)
 
 
 @functools.cache
-def _jit_kernel() -> Any:
+def _triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """The launcher, or None where Triton is not importable."""
     try:
-        import triton
-        import triton.language as tl
+        from ds4desk.engine.kernels.qwen3_5.causal_conv_triton import conv_heads_kernel as kernel
     except Exception:
         return None
 
-    @triton.jit
-    def kernel(
-        inputs,  # [T, C], rows apart by in_stride
-        window,  # [C, K - 1], rows apart by window_stride
-        weight,  # [C, K], rows apart by weight_stride
-        out,  # [T, C] contiguous
-        rows,
-        channels,
-        in_stride,
-        window_stride,
-        weight_stride,
-        K: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        row_in, channel_in = t < rows, c < channels
-        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for j in tl.static_range(K):
-            # Tap j reads position t - (K - 1) + j: a row of the inputs, or before the chunk the
-            # window's column K - 1 + that (negative) position. Offsets are clamped into range so
-            # that no masked-off lane points outside its tensor.
-            p = t - (K - 1) + j
-            from_inputs = (p >= 0) & row_in
-            from_window = (p < 0) & row_in
-            x = tl.load(
-                inputs + tl.maximum(p, 0)[:, None] * in_stride + c[None, :],
-                mask=from_inputs[:, None] & channel_in[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            column = tl.minimum(tl.maximum(p + (K - 1), 0), K - 2)
-            x += tl.load(
-                window + c[None, :] * window_stride + column[:, None],
-                mask=from_window[:, None] & channel_in[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            w = tl.load(weight + c * weight_stride + j, mask=channel_in, other=0.0).to(tl.float32)
-            acc += x * w[None, :]
-        dtype = out.dtype.element_ty
-        conv = acc.to(dtype).to(tl.float32)  # rounded where conv1d's output is
-        tl.store(
-            out + t[:, None] * channels + c[None, :],
-            (conv / (1.0 + tl.exp(-conv))).to(dtype),
-            mask=row_in[:, None] & channel_in[None, :],
-        )
-
-    return kernel
-
-
-@functools.cache
-def _triton_kernel() -> Callable[..., torch.Tensor] | None:
-    kernel = _jit_kernel()
-    if kernel is None:
-        return None
-
-    def launch(inputs: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows, channels = inputs.shape
-        taps = weight.shape[1]
+    def launch(
+        inputs: torch.Tensor,
+        window: torch.Tensor,
+        weight: torch.Tensor,
+        key_heads: int,
+        key_dim: int,
+        value_heads: int,
+        value_dim: int,
+        interleaved: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, taps = inputs.shape[0], weight.shape[1]
         # Rows of contiguous channels (a row stride is fine); the window and weight are tiny.
-        if inputs.stride(1) != 1:
-            inputs = inputs.contiguous()
+        inputs = inputs if inputs.stride(1) == 1 else inputs.contiguous()
         window = window if taps == 1 or window.stride(1) == 1 else window.contiguous()
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
-        out = torch.empty((rows, channels), dtype=inputs.dtype, device=inputs.device)
-        if rows and channels:
-            grid = (-(-rows // BLOCK_T), -(-channels // BLOCK_C))
+        q = torch.empty((rows, value_heads, key_dim), dtype=torch.float32, device=inputs.device)
+        k = torch.empty_like(q)
+        v = torch.empty((rows, value_heads, value_dim), dtype=torch.float32, device=inputs.device)
+        if rows:
+            grid = (-(-rows // BLOCK_T), value_heads)
             kernel[grid](
-                inputs, window, weight, out, rows, channels,
-                inputs.stride(0), window.stride(0), weight.stride(0),
-                K=taps, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4,
+                inputs, window, weight, q, k, v, rows,
+                inputs.stride(0), window.stride(0), weight.stride(0), key_dim**-0.5, NORM_EPS,
+                KEY_HEADS=key_heads, HEADS=value_heads, DK=key_dim, DV=value_dim,
+                BLOCK_DK=next_power_of_two(key_dim), BLOCK_DV=next_power_of_two(value_dim),
+                K=taps, INTERLEAVED=interleaved, BLOCK_T=BLOCK_T, num_warps=4,
             )  # fmt: skip
-        return out
+        return q, k, v
 
     return on_its_device(launch)

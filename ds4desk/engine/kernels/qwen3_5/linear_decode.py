@@ -119,8 +119,8 @@ def reference(
     mixed = F.silu(convolved)
     key_width = key_heads * dk
     q, k, v = mixed.split([key_width, key_width, heads * dv])
-    q = _unit_rows(q.view(key_heads, dk)) * dk**-0.5
-    k = _unit_rows(k.view(key_heads, dk))
+    q = unit_rows(q.view(key_heads, dk)) * dk**-0.5
+    k = unit_rows(k.view(key_heads, dk))
     repeat = heads // key_heads
     if repeat > 1 and tiled:
         q, k = q.repeat(repeat, 1), k.repeat(repeat, 1)
@@ -140,7 +140,8 @@ def reference(
     return gated.to(z.dtype).reshape(heads * dv)
 
 
-def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x²) + eps) over the last dimension, in float32 (delta_rule.unit_rows)."""
     x = x.float()
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + NORM_EPS)
 

@@ -124,23 +124,23 @@ def forward(
     if count == 1 and real is None and plan.written is None and linear_decode.enabled(x):
         return _fused_step(cfg, plan, x)
     conv_inputs = plan.qkv(x)
-    mixed = _convolve(plan, conv_inputs, real)  # [T, channels]
-    key_width = cfg.linear_key_heads * cfg.linear_key_dim
-    q, k, v = mixed.split([key_width, key_width, mixed.shape[1] - 2 * key_width], dim=1)
-    heads, repeat = cfg.linear_value_heads, cfg.linear_value_heads // cfg.linear_key_heads
-    # Value head h reads key head h // repeat (Hugging Face's order; h % key heads in a GGUF's): the
-    # key heads are repeated, not the value heads.
-    q = delta_rule.unit_rows(q.view(count, -1, cfg.linear_key_dim)) * cfg.linear_key_dim**-0.5
-    k = delta_rule.unit_rows(k.view(count, -1, cfg.linear_key_dim))
-    if repeat > 1 and cfg.gguf_layout:
-        # llama.cpp's order (config.GGUF_LAYOUT_KEY): value head h reads key head h % key heads.
-        q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
-    elif repeat > 1:
-        # repeat_interleave over heads, as an expand: no sizes to learn on the device (graph-safe).
-        shape = (count, heads, cfg.linear_key_dim)
-        q = q[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
-        k = k[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
-    v = v.reshape(count, heads, cfg.linear_value_dim).float()
+    heads = cfg.linear_value_heads
+    if count > 1 and real is None and causal_conv.enabled(x):
+        # One kernel from the projection's rows to the heads (kernels/qwen3_5/causal_conv.py); the
+        # window moves after it, which read the old one.
+        q, k, v = causal_conv.conv_heads(
+            conv_inputs,
+            plan.conv_state,
+            plan.conv_weight,
+            cfg.linear_key_heads,
+            cfg.linear_key_dim,
+            heads,
+            cfg.linear_value_dim,
+            interleaved=not cfg.gguf_layout,
+        )
+        _keep_window(plan.conv_state, conv_inputs)
+    else:
+        q, k, v = _heads(cfg, _convolve(plan, conv_inputs, real))
     beta = torch.sigmoid(plan.b(x)).float()  # [T, heads]
     decay = plan.neg_rate * F.softplus(plan.a(x).float() + plan.dt_bias)  # log-decay, <= 0
     if real is not None:
@@ -193,6 +193,37 @@ def _fused_step(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.T
     return plan.out(core[None])
 
 
+def _heads(cfg: Qwen35Config, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolved channels [T, C] as the delta rule reads them, float32: per value head the query
+    and key of its key head, scaled to unit length (the query also by dk^-1/2), and its value."""
+    count = mixed.shape[0]
+    key_width = cfg.linear_key_heads * cfg.linear_key_dim
+    q, k, v = mixed.split([key_width, key_width, mixed.shape[1] - 2 * key_width], dim=1)
+    heads, repeat = cfg.linear_value_heads, cfg.linear_value_heads // cfg.linear_key_heads
+    # Value head h reads key head h // repeat (Hugging Face's order; h % key heads in a GGUF's): the
+    # key heads are repeated, not the value heads.
+    q = delta_rule.unit_rows(q.view(count, -1, cfg.linear_key_dim)) * cfg.linear_key_dim**-0.5
+    k = delta_rule.unit_rows(k.view(count, -1, cfg.linear_key_dim))
+    if repeat > 1 and cfg.gguf_layout:
+        # llama.cpp's order (config.GGUF_LAYOUT_KEY): value head h reads key head h % key heads.
+        q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
+    elif repeat > 1:
+        # repeat_interleave over heads, as an expand: no sizes to learn on the device (graph-safe).
+        shape = (count, heads, cfg.linear_key_dim)
+        q = q[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
+        k = k[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
+    return q, k, v.reshape(count, heads, cfg.linear_value_dim).float()
+
+
+def _keep_window(window: torch.Tensor, inputs: torch.Tensor) -> None:
+    """The convolution's window [C, kept] after the rows inputs [T, C]: their last `kept` inputs."""
+    count, kept = inputs.shape[0], window.shape[1]
+    if count >= kept:
+        window.copy_(inputs[count - kept :].t())
+    else:
+        window.copy_(torch.cat((window[:, count:], inputs.t()), dim=1))
+
+
 def _convolve(plan: LinearPlan, mixed: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """The depthwise causal convolution and silu over [T, channels], continuing from the kept window
     (zeros at position 0), which then holds the last kernel - 1 inputs (of the first `real` rows)."""
@@ -200,14 +231,6 @@ def _convolve(plan: LinearPlan, mixed: torch.Tensor, real: torch.Tensor | None =
     window = plan.conv_state
     kept = window.shape[1]
     count = mixed.shape[0]
-    if count > 1 and real is None and causal_conv.enabled(mixed):
-        # One kernel reads the rows in place (kernels/qwen3_5/causal_conv.py); the window moves after it.
-        out = causal_conv.causal_conv_silu(mixed, window, plan.conv_weight)
-        if count >= kept:
-            window.copy_(mixed[count - kept :].t())
-        else:
-            window.copy_(torch.cat((window[:, count:], mixed.t()), dim=1))
-        return out
     extended = torch.cat((window, mixed.t()), dim=1)  # [channels, kept + T]
     if count == 1:
         # One token: a multiply-add over the taps, no conv launch (and shapes a graph can keep).
