@@ -295,6 +295,9 @@ class ModelInfo:
     thinking: ThinkingFormat = field(default_factory=ThinkingFormat)
     draft: str = ""  # the draft model's path, "" when none is loaded
     draft_weight_bytes: int = 0
+    # The products a prompt on GGUF weights runs in on the CPU ("float32", or "bfloat16" where
+    # LoadRequest.cpu_prefill asked and the CPU has AVX-512 BF16); "" on a GPU.
+    cpu_prefill: str = ""
 
 
 @dataclass(slots=True)

@@ -450,6 +450,7 @@ class Engine(Parking):
             thinking=probe_thinking(tokenizer),
             draft=runtime.draft.path if runtime.draft is not None else "",
             draft_weight_bytes=runtime.draft.weight_bytes if runtime.draft is not None else 0,
+            cpu_prefill=("bfloat16" if runtime.bf16_prefill else "float32") if device.type == "cpu" else "",
         )
         parked = self._parked
         if parked is not None and parked.request == request:

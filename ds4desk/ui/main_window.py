@@ -408,7 +408,17 @@ class MainWindow(Answering, DockPanels, ModelLoading, ChatNavigation, QMainWindo
             f"{info.architecture}, {info.parameters / 1e9:.2f} B parameters\n"
             f"context {info.context}, tokenizer {info.tokenizer}\n{info.path}"
             + (f"\ndraft model: {draft}" if draft else "")
+            + self._prompt_math_line(info)
         )
+
+    def _prompt_math_line(self, info: ModelInfo) -> str:
+        """What Settings > CPU prompt math came to for a model on the CPU; "" on a GPU."""
+        done = getattr(info, "cpu_prefill", "")
+        if not done:
+            return ""
+        if self.settings.cpu_prefill == "bfloat16" and done != "bfloat16":
+            return "\nCPU prompt math: float32 (this CPU does not multiply bfloat16 natively)"
+        return f"\nCPU prompt math: {done}"
 
     # ---- waiting -------------------------------------------------------------------------
 

@@ -45,8 +45,13 @@ TWO_GPUS = [
 
 
 def fake_info(
-    path: str | None, device: str, thinking: ThinkingFormat = PROMPT_OPENS_THINKING, draft: str | None = None
+    path: str | None,
+    device: str,
+    thinking: ThinkingFormat = PROMPT_OPENS_THINKING,
+    draft: str | None = None,
+    cpu_prefill: str = "float32",
 ) -> ModelInfo:
+    on_cpu = device in ("auto", "cpu")
     return ModelInfo(
         name="fake-llama-1b",
         family="llama",
@@ -62,6 +67,7 @@ def fake_info(
         thinking=thinking,
         draft=draft or "",
         draft_weight_bytes=DRAFT_BYTES if draft else 0,
+        cpu_prefill=cpu_prefill if on_cpu else "",
     )
 
 
@@ -73,6 +79,7 @@ class FakeBackend:
     reply: str = DEFAULT_REPLY  # answered when `replies` is empty
     replies: list[str] = field(default_factory=list)  # consumed one per request
     batch_chars: int = 6
+    bf16_products: bool = True  # a CPU with AVX-512 BF16, where CPU prompt math can be bfloat16
     delay_s: float = 0.001
     fail_load: EngineError | None = None
     fail_devices: tuple[str, ...] = ()  # loads on these devices fail, as a broken GPU does
@@ -156,7 +163,9 @@ class FakeBackend:
             detail = f"CUDA error: no kernel image is available for execution on {request.device}"
             result = LoadResult(error=EngineError(ErrorCode.LOAD_FAILED, detail), seconds=0.01)
         else:
-            self._info = fake_info(request.path, request.device, self.thinking, request.draft)
+            # The CPU's products as the engine settles them: bfloat16 only where it multiplies them.
+            prefill = request.cpu_prefill if self.bf16_products else "float32"
+            self._info = fake_info(request.path, request.device, self.thinking, request.draft, prefill)
             self._parked = False  # a new model replaces a parked one
             self._draft_parked = False
             result = LoadResult(info=self._info, seconds=0.25)

@@ -250,3 +250,18 @@ def test_cpu_prompt_math_is_shown_saved_and_used_by_the_next_load(
     assert Settings.load(settings_path).cpu_prefill == "bfloat16"
     run(window.load_model())
     assert backend.load_requests[-1].cpu_prefill == "bfloat16"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_model_tooltip_says_which_cpu_prompt_math_runs(
+    open_window, settings_path: Path, native: bool
+) -> None:
+    Settings(cpu_prefill="bfloat16").save(settings_path)
+    backend = FakeBackend(bf16_products=native)
+    window = open_window(backend)
+    assert backend.load_requests[-1].cpu_prefill == "bfloat16"
+    tip = window.model_label.toolTip()
+    if native:
+        assert "CPU prompt math: bfloat16" in tip
+    else:  # asked for, but this CPU keeps the exact products: say so
+        assert "CPU prompt math: float32 (this CPU does not multiply bfloat16 natively)" in tip
