@@ -88,7 +88,7 @@ def _cpu_prefill_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cpu-prefill", choices=CPU_PREFILL_MODES, default="float32",
         help="how a prompt on the CPU multiplies GGUF weights: float32 (the default, exact) or bfloat16 "
-        "(about 1.5-3x faster on CPUs with AVX-512 BF16, logits rounded slightly differently)",
+        "(about 1.4-2x faster on CPUs with AVX-512 BF16, logits rounded slightly differently)",
     )  # fmt: skip
 
 

@@ -235,7 +235,7 @@ class LoadRequest:
     # The default of every request's GenerateRequest.speculative (one of SPECULATIVE_MODES).
     speculative: str = "auto"
     # How a prompt on the CPU multiplies GGUF weights (one of CPU_PREFILL_MODES): "float32", exact to
-    # the dequantized weights, or "bfloat16", about 1.5-3x faster where the CPU multiplies bfloat16
+    # the dequantized weights, or "bfloat16", about 1.4-2x faster where the CPU multiplies bfloat16
     # natively (AVX-512 BF16; elsewhere float32 is kept), with logits rounded slightly differently.
     cpu_prefill: str = "float32"
     # Run what the first request would otherwise pay for (graph capture, kernel compilation, first

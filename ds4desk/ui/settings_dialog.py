@@ -37,7 +37,7 @@ WEIGHTS_HELP = (
 )
 CPU_PREFILL = (("Exact (float32)", "float32"), ("Fast (bfloat16)", "bfloat16"))
 CPU_PREFILL_HELP = (
-    "How the CPU multiplies a prompt with a GGUF model's weights: bfloat16 reads prompts about 1.5-3x "
+    "How the CPU multiplies a prompt with a GGUF model's weights: bfloat16 reads prompts about 1.4-2x "
     "faster on CPUs with AVX-512 BF16 (recent AMD and Intel server and desktop chips), and the answer's "
     "probabilities move by its rounding; on other CPUs the exact float32 products are kept"
 )

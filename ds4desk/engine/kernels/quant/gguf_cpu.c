@@ -1527,14 +1527,15 @@ static AVX512 void activate_avx512(int act, const float *gate_up, float *out, in
 }
 #endif
 
-static void activate(int act, float *gate_up, int ffn) {
+/* out [ffn] = act(gate) * up of one token's gate_up [2 ffn]; out may be gate_up itself. */
+static void activate(int act, const float *gate_up, float *out, int ffn) {
 #ifdef HAVE_AVX512_KERNELS
     if (use_avx512 && act != ACT_GELU) {
-        activate_avx512(act, gate_up, gate_up, ffn);
+        activate_avx512(act, gate_up, out, ffn);
         return;
     }
 #endif
-    for (int i = 0; i < ffn; i++) gate_up[i] = activation(act, gate_up[i]) * gate_up[ffn + i];
+    for (int i = 0; i < ffn; i++) out[i] = activation(act, gate_up[i]) * gate_up[ffn + i];
 }
 
 /* x += post_norm(y) where the layer has one, else x += y. */
@@ -1613,7 +1614,10 @@ static void layer_forward(const Layer *L, float *x, int T, Py_ssize_t pos, int t
     for (int t = 0; t < T; t++)
         rms_norm_into(x + (size_t)t * hidden, L->norm_pre_ff, hidden, L->eps, normed + (size_t)t * hidden);
     project(&L->gate_up, normed, T, hidden, gate_up, threads);
-    for (int t = 0; t < T; t++) activate(L->act, gate_up + (size_t)t * 2 * ffn, ffn);
+    for (int t = 0; t < T; t++) {
+        float *row = gate_up + (size_t)t * 2 * ffn;
+        activate(L->act, row, row, ffn); /* in place: down reads the first half */
+    }
     /* down reads each token's activated half: the first F of its 2F floats. */
     project(&L->down, gate_up, T, 2 * (Py_ssize_t)ffn, y, threads);
     for (int t = 0; t < T; t++)
@@ -1756,17 +1760,8 @@ typedef struct {
 
 static void gated_rows(const void *job, Py_ssize_t t0, Py_ssize_t t1) {
     const GatedRows *j = job;
-    for (Py_ssize_t t = t0; t < t1; t++) {
-        const float *gate_up = j->gate_up + t * j->gate_up_stride;
-        float *out = j->out + t * j->out_stride;
-#ifdef HAVE_AVX512_KERNELS
-        if (use_avx512 && j->act != ACT_GELU) {
-            activate_avx512(j->act, gate_up, out, j->ffn);
-            continue;
-        }
-#endif
-        for (int i = 0; i < j->ffn; i++) out[i] = activation(j->act, gate_up[i]) * gate_up[j->ffn + i];
-    }
+    for (Py_ssize_t t = t0; t < t1; t++)
+        activate(j->act, j->gate_up + t * j->gate_up_stride, j->out + t * j->out_stride, j->ffn);
 }
 
 static PyObject *py_gated_rows(PyObject *self, PyObject *args) {

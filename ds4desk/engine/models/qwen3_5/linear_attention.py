@@ -127,7 +127,7 @@ def forward(
     heads = cfg.linear_value_heads
     if count > 1 and real is None and causal_conv.enabled(x):
         # One kernel from the projection's rows to the heads (kernels/qwen3_5/causal_conv.py); the
-        # window moves after it, which read the old one.
+        # window moves after it, since the kernel reads the old one.
         q, k, v = causal_conv.conv_heads(
             conv_inputs,
             plan.conv_state,
@@ -230,9 +230,8 @@ def _convolve(plan: LinearPlan, mixed: torch.Tensor, real: torch.Tensor | None =
     assert plan.conv_state is not None
     window = plan.conv_state
     kept = window.shape[1]
-    count = mixed.shape[0]
     extended = torch.cat((window, mixed.t()), dim=1)  # [channels, kept + T]
-    if count == 1:
+    if mixed.shape[0] == 1:
         # One token: a multiply-add over the taps, no conv launch (and shapes a graph can keep).
         out = (extended * plan.conv_weight).sum(dim=1, keepdim=True)
     else:
@@ -241,8 +240,8 @@ def _convolve(plan: LinearPlan, mixed: torch.Tensor, real: torch.Tensor | None =
         window.copy_(extended[:, -kept:])
     else:  # the window ends at the last real input, found on the device
         window.copy_(extended.index_select(1, real + torch.arange(kept, device=real.device)))
-    # Rows of contiguous channels, as the kernel writes them: the reductions over q/k heads that follow
-    # then sum in the same order on either path.
+    # Contiguous rows, as causal_conv.reference makes them: the q/k norms after it then sum in the
+    # same order on both paths.
     return F.silu(out).t().contiguous()
 
 
