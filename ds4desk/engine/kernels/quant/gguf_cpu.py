@@ -226,7 +226,7 @@ def _scratch(count: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 # --- prefill's row-wise ops ---------------------------------------------------------------------
-# The steps between a prompt's matmuls (RMSNorm, the per-head norm and RoPE, the gated activation),
+# The steps between a prompt's matmuls (RMSNorm, RoPE after the q/k norms, the gated activation),
 # each one pass in C with the fused layer's own functions, where torch takes several ops and a pool
 # wake-up for each: together about a tenth of Gemma-3-270M's 128-token prefill on two cores.
 
@@ -305,9 +305,9 @@ def gated_rows(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def _check_rows(x: torch.Tensor, dims: int) -> None:
-    """x has `dims` dimensions, float32 on the CPU, its last one contiguous and its rows apart by a
-    non-negative stride: the C side walks it from its data pointer."""
-    if x.dim() != dims or x.dtype is not _F32 or not x.is_cpu or x.stride(-1) != 1 or min(x.stride()) < 0:
+    """x has `dims` dimensions, float32 on the CPU, its last one contiguous: the C side walks it from
+    its data pointer with its strides."""
+    if x.dim() != dims or x.dtype is not _F32 or not x.is_cpu or x.stride(-1) != 1:
         raise ValueError(f"gguf_cpu: rows {tuple(x.shape)} {x.dtype} strides {x.stride()} do not fit")
 
 
