@@ -88,18 +88,30 @@ def reference(
     value_dim: int,
     interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """linear_attention's `_convolve` (more than one row) and `_heads`, op for op."""
-    count = inputs.shape[0]
+    """linear_attention's `_convolve` (more than one row), then `heads`, op for op."""
     extended = torch.cat((window, inputs.t()), dim=1)  # [C, kept + T]
     out = F.conv1d(extended[None], weight[:, None, :], groups=extended.shape[0])[0]
     mixed = F.silu(out).t().contiguous()
+    return heads(mixed, key_heads, key_dim, value_heads, value_dim, interleaved)
+
+
+def heads(
+    mixed: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolved channels [T, C] as the delta rule reads them, float32: per value head the query
+    and key of its key head, scaled to unit length (the query also by dk^-1/2), and its value. The
+    model's eager path (any row count, padding too) calls this as well."""
+    count = mixed.shape[0]
     key_width, repeat = key_heads * key_dim, value_heads // key_heads
     q, k, v = mixed.split([key_width, key_width, value_heads * value_dim], dim=1)
     q = unit_rows(q.view(count, key_heads, key_dim)) * key_dim**-0.5
     k = unit_rows(k.view(count, key_heads, key_dim))
     if repeat > 1 and not interleaved:
+        # llama.cpp's order (a GGUF's): value head h reads key head h % key heads.
         q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
     elif repeat > 1:
+        # Hugging Face's, h // repeat: repeat_interleave as an expand, no sizes to learn on the
+        # device (graph-safe).
         shape = (count, value_heads, key_dim)
         q = q[:, :, None].expand(count, key_heads, repeat, key_dim).reshape(shape)
         k = k[:, :, None].expand(count, key_heads, repeat, key_dim).reshape(shape)

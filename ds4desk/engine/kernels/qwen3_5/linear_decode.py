@@ -43,7 +43,7 @@ SWITCH = Switch(
     lambda where: nvidia(where) and _triton_kernel() is not None,
 )
 
-# unit_rows' epsilon (models/qwen3_5/delta_rule.py): the q/k L2 norm's, fixed by the reference.
+# unit_rows' epsilon: the q/k L2 norm's, fixed by the reference.
 NORM_EPS = 1e-6
 # torch's softplus turns linear above this input (F.softplus's default threshold).
 SOFTPLUS_THRESHOLD = 20.0
@@ -141,7 +141,7 @@ def reference(
 
 
 def unit_rows(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x²) + eps) over the last dimension, in float32 (delta_rule.unit_rows)."""
+    """x / sqrt(sum(x²) + eps) over the last dimension, in float32: the q/k scaling of every path."""
     x = x.float()
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + NORM_EPS)
 

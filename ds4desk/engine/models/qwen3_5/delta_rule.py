@@ -21,16 +21,12 @@ from __future__ import annotations
 import torch
 
 from ds4desk.engine.kernels.qwen3_5 import chunked_delta
+from ds4desk.engine.kernels.qwen3_5.linear_decode import unit_rows  # q and k scaled to unit length
+
+__all__ = ["CHUNK", "chunked", "step", "unit_rows"]
 
 # Tokens per chunk of the chunked form (a Qwen3.5 prompt piece is one chunk).
 CHUNK = chunked_delta.CHUNK
-_NORM_EPS = 1e-6
-
-
-def unit_rows(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x²) + eps) over the last dimension, in float32."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _NORM_EPS)
 
 
 def step(

@@ -194,25 +194,17 @@ def _fused_step(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.T
 
 
 def _heads(cfg: Qwen35Config, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The convolved channels [T, C] as the delta rule reads them, float32: per value head the query
-    and key of its key head, scaled to unit length (the query also by dk^-1/2), and its value."""
-    count = mixed.shape[0]
-    key_width = cfg.linear_key_heads * cfg.linear_key_dim
-    q, k, v = mixed.split([key_width, key_width, mixed.shape[1] - 2 * key_width], dim=1)
-    heads, repeat = cfg.linear_value_heads, cfg.linear_value_heads // cfg.linear_key_heads
-    # Value head h reads key head h // repeat (Hugging Face's order; h % key heads in a GGUF's): the
-    # key heads are repeated, not the value heads.
-    q = delta_rule.unit_rows(q.view(count, -1, cfg.linear_key_dim)) * cfg.linear_key_dim**-0.5
-    k = delta_rule.unit_rows(k.view(count, -1, cfg.linear_key_dim))
-    if repeat > 1 and cfg.gguf_layout:
-        # llama.cpp's order (config.GGUF_LAYOUT_KEY): value head h reads key head h % key heads.
-        q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
-    elif repeat > 1:
-        # repeat_interleave over heads, as an expand: no sizes to learn on the device (graph-safe).
-        shape = (count, heads, cfg.linear_key_dim)
-        q = q[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
-        k = k[:, :, None].expand(count, cfg.linear_key_heads, repeat, cfg.linear_key_dim).reshape(shape)
-    return q, k, v.reshape(count, heads, cfg.linear_value_dim).float()
+    """The convolved channels [T, C] as the delta rule reads them (causal_conv.heads): value head h
+    reads key head h // repeat in Hugging Face's order, h % key heads in a GGUF's
+    (config.GGUF_LAYOUT_KEY)."""
+    return causal_conv.heads(
+        mixed,
+        cfg.linear_key_heads,
+        cfg.linear_key_dim,
+        cfg.linear_value_heads,
+        cfg.linear_value_dim,
+        interleaved=not cfg.gguf_layout,
+    )
 
 
 def _keep_window(window: torch.Tensor, inputs: torch.Tensor) -> None:
