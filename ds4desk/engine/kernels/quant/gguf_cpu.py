@@ -8,10 +8,13 @@ after this module has checked every dtype, shape and stride, and with the GIL re
   threads. They read the packed bytes once per pass and never make a float copy of the weight; each
   row of y gets the same sums in the same order whatever T is, so a verify step's logits are bit
   for bit a decode step's.
-- longer x (prefill): a tile of rows dequantized into a bounded scratch, then torch.mm (oneDNN /
-  MKL) on it, tile by tile, so a prompt goes as fast as it would on float weights.
+- prefill up to GEMM_MAX_T rows of x (AVX-512 builds): a GEMM in C whose threads each decode a
+  panel of 12 packed rows into their own caches and multiply it with every row of x while it is
+  there; no float copy of the weight reaches memory.
+- longer x (and the portable build): a tile of rows dequantized into a bounded scratch, then
+  torch.mm (oneDNN / MKL) on it, tile by tile, so a prompt goes as fast as it would on float weights.
 
-Both dequantize with the same float32 operations as the reference (quant/gguf.py), so they differ
+All three dequantize with the same float32 operations as the reference (quant/gguf.py), so they differ
 from `gguf_matmul.reference_matmul` only in the order of the sums.
 
 BF16_PREFILL, opt-in (a load's `cpu_prefill="bfloat16"`, which Runtime turns on around that model's
@@ -56,6 +59,11 @@ except ImportError as error:  # an install without a C compiler
 # a verify step of MAX_TOKENS (SmolLM2's Q8_0 head, one thread: 9.9 ms at T = 12 and 13.9 ms at
 # T = 16 in the kernel's passes, against 24.8 and 33.5 ms dequantized).
 GEMV_MAX_T = 16
+# Up to this many rows of x, prefill's packed GEMM (AVX-512); beyond, dequantized tiles and torch.mm,
+# whose float32 product keeps more of the cores' peak on long inputs. On Gemma-3-270M's layer 0 (two
+# cores of a Xeon with AVX-512): the GEMM's products take 0.42x the tiles' time at 32 rows, 0.75x at
+# 128, 0.90x at 256, 1.02x at 384 and 1.04x at 512 (docs/BENCHMARKS.md, CPU GGUF, 2026-12-05).
+GEMM_MAX_T = 320
 # Floats in one prefill tile of dequantized rows (8 MiB), which bounds the scratch.
 TILE_VALUES = 1 << 21
 
@@ -91,6 +99,18 @@ BF16_PREFILL = Switch(
     "quant.gguf_cpu_bf16",
     "CPU prefill products on GGUF weights in bfloat16 (tiles and x rounded; float32 sums); opt-in",
     _bf16_prefill_asked,
+)
+
+
+# DS4DESK_CPU_GEMM=0 turns the packed GEMM off for a process (the benchmark's peer): prefill then
+# multiplies dequantized tiles with torch.mm. Read once, since the check runs for every matmul.
+_PACKED_GEMM_ASKED = os.environ.get("DS4DESK_CPU_GEMM", "1") != "0"
+
+PACKED_GEMM = Switch(
+    "quant.gguf_cpu_gemm",
+    "prefill's float32 products on packed rows in C (each thread decodes a panel of rows and multiplies "
+    "it with every token while it is in its caches), not dequantized tiles and torch.mm; AVX-512 only",
+    lambda where: _PACKED_GEMM_ASKED,
 )
 
 
@@ -152,7 +172,24 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: 
             out_strides[0],
             threads,
         )
-    else:
+    elif (
+        tokens > GEMM_MAX_T
+        or BF16_PREFILL.on(x)
+        or not PACKED_GEMM.on(x)
+        or not _ext.gemm(
+            type_id,
+            weight.data_ptr(),
+            w_strides[0],
+            rows,
+            cols,
+            x.data_ptr(),
+            tokens,
+            x_strides[0],
+            target.data_ptr(),
+            out_strides[0],
+            threads,
+        )
+    ):
         _tiled_matmul(x, weight, type_id, cols, target, threads)
     if target is not out:
         out.copy_(target)

@@ -143,8 +143,38 @@ def test_row_slices_strided_outputs_and_small_tiles(kind: GgufType, isa: str, mo
     # Prefill in tiles of 3 rows (39 rows: 13 tiles), each dequantized into the scratch.
     monkeypatch.setattr(gguf_cpu, "TILE_VALUES", 3 * cols)
     x = torch.randn(33, cols)
-    got = gguf_cpu.matmul(x, part, kind.type_id, cols, torch.empty(33, 39))
+    with gguf_cpu.PACKED_GEMM.force(False):
+        got = gguf_cpu.matmul(x, part, kind.type_id, cols, torch.empty(33, 39))
     assert_close_to_reference(x, part, kind, cols, got)
+
+
+@pytest.mark.parametrize("kind", COVERED, ids=lambda t: t.name)
+@needs_extension
+def test_prefill_gemm_at_the_edges_of_its_blocks(kind: GgufType, isa: str) -> None:
+    """Prefill's packed GEMM takes the tokens in blocks of 32 (the last one partly empty) and groups of
+    blocks (512 tokens at 512 columns), the rows in panels of 12 (the last one short): token counts on
+    both sides of a block's and a group's edge, 37 rows (three panels and one of one row), a row
+    slice and a strided output. With the AVX-512 kernels the GEMM itself runs (the extension says
+    so); the portable build, PACKED_GEMM off and more than GEMM_MAX_T tokens take the tiles."""
+    rows, cols = 37, 512
+    raw = packed_weight(kind, rows + 3, cols, seed=kind.type_id + 11)[3:]
+    for tokens in (17, 31, 32, 33, 100, 600):
+        x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+        for packed in (True, False):
+            wide = torch.full((tokens, rows + 8), float("nan"))
+            out = wide[:, 4 : 4 + rows]
+            with gguf_cpu.PACKED_GEMM.force(packed):
+                gguf_cpu.matmul(x, raw, kind.type_id, cols, out)
+            assert_close_to_reference(x, raw, kind, cols, out)
+            assert wide[:, :4].isnan().all() and wide[:, 4 + rows :].isnan().all()
+        direct = torch.full((tokens, rows), float("nan"))
+        ran = gguf_cpu._ext.gemm(
+            kind.type_id, raw.data_ptr(), raw.stride(0), rows, cols, x.data_ptr(), tokens, cols,
+            direct.data_ptr(), rows, 2,
+        )  # fmt: skip
+        assert ran == (isa == "avx512")
+        if ran:
+            assert_close_to_reference(x, raw, kind, cols, direct)
 
 
 needs_bf16 = pytest.mark.skipif(

@@ -47,20 +47,22 @@ def test_every_verify_size_is_the_reference_and_each_row_its_own_decode(
 
 
 @needs_extension
-def test_verify_sizes_take_the_gemv_not_the_dequantized_tiles(monkeypatch) -> None:
-    """Up to GEMV_MAX_T rows of x never dequantize the weight (a verify step's head would decode
-    49152 x 576 floats a step); more rows do."""
+def test_verify_sizes_take_the_gemv_not_the_prefill_paths(monkeypatch) -> None:
+    """Up to GEMV_MAX_T rows of x take the GEMV (a verify step's head would otherwise decode 49152 x
+    576 floats a step); more rows the prefill GEMM (AVX-512) or the dequantized tiles."""
     kind = COVERED[0]
     raw = packed_weight(kind, 8, 512, seed=1)
-    calls: list[int] = []
-    real = gguf_cpu._ext.dequantize  # type: ignore[union-attr]
+    calls: list[str] = []
+    ext = gguf_cpu._ext
+    for name in ("gemv", "gemm", "dequantize"):
 
-    def counting(*args: object) -> None:
-        calls.append(1)
-        real(*args)
+        def counting(*args: object, name: str = name, real=getattr(ext, name)) -> object:
+            calls.append(name)
+            return real(*args)
 
-    monkeypatch.setattr(gguf_cpu._ext, "dequantize", counting)
+        monkeypatch.setattr(ext, name, counting)
     gguf_cpu.matmul(torch.randn(16, 512), raw, kind.type_id, 512, torch.empty(16, 8))
-    assert calls == []
+    assert calls == ["gemv"]
+    calls.clear()
     gguf_cpu.matmul(torch.randn(17, 512), raw, kind.type_id, 512, torch.empty(17, 8))
-    assert calls
+    assert calls == (["gemm"] if gguf_cpu.kernel_isa() == "avx512" else ["gemm", "dequantize"])
