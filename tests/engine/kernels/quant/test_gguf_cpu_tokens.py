@@ -54,13 +54,18 @@ def test_verify_sizes_take_the_gemv_not_the_prefill_paths(monkeypatch) -> None:
     raw = packed_weight(kind, 8, 512, seed=1)
     calls: list[str] = []
     ext = gguf_cpu._ext
-    for name in ("gemv", "gemm", "dequantize"):
 
-        def counting(*args: object, name: str = name, real=getattr(ext, name)) -> object:
+    def counting(name: str):
+        real = getattr(ext, name)
+
+        def call(*args: object) -> object:
             calls.append(name)
             return real(*args)
 
-        monkeypatch.setattr(ext, name, counting)
+        return call
+
+    for name in ("gemv", "gemm", "dequantize"):
+        monkeypatch.setattr(ext, name, counting(name))
     gguf_cpu.matmul(torch.randn(16, 512), raw, kind.type_id, 512, torch.empty(16, 8))
     assert calls == ["gemv"]
     calls.clear()
