@@ -81,18 +81,45 @@ def check_placement(plan: ShardPlan, num_layers: int, parameters: Iterable[Any])
         raise RuntimeError("place() must come before materialize()")
 
 
-def materialize_parameters(model: Any, device: Any, split: ShardPlan | None) -> None:
+def host_block(model: Any, device: Any, split: ShardPlan | None) -> Any:
+    """One block of host memory (host_memory.HostBlock) sized for every parameter still on the meta
+    device that goes to the CPU: `materialize_parameters` and the fused groups take from it."""
+    from ds4desk.engine.host_memory import HostBlock
+
+    return HostBlock(
+        (param.shape, param.dtype)
+        for where, _, _, param in _meta_parameters(model, device, split)
+        if where.type == "cpu"
+    )
+
+
+def materialize_parameters(model: Any, device: Any, split: ShardPlan | None, block: Any = None) -> None:
     """Give every parameter still on the meta device real (uninitialised) storage, keeping its dtype:
-    on `device`, or on the device the split puts it."""
+    on `device`, or on the device the split puts it. The CPU's share comes from one block of host
+    memory on huge pages (`block`, else a new one)."""
     import torch
     from torch import nn
+
+    pending = list(_meta_parameters(model, device, split))
+    if block is None:
+        block = host_block(model, device, split)
+    for where, module, name, param in pending:
+        if where.type == "cpu":
+            real = block.take(param.shape, param.dtype)
+        else:
+            real = torch.empty(param.shape, device=where, dtype=param.dtype)
+        module._parameters[name] = nn.Parameter(real, requires_grad=False)
+
+
+def _meta_parameters(model: Any, device: Any, split: ShardPlan | None) -> Iterable[tuple[Any, Any, str, Any]]:
+    """(device, module, name, parameter) of each parameter still on the meta device."""
+    import torch
 
     for prefix, module in model.named_modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
-                where = device if split is None else torch.device(split.device_of(f"{prefix}.{name}"))
-                real = torch.empty(param.shape, device=where, dtype=param.dtype)
-                module._parameters[name] = nn.Parameter(real, requires_grad=False)
+                where = torch.device(device if split is None else split.device_of(f"{prefix}.{name}"))
+                yield where, module, name, param
 
 
 def single(device: str, num_layers: int) -> ShardPlan:

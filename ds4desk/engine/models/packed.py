@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.formats import gguf_packed_bytes
+from ds4desk.engine.host_memory import HostBlock
 from ds4desk.engine.kernels.quant.gguf_matmul import dequantize_rows, gguf_matmul
 
 
@@ -165,15 +166,19 @@ Fused = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias) a group's par
 
 
 def fuse_group(
-    parts: Sequence[nn.Linear | PackedLinear], device: torch.device, empty: bool = True
+    parts: Sequence[nn.Linear | PackedLinear],
+    device: torch.device,
+    empty: bool = True,
+    block: HostBlock | None = None,
 ) -> Fused | None:
     """Point the parts' weights (and biases) at consecutive row ranges of one tensor each, so a
     q/k/v or gate/up group runs as one matmul with no second copy of any weight. Packed weights fuse
     too (rows of GGUF blocks are independent) when the parts share one block type; a group whose
     types differ (Q4_K_M's q/k in Q4_K, v in Q6_K) stays separate: None.
 
-    `empty`: allocate fresh storage (the loader fills it); otherwise keep the current values. The
-    caller keeps the result off the state dict."""
+    `empty`: allocate fresh storage (the loader fills it; on the CPU from `block`, the model's host
+    memory, where there is one); otherwise keep the current values. The caller keeps the result off
+    the state dict."""
     if len({getattr(part, "type_id", None) for part in parts}) != 1:
         return None
     fused: list[torch.Tensor | None] = []
@@ -184,7 +189,11 @@ def fuse_group(
             continue
         if empty:
             rows = sum(c.shape[0] for c in current)
-            storage = torch.empty((rows, *current[0].shape[1:]), device=device, dtype=current[0].dtype)
+            shape = (rows, *current[0].shape[1:])
+            if block is not None and device.type == "cpu":
+                storage = block.take(shape, current[0].dtype)
+            else:
+                storage = torch.empty(shape, device=device, dtype=current[0].dtype)
         else:
             storage = torch.cat([c.detach() for c in current])
         start = 0

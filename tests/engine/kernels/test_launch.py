@@ -37,7 +37,14 @@ KERNEL_MODULES = (
 def test_every_kernel_module_declares_its_switch_and_one_check() -> None:
     names = [switch.name for switch in launch.switches()]
     assert names == sorted(
-        [*KERNEL_MODULES, "launch.pdl", "quant.fp8_scaled_mm", "quant.gguf_cpu_bf16", "quant.gguf_cpu_rows"]
+        [
+            *KERNEL_MODULES,
+            "launch.pdl",
+            "quant.fp8_scaled_mm",
+            "quant.gguf_cpu_bf16",
+            "quant.gguf_cpu_gemm",
+            "quant.gguf_cpu_rows",
+        ]
     )
     for name in KERNEL_MODULES:
         module = importlib.import_module(f"ds4desk.engine.kernels.{name}")

@@ -43,7 +43,7 @@ from ds4desk.engine.models.packed import (
     linear,
     projection_of,
 )
-from ds4desk.engine.split import materialize_parameters
+from ds4desk.engine.split import host_block, materialize_parameters
 
 
 class Attention(nn.Module):
@@ -133,6 +133,7 @@ class Gemma3Model(CausalLM):
         layer_devices = [device] * self.config.num_layers
         if split is not None:
             layer_devices = [torch.device(d) for d in split.layer_devices()]
+        block = host_block(self, device, split)
         for layer, where in zip(self.model.layers, layer_devices, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             for key, parts in (
@@ -140,8 +141,8 @@ class Gemma3Model(CausalLM):
                 ("gate_up", (mlp.gate_proj, mlp.up_proj)),
             ):
                 if all(type(part) is nn.Linear for part in parts):  # float groups only
-                    layer.fused[key] = fuse_group(parts, where)
-        materialize_parameters(self, device, split)
+                    layer.fused[key] = fuse_group(parts, where, block=block)
+        materialize_parameters(self, device, split, block)
 
     def finish_loading(self) -> None:
         """After the weights are in: the per-layer plans, rope frequencies, norm scales and head."""

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds4desk.engine.host_memory import HostBlock
 from ds4desk.engine.kernels.dense import decode_attention as fused_decode
 from ds4desk.engine.kernels.dense import gemv as kernels
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
@@ -48,7 +49,7 @@ from ds4desk.engine.models.llama.layer import (
 from ds4desk.engine.models.llama.verify import VerifySteps
 from ds4desk.engine.models.packed import Fused, embedding, fuse_group, group_projection, linear, projection_of
 from ds4desk.engine.models.packed import embed as packed_embed
-from ds4desk.engine.split import materialize_parameters
+from ds4desk.engine.split import host_block, materialize_parameters
 
 # On a GPU a prefill chunk of more than FEW_ROWS tokens runs padded up to its row bucket: the
 # next power of two up to PREFILL_ROW_STEP, then a multiple of it. cuBLAS picks its GEMM kernel by
@@ -158,9 +159,10 @@ class DenseModel(CausalLM):
         layer_devices = [device] * self.config.num_layers
         if split is not None:
             layer_devices = [torch.device(d) for d in split.layer_devices()]
+        block = host_block(self, device, split)
         for layer, where in zip(self.model.layers, layer_devices, strict=True):
-            _fuse(layer, where, empty=True)
-        materialize_parameters(self, device, split)
+            _fuse(layer, where, empty=True, block=block)
+        materialize_parameters(self, device, split, block)
 
     def finish_loading(self) -> None:
         """After the weights are in: derive rope frequencies and the per-layer plans."""
@@ -451,14 +453,14 @@ def _on(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return ids if ids.device == weight.device else ids.to(weight.device)
 
 
-def _fuse(layer: DecoderLayer, device: torch.device, empty: bool) -> None:
+def _fuse(layer: DecoderLayer, device: torch.device, empty: bool, block: HostBlock | None = None) -> None:
     """Fuse the layer's q/k/v and gate/up groups (models/packed.fuse_group) into `layer.fused`, a plain
     dict, so the fused tensors never show up in state_dict."""
     attn, mlp = layer.self_attn, layer.mlp
     layer.fused = {}
     groups = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "gate_up": [mlp.gate_proj, mlp.up_proj]}
     for key, parts in groups.items():
-        fused = fuse_group(parts, device, empty)
+        fused = fuse_group(parts, device, empty, block)
         if fused is not None:
             layer.fused[key] = fused
 
