@@ -13,7 +13,8 @@ off (DS4DESK_CPU_FUSED_DECODE=0), the decode path before it; `ds4desk-bf16` is d
 products in bfloat16 (DS4DESK_CPU_BF16_PREFILL=1, an opt-in: see quant/gguf_cpu.py);
 `ds4desk-norows` is ds4desk with prefill's row-wise steps as torch ops (DS4DESK_CPU_ROW_OPS=0), the
 code before the C row ops; `ds4desk-tiles` is ds4desk with prefill's products on dequantized tiles
-and torch.mm (DS4DESK_CPU_GEMM=0), the code before the packed GEMM. Prints a table
+and torch.mm (DS4DESK_CPU_GEMM=0), the code before the packed GEMM; `ds4desk-4k` is ds4desk with its
+weights' host memory not advised to huge pages (DS4DESK_HOST_HUGEPAGES=0). Prints a table
 with the ratios and writes JSON under bench/results/.
 """
 
@@ -117,6 +118,7 @@ WORKERS: dict[str, Callable[[str, list[int], int, int], tuple[float, float]]] = 
     "ds4desk-bf16": bench_ds4desk,  # prefill's products in bfloat16 (the opt-in of quant/gguf_cpu.py)
     "ds4desk-norows": bench_ds4desk,  # prefill's norms, RoPE and activation as torch ops, not the C row ops
     "ds4desk-tiles": bench_ds4desk,  # prefill's products on dequantized tiles, not the packed GEMM
+    "ds4desk-4k": bench_ds4desk,  # the weights on the kernel's default (4 KiB) pages, not huge pages
     "llama.cpp": bench_llama_cpp,
 }
 # Environment a worker runs under, per engine.
@@ -125,6 +127,7 @@ WORKER_ENV: dict[str, dict[str, str]] = {
     "ds4desk-bf16": {"DS4DESK_CPU_BF16_PREFILL": "1"},
     "ds4desk-norows": {"DS4DESK_CPU_ROW_OPS": "0"},
     "ds4desk-tiles": {"DS4DESK_CPU_GEMM": "0"},
+    "ds4desk-4k": {"DS4DESK_HOST_HUGEPAGES": "0"},
 }
 
 

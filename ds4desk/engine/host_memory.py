@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from collections.abc import Iterable
 
 import torch
 
+# DS4DESK_HOST_HUGEPAGES=0 leaves the block on the kernel's default pages (the benchmark's peer).
+_HUGE_PAGES = os.environ.get("DS4DESK_HOST_HUGEPAGES", "1") != "0"
 # Each tensor starts on a cache line (the C kernels' streaming and aligned loads want 64 bytes).
 ALIGN = 64
 
@@ -36,7 +39,7 @@ class HostBlock:
         if self.size:
             block = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             advice = getattr(mmap, "MADV_HUGEPAGE", None)
-            if advice is not None:
+            if advice is not None and _HUGE_PAGES:
                 with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
                     block.madvise(advice)
             # frombuffer keeps `block` alive for as long as a view of it exists.
