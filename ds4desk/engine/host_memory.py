@@ -5,7 +5,7 @@ keep up: on 4 KiB pages a 178 MB head (Gemma-3-270M's tied Q8_0 embedding) is 43
 token. torch allocates each tensor on its own, mostly on 4 KiB pages (Linux's transparent huge pages
 are usually `madvise`-only, and torch asks for them only under THP_MEM_ALLOC_ENABLE). Here the
 weights share one anonymous mapping advised MADV_HUGEPAGE (docs/BENCHMARKS.md, CPU GGUF,
-2026-12-05: Gemma-3-270M's decode 52 -> 62 tok/s on two cores of a Xeon). Where huge pages are off
+2026-12-05: Gemma-3-270M's decode 57 -> 66 tok/s on two cores of a Xeon). Where huge pages are off
 or the platform has no madvise, it is plain anonymous memory, which is what torch would have used.
 """
 
