@@ -963,14 +963,15 @@ static void dequant_rows(const void *job, Py_ssize_t r0, Py_ssize_t r1) {
  * block of GEMM_NB tokens while it is there. The tokens are the vector lanes: x is first copied
  * transposed into blocks xt [block][cols][GEMM_NB], so a step over k broadcasts one weight value per
  * row and multiplies it with two vectors of tokens; the GEMM_MR x GEMM_NB sums stay in registers for
- * the whole row. The alternative, decoding whole tiles for torch.mm, writes every weight value to
- * memory as float32 and reads it back; on two cores that round trip took a tenth of a short prompt.
+ * the whole row. The tiles for torch.mm instead write every weight value to memory as float32 and
+ * read it back: at 128 tokens the GEMM takes 0.75x their time (docs/BENCHMARKS.md, CPU GGUF).
  * Each y value is one float32 sum over k in order (no split of k): accumulation order only. */
 #ifdef HAVE_AVX512_KERNELS
 #define GEMM_MR 12 /* 12 x 2 accumulators + 2 token vectors + the broadcast: 27 of 32 registers */
 #define GEMM_NB 32
-/* The xt a panel sweeps stays in the core's L2 (1-2 MiB on current x86 cores); a long prompt's xt
- * streamed from L3 for every panel instead ran at 0.6x torch.mm at 2,000 tokens. */
+/* The xt a panel sweeps stays in the core's L2 (1-2 MiB on current x86 cores): at 2,000 tokens, with
+ * the whole xt streamed from L3 for every panel, the GEMM ran at 0.62x torch.mm's speed, in groups at
+ * 0.82x (the reason GEMM_MAX_T in gguf_cpu.py stops it before that). */
 #define GEMM_GROUP_BYTES (1 << 20)
 
 typedef struct {
@@ -2071,7 +2072,8 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     const Py_ssize_t items = (rows + GEMM_MR - 1) / GEMM_MR * ((T + group - 1) / group);
     Py_BEGIN_ALLOW_THREADS
     parallel_chunks(gemm_pack_x, &g, (T + GEMM_NB - 1) / GEMM_NB, 1, threads);
-    /* Chunks of 2 items: every claim is ~50 us of work or more at the shortest prompt this runs. */
+    /* Chunks of 4 items (48 rows, 192 bytes of a token's y): whole cache lines of y between the
+     * threads' chunks where y's rows start on a line, and every claim tens of microseconds of work. */
     parallel_chunks(gemm_items, &g, items, 4, threads);
     Py_END_ALLOW_THREADS
     free(xt);
