@@ -2011,32 +2011,42 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
 
 /* ---- Python entry points ------------------------------------------------------------------------- */
 
-static PyObject *py_gemv(PyObject *self, PyObject *args) {
-    (void)self;
-    int type, cols, T, threads;
+/* gemv's and gemm's shared arguments (type, w_ptr, w_stride, rows, cols, x_ptr, T, x_stride, y_ptr,
+ * y_stride, threads) into g (kernel unset) and *threads; 0 with a Python error set if they do not fit. */
+static int parse_product(PyObject *args, const char *name, Gemv *g, int *threads) {
+    int type, cols, T;
     unsigned long long w_ptr, x_ptr, y_ptr;
     Py_ssize_t w_stride, rows, x_stride, y_stride;
     if (!PyArg_ParseTuple(args, "iKnniKinKni", &type, &w_ptr, &w_stride, &rows, &cols, &x_ptr, &T, &x_stride,
-                          &y_ptr, &y_stride, &threads))
-        return NULL;
+                          &y_ptr, &y_stride, threads))
+        return 0;
     const TypeInfo *ti = type_info(type);
     if (ti == NULL || cols <= 0 || cols % ti->block_values || T <= 0 || rows < 0) {
-        PyErr_SetString(PyExc_ValueError, "gemv: unsupported type or shape");
-        return NULL;
+        PyErr_Format(PyExc_ValueError, "%s: unsupported type or shape", name);
+        return 0;
     }
-    Gemv g = {ti, (const uint8_t *)(uintptr_t)w_ptr, w_stride, rows, cols, (const float *)(uintptr_t)x_ptr, T,
-              x_stride, (float *)(uintptr_t)y_ptr, y_stride, portable_gemv_rows};
+    *g = (Gemv){ti, (const uint8_t *)(uintptr_t)w_ptr, w_stride, rows, cols, (const float *)(uintptr_t)x_ptr, T,
+                x_stride, (float *)(uintptr_t)y_ptr, y_stride, NULL};
+    return 1;
+}
+
+static PyObject *py_gemv(PyObject *self, PyObject *args) {
+    (void)self;
+    Gemv g;
+    int threads;
+    if (!parse_product(args, "gemv", &g, &threads)) return NULL;
+    g.kernel = portable_gemv_rows;
 #ifdef HAVE_AVX512_KERNELS
     if (use_avx512) {
         GemvFn fast;
         DequantFn unused, unused_bf16;
-        avx512_kernels(type, cols, &fast, &unused, &unused_bf16);
+        avx512_kernels(g.ti->type, g.cols, &fast, &unused, &unused_bf16);
         if (fast) g.kernel = fast;
     }
 #endif
-    if ((Py_ssize_t)rows * w_stride < PARALLEL_MIN_BYTES) threads = 1;
+    if (g.rows * g.w_stride < PARALLEL_MIN_BYTES) threads = 1;
     Py_BEGIN_ALLOW_THREADS
-    parallel_rows(gemv_rows, &g, rows, threads);
+    parallel_rows(gemv_rows, &g, g.rows, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -2044,34 +2054,25 @@ static PyObject *py_gemv(PyObject *self, PyObject *args) {
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
     /* False where this type or build has no AVX-512 decoder: the caller then takes its tiled path. */
     (void)self;
-    int type, cols, T, threads;
-    unsigned long long w_ptr, x_ptr, y_ptr;
-    Py_ssize_t w_stride, rows, x_stride, y_stride;
-    if (!PyArg_ParseTuple(args, "iKnniKinKni", &type, &w_ptr, &w_stride, &rows, &cols, &x_ptr, &T, &x_stride,
-                          &y_ptr, &y_stride, &threads))
-        return NULL;
-    const TypeInfo *ti = type_info(type);
-    if (ti == NULL || cols <= 0 || cols % ti->block_values || T <= 0 || rows < 0) {
-        PyErr_SetString(PyExc_ValueError, "gemm: unsupported type or shape");
-        return NULL;
-    }
+    Gemv p;
+    int threads;
+    if (!parse_product(args, "gemm", &p, &threads)) return NULL;
 #ifdef HAVE_AVX512_KERNELS
-    DequantFn decode = use_avx512 ? avx512_cached_decoder(type, cols) : NULL;
+    DequantFn decode = use_avx512 ? avx512_cached_decoder(p.ti->type, p.cols) : NULL;
     if (decode == NULL) Py_RETURN_FALSE;
     if (threads < 1) threads = 1;
     /* One allocation: xt's blocks, then a panel per thread (every part a multiple of 64 bytes). */
-    const size_t xt_floats = (size_t)((T + GEMM_NB - 1) / GEMM_NB) * cols * GEMM_NB;
-    const size_t panel_floats = ((size_t)GEMM_MR * cols + 15) & ~(size_t)15;
+    const size_t xt_floats = (size_t)((p.T + GEMM_NB - 1) / GEMM_NB) * p.cols * GEMM_NB;
+    const size_t panel_floats = ((size_t)GEMM_MR * p.cols + 15) & ~(size_t)15;
     float *xt = aligned_alloc(64, (xt_floats + panel_floats * threads) * sizeof(float));
     if (!xt) return PyErr_NoMemory();
-    const int fit = GEMM_GROUP_BYTES / (GEMM_NB * cols * (int)sizeof(float));
+    const int fit = GEMM_GROUP_BYTES / (GEMM_NB * p.cols * (int)sizeof(float));
     const int group = (fit > 1 ? fit : 1) * GEMM_NB;
-    Gemm g = {decode, ti->block_values, (const uint8_t *)(uintptr_t)w_ptr, w_stride, rows, cols, T,
-              (const float *)(uintptr_t)x_ptr, x_stride, xt, xt + xt_floats, group, (float *)(uintptr_t)y_ptr,
-              y_stride};
-    const Py_ssize_t items = (rows + GEMM_MR - 1) / GEMM_MR * ((T + group - 1) / group);
+    Gemm g = {decode, p.ti->block_values, p.w, p.w_stride, p.rows, p.cols, p.T, p.x, p.x_stride, xt,
+              xt + xt_floats, group, p.y, p.y_stride};
+    const Py_ssize_t items = (p.rows + GEMM_MR - 1) / GEMM_MR * ((p.T + group - 1) / group);
     Py_BEGIN_ALLOW_THREADS
-    parallel_chunks(gemm_pack_x, &g, (T + GEMM_NB - 1) / GEMM_NB, 1, threads);
+    parallel_chunks(gemm_pack_x, &g, (p.T + GEMM_NB - 1) / GEMM_NB, 1, threads);
     /* Chunks of 4 items (48 rows, 192 bytes of a token's y): whole cache lines of y between the
      * threads' chunks where y's rows start on a line, and every claim tens of microseconds of work. */
     parallel_chunks(gemm_items, &g, items, 4, threads);
@@ -2079,7 +2080,7 @@ static PyObject *py_gemm(PyObject *self, PyObject *args) {
     free(xt);
     Py_RETURN_TRUE;
 #else
-    (void)w_ptr, (void)x_ptr, (void)y_ptr, (void)w_stride, (void)x_stride, (void)y_stride, (void)threads;
+    (void)threads;
     Py_RETURN_FALSE;
 #endif
 }

@@ -158,38 +158,22 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: 
     if out_strides[1] != 1 or (out_strides[0] < rows and tokens > 1):
         target, out_strides = torch.empty((tokens, rows), dtype=_F32), (rows, 1)
     threads = torch.get_num_threads()
+    args = (
+        type_id,
+        weight.data_ptr(),
+        w_strides[0],
+        rows,
+        cols,
+        x.data_ptr(),
+        tokens,
+        x_strides[0],
+        target.data_ptr(),
+        out_strides[0],
+        threads,
+    )
     if tokens <= GEMV_MAX_T:
-        _ext.gemv(
-            type_id,
-            weight.data_ptr(),
-            w_strides[0],
-            rows,
-            cols,
-            x.data_ptr(),
-            tokens,
-            x_strides[0],
-            target.data_ptr(),
-            out_strides[0],
-            threads,
-        )
-    elif (
-        tokens > GEMM_MAX_T
-        or BF16_PREFILL.on(x)
-        or not PACKED_GEMM.on(x)
-        or not _ext.gemm(
-            type_id,
-            weight.data_ptr(),
-            w_strides[0],
-            rows,
-            cols,
-            x.data_ptr(),
-            tokens,
-            x_strides[0],
-            target.data_ptr(),
-            out_strides[0],
-            threads,
-        )
-    ):
+        _ext.gemv(*args)
+    elif tokens > GEMM_MAX_T or BF16_PREFILL.on(x) or not PACKED_GEMM.on(x) or not _ext.gemm(*args):
         _tiled_matmul(x, weight, type_id, cols, target, threads)
     if target is not out:
         out.copy_(target)
