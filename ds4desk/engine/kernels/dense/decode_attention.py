@@ -168,7 +168,7 @@ def read_order_index(kind: int, groups: int, cols: int, device: torch.device) ->
         slot = (r % 32) // 4 * 8 + (r // 32) * 4 + r % 4
     elif gguf_type(kind).name == "Q6_K":
         group, r = col // 128 * 2 + (col % 32) // 16, col % 128
-        slot = (r % 16) // 2 * 8 + (r // 32) * 2 + r % 2
+        slot = (r % 16) // 4 * 16 + (r // 32) * 4 + r % 4
     else:
         raise ValueError(f"{gguf_type(kind).name} reads its input in row order")
     return group // groups * (groups * 64) + slot * groups + group % groups

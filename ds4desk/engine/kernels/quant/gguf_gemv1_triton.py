@@ -10,9 +10,12 @@ not by the bytes. This one issues about 5:
   group is the run of values that share their scales: a Q8_0 block; a Q4_K pair of sub-blocks,
   whose codes are the low and high nibbles of the same 32 bytes; a Q6_K quarter of a super-block
   (16 bytes of low nibbles from each half of `ql` with their 16 bytes of high pairs in `qh`: 64
-  values of four sub-blocks). A group's code units (int32 for Q4_K, whose codes are 16-byte
-  aligned; int16 for Q8_0 and Q6_K, whose 34- and 210-byte blocks put them at even addresses) are
-  walked in an unrolled loop, and each unit's inputs are read once for all the rows.
+  values of four sub-blocks). A group's code units are walked in an unrolled loop, and each unit's
+  inputs are read once for all the rows. Q4_K reads int32 units (its codes are 16-byte aligned;
+  16-byte loads in inline PTX lose Triton's prefetch across loop turns and measured slower on long
+  rows and the head); Q6_K, whose 210-byte blocks start at even addresses, reads aligned 4-byte
+  words and funnel-shifts them into place (a warp's threads hold groups 16 and 210 bytes apart, so
+  each 2-byte load touched every line the warp spans again); Q8_0's 34-byte blocks read int16.
 - A code byte becomes a float by one PRMT (PTX) that moves it under 2^23's exponent, then one
   subtraction and one fma; the scales are factored out of the sums (a group's sums are multiplied
   by its scale once), and Q4_K's minimums multiply the group's sum of inputs.
@@ -48,6 +51,78 @@ def _int16_units(ptr):
 
 
 @triton.jit
+def _window(lo, hi, shift, ASM: tl.constexpr):
+    """The 4 bytes starting `shift` bits (0 or 16) into the aligned int32 pair lo | hi: a Q6_K run
+    starts 2 bytes past a 4-byte boundary in every other 210-byte block, so its bytes are read as
+    aligned words and shifted into place (one SHF a window) instead of as 2-byte units."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "shf.r.clamp.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            [lo, hi, shift],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        both = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+        return (both >> shift.to(tl.int64)).to(tl.int32)
+
+
+@triton.jit
+def _aligned_words(ptr):
+    """(int32 pointers, shift in bits): the aligned words that hold the bytes at the 2-aligned byte
+    pointers ptr, for _window(w[u], w[u + 1], shift) = bytes 4u .. 4u + 3 of ptr."""
+    offset = ptr.to(tl.int64) % 4
+    return (ptr - offset).to(tl.pointer_type(tl.int32)), (offset * 8).to(tl.int32)
+
+
+@triton.jit
+def _q6k_window(
+    low_words,
+    high_words,
+    pair_words,
+    shift,
+    xs,
+    u: tl.constexpr,
+    G: tl.constexpr,
+    ASM: tl.constexpr,
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+):
+    """Q6_K: the sums of window u (positions 4u .. 4u + 3 of the group's four runs: low nibbles of
+    ql (lo) and ql + 32 (hi), high nibbles of both, with their top bits from qh (pairs)) added to the
+    runs' running sums. The words are those of _aligned_words (word u + 1 is loaded again by the next
+    window; the compiler keeps the first load)."""
+    lo = _window(tl.load(low_words + u), tl.load(low_words + u + 1), shift, ASM)
+    hi = _window(tl.load(high_words + u), tl.load(high_words + u + 1), shift, ASM)
+    pairs = _window(tl.load(pair_words + u), tl.load(pair_words + u + 1), shift, ASM)
+    f0, f1, f2, f3 = _bytes((lo & 0x0F0F0F0F) | ((pairs & 0x03030303) << 4), 4, ASM)
+    acc0 += (f0 - (MAGIC + 32)) * _in(xs, 16 * u, G)
+    acc0 += (f1 - (MAGIC + 32)) * _in(xs, 16 * u + 1, G)
+    acc0 += (f2 - (MAGIC + 32)) * _in(xs, 16 * u + 2, G)
+    acc0 += (f3 - (MAGIC + 32)) * _in(xs, 16 * u + 3, G)
+    f0, f1, f2, f3 = _bytes((hi & 0x0F0F0F0F) | ((pairs & 0x0C0C0C0C) << 2), 4, ASM)
+    acc1 += (f0 - (MAGIC + 32)) * _in(xs, 16 * u + 4, G)
+    acc1 += (f1 - (MAGIC + 32)) * _in(xs, 16 * u + 5, G)
+    acc1 += (f2 - (MAGIC + 32)) * _in(xs, 16 * u + 6, G)
+    acc1 += (f3 - (MAGIC + 32)) * _in(xs, 16 * u + 7, G)
+    f0, f1, f2, f3 = _bytes(((lo >> 4) & 0x0F0F0F0F) | (pairs & 0x30303030), 4, ASM)
+    acc2 += (f0 - (MAGIC + 32)) * _in(xs, 16 * u + 8, G)
+    acc2 += (f1 - (MAGIC + 32)) * _in(xs, 16 * u + 9, G)
+    acc2 += (f2 - (MAGIC + 32)) * _in(xs, 16 * u + 10, G)
+    acc2 += (f3 - (MAGIC + 32)) * _in(xs, 16 * u + 11, G)
+    f0, f1, f2, f3 = _bytes(((hi >> 4) & 0x0F0F0F0F) | ((pairs >> 2) & 0x30303030), 4, ASM)
+    acc3 += (f0 - (MAGIC + 32)) * _in(xs, 16 * u + 12, G)
+    acc3 += (f1 - (MAGIC + 32)) * _in(xs, 16 * u + 13, G)
+    acc3 += (f2 - (MAGIC + 32)) * _in(xs, 16 * u + 14, G)
+    acc3 += (f3 - (MAGIC + 32)) * _in(xs, 16 * u + 15, G)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _int8(v):
     """The low byte of an int32 read as int8, as float32."""
     return _exact_float((v & 255) ^ 128, 128)
@@ -71,7 +146,7 @@ def slot_col(d, KIND: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
     The order is [tile][slot][thread]: a tile of G groups of V values takes G · V entries, and slot s
     of thread i holds the value group (tile · G + i) reads at its step s, numbered as gemv1_kernel
     reads them: Q4_K (V = 64) value 32h + 4u + k of the sub-block pair (h: high nibbles) at
-    s = 8u + 4h + k; Q6_K (V = 64) value 32q + 2u + k of the group's four runs at s = 8u + 2q + k."""
+    s = 8u + 4h + k; Q6_K (V = 64) value 32q + 4u + k of the group's four runs at s = 16u + 4q + k."""
     tile = d // (G * V)
     s = (d // G) % V
     group = tile * G + d % G
@@ -80,7 +155,7 @@ def slot_col(d, KIND: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
     else:
         tl.static_assert(KIND == Q6_K)
         base = group // 4 * 256 + (group % 4) // 2 * 128 + (group % 2) * 16
-        col = base + ((s // 2) % 4) * 32 + (s // 8) * 2 + s % 2
+        col = base + ((s // 4) % 4) * 32 + (s // 16) * 4 + s % 4
     return col, group
 
 
@@ -92,11 +167,11 @@ def read_slot(col, KIND: tl.constexpr, G: tl.constexpr):
         group = col // 64
         r = col % 64
         s = (r % 32) // 4 * 8 + (r // 32) * 4 + r % 4
-    else:  # Q6_K: col = 256 block + 128 half + 32 q + 16 t + 2 u + k, group 4 block + 2 half + t
+    else:  # Q6_K: col = 256 block + 128 half + 32 q + 16 t + 4 u + k, group 4 block + 2 half + t
         tl.static_assert(KIND == Q6_K)
         group = col // 128 * 2 + (col % 32) // 16
         r = col % 128
-        s = (r % 16) // 2 * 8 + (r // 32) * 2 + r % 2
+        s = (r % 16) // 4 * 16 + (r // 32) * 4 + r % 4
     return group // G * (G * 64) + s * G + group % G
 
 
@@ -277,22 +352,13 @@ def gemv1_kernel(
             acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
             acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
             acc3 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-            for u in tl.static_range(8):
-                lo = _int16_units(ql + 2 * u)
-                hi = _int16_units(ql + 32 + 2 * u)
-                pairs = _int16_units(qh + 2 * u)
-                f0, f1, _, _ = _bytes((lo & 0x0F0F) | ((pairs & 0x0303) << 4), 2, ASM)
-                acc0 += (f0 - (MAGIC + 32)) * _in(xs, 8 * u, G)
-                acc0 += (f1 - (MAGIC + 32)) * _in(xs, 8 * u + 1, G)
-                f0, f1, _, _ = _bytes((hi & 0x0F0F) | ((pairs & 0x0C0C) << 2), 2, ASM)
-                acc1 += (f0 - (MAGIC + 32)) * _in(xs, 8 * u + 2, G)
-                acc1 += (f1 - (MAGIC + 32)) * _in(xs, 8 * u + 3, G)
-                f0, f1, _, _ = _bytes(((lo >> 4) & 0x0F0F) | (pairs & 0x3030), 2, ASM)
-                acc2 += (f0 - (MAGIC + 32)) * _in(xs, 8 * u + 4, G)
-                acc2 += (f1 - (MAGIC + 32)) * _in(xs, 8 * u + 5, G)
-                f0, f1, _, _ = _bytes(((hi >> 4) & 0x0F0F) | ((pairs >> 2) & 0x3030), 2, ASM)
-                acc3 += (f0 - (MAGIC + 32)) * _in(xs, 8 * u + 6, G)
-                acc3 += (f1 - (MAGIC + 32)) * _in(xs, 8 * u + 7, G)
+            low_words, offset = _aligned_words(ql)  # ql + 32 and qh lie at the same offset
+            pair_words, _ = _aligned_words(qh)
+            high_words = low_words + 8
+            for u in tl.static_range(4):
+                acc0, acc1, acc2, acc3 = _q6k_window(
+                    low_words, high_words, pair_words, offset, xs, u, G, ASM, acc0, acc1, acc2, acc3
+                )
             scales = block + 192 + half * 8
             shift = (t // 16) * 8  # the byte of each int16 word that is this run's scale
             s0 = _int8(_int16_units(scales) >> shift)

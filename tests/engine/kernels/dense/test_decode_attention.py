@@ -275,13 +275,15 @@ def test_the_attention_writes_the_o_input_in_read_order() -> None:
     assert "ordered ok" in stdout and stdout.count("checked") == 6
     from ds4desk.engine.formats import GGUF_TYPES
 
-    q4_k = next(t.type_id for t in GGUF_TYPES.values() if t.name == "Q4_K")
     q, keys, values = inputs(seed=3, dim=64)
-    buffer = torch.zeros(q.numel())
-    with da.SWITCH.force(True):
-        out = da.decode_attention(q, keys, values, torch.tensor([20]), 0.125, None, (buffer, q4_k, 2))
-    index = da.read_order_index(q4_k, 2, q.numel(), q.device)
-    assert torch.equal(buffer[index], out.flatten()) and sorted(index.tolist()) == list(range(q.numel()))
+    for name in ("Q4_K", "Q6_K"):
+        kind = next(t.type_id for t in GGUF_TYPES.values() if t.name == name)
+        buffer = torch.zeros(q.numel())
+        with da.SWITCH.force(True):
+            out = da.decode_attention(q, keys, values, torch.tensor([20]), 0.125, None, (buffer, kind, 2))
+        index = da.read_order_index(kind, 2, q.numel(), q.device)
+        assert sorted(index.tolist()) == list(range(q.numel())), name
+        assert torch.equal(buffer[index], out.flatten()), name
 
 
 @pytest.fixture(scope="module")
