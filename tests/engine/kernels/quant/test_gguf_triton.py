@@ -520,11 +520,16 @@ def test_the_gate_up_gemv_writes_the_down_input_bit_for_bit() -> None:
 
 
 def _compile_for_hopper(
-    kernel: object, args: dict[str, str], constants: dict[str, object], aligned: set[str], options: dict
+    kernel: object,
+    args: dict[str, str],
+    constants: dict[str, object],
+    aligned: set[str],
+    options: dict,
+    stage: str = "cubin",
 ) -> bytes:
-    """The cubin of a Triton kernel compiled for sm_90 ahead of time (no GPU needed). `aligned`: the
-    arguments a launch would mark divisible by 16, as Triton does for 16-byte aligned tensors and
-    integers that are multiples of 16."""
+    """The cubin (or another stage: "ttgir") of a Triton kernel compiled for sm_90 ahead of time (no
+    GPU needed). `aligned`: the arguments a launch would mark divisible by 16, as Triton does for
+    16-byte aligned tensors and integers that are multiples of 16."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -532,7 +537,7 @@ def _compile_for_hopper(
     signature = {**args, **dict.fromkeys(constants, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args) if arg in aligned}
     source = ASTSource(kernel, signature, constants, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm[stage]
 
 
 def _stack_bytes(cubin: bytes, tmp_path: object) -> int | None:
@@ -613,6 +618,54 @@ def test_the_kernels_compile_for_an_h200(name: str, dtype: str, t: int, form: st
         aligned = {"w", "out", "stride_out"} | ({"row_bytes"} if row_bytes % 16 == 0 else set())
         dequantize = _compile_for_hopper(source.dequantize_kernel, args, constants, aligned, options)
         assert _stack_bytes(dequantize, tmp_path) in (None, 0), (name, "dequantize spills")
+
+
+def _group_axis_layouts(ttgir: str, groups: int, rows: int) -> set[tuple[str, str, str]]:
+    """How each float [groups, rows] tile of compiled TTGIR is spread over the group axis (axis 0 of
+    sizePerThread, threadsPerWarp, warpsPerCTA): that fixes the order in which a row is summed."""
+    import re
+
+    layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ttgir, re.M))
+    used = set(re.findall(rf"tensor<{groups}x{rows}xf32, (#\w+)>", ttgir))
+    assert used, "no float tile of that shape"
+    spread = set()
+    for name in used:
+        fields = dict(re.findall(r"(\w+) = \[(\d+), \d+\]", layouts[name]))
+        spread.add((fields["sizePerThread"], fields["threadsPerWarp"], fields["warpsPerCTA"]))
+    return spread
+
+
+@pytest.mark.parametrize(("name", "down"), [("Q4_K", "Q6_K"), ("Q6_K", "Q4_K")])
+@pytest.mark.parametrize("setting", ["pair check", "model"])
+def test_the_paired_gate_up_gemv_sums_its_rows_as_the_plain_one(name: str, down: str, setting: str) -> None:
+    """On a GPU the paired gate | up GEMV (norm_gemv_silu) equals the plain one bit for bit only if
+    both forms sum a row in the same order, i.e. spread their [groups, rows] tiles alike over the
+    group axis. test_the_gate_up_gemv_writes_the_down_input_bit_for_bit checks the values, but
+    without a GPU it runs in Triton's interpreter, where every layout sums alike; this reads the
+    layouts Triton picks for sm_90. (16-byte weight loads in inline PTX once took the weight tile's
+    loads out of Triton's coalescing pass, spread the rows instead of the groups over the threads,
+    differently in each form, and broke the equality on an H100.)"""
+    pytest.importorskip("triton")
+    from ds4desk.engine.kernels.quant import gguf_gemv1_triton as source
+
+    kind, down_kind = BY_NAME[name], BY_NAME[down]
+    hidden = 256 if setting == "pair check" else 2048  # _SILU_PAIR_CHECK's, the benchmark model's
+    block_n, groups, warps = (
+        (16, 16, 1) if setting == "pair check" else gguf_tiles.one_row_config(name, 16384, 2048)
+    )
+    args = {"x": "*fp32", "w": "*u8", "out": "*fp32", "rows": "i32", "row_bytes": "i32"}
+    constants = {"KIND": kind.type_id, "G": groups, "N_GROUPS": hidden // 64, "BLOCK_N": block_n}
+    constants |= {"RESIDUAL": False, "PDL": True, "ASM": True}
+    aligned = {"x", "w", "out"}
+    options = {"num_warps": warps}
+    plain = _compile_for_hopper(source.gemv1_kernel, args, constants, aligned, options, "ttgir")
+    paired_args = args | {"act": "*fp32", "half_rows": "i32"}
+    paired_constants = constants | {"BLOCK_N": 2 * block_n, "PAIRED": True}
+    paired_constants |= {"ACT_KIND": down_kind.type_id, "ACT_G": groups}
+    paired = _compile_for_hopper(
+        source.gemv1_kernel, paired_args, paired_constants, aligned | {"act"}, options, "ttgir"
+    )
+    assert _group_axis_layouts(plain, groups, block_n) == _group_axis_layouts(paired, groups, 2 * block_n)
 
 
 @pytest.mark.parametrize(
