@@ -11,9 +11,11 @@ not by the bytes. This one issues about 5:
   whose codes are the low and high nibbles of the same 32 bytes; a Q6_K quarter of a super-block
   (16 bytes of low nibbles from each half of `ql` with their 16 bytes of high pairs in `qh`: 64
   values of four sub-blocks). A group's code units are walked in an unrolled loop, and each unit's
-  inputs are read once for all the rows. Q4_K reads int32 units (its codes are 16-byte aligned;
-  16-byte loads in inline PTX lose Triton's prefetch across loop turns and measured slower on long
-  rows and the head); Q6_K, whose 210-byte blocks start at even addresses, reads aligned 4-byte
+  inputs are read once for all the rows. Q4_K reads int32 units (its codes are 16-byte aligned, but
+  16-byte loads in inline PTX leave the weight tile out of Triton's coalescing pass, which then
+  spreads rows instead of groups over the threads: slower on long rows and the head, and a paired
+  gate/up summing its rows in another order than the plain one); Q6_K, whose 210-byte blocks start
+  at even addresses, reads aligned 4-byte
   words and funnel-shifts them into place (a warp's threads hold groups 16 and 210 bytes apart, so
   each 2-byte load touched every line the warp spans again); Q8_0's 34-byte blocks read int16.
 - A code byte becomes a float by one PRMT (PTX) that moves it under 2^23's exponent, then one
