@@ -526,7 +526,7 @@ def _compile_for_hopper(
     aligned: set[str],
     options: dict,
     stage: str = "cubin",
-) -> bytes:
+) -> bytes | str:
     """The cubin (or another stage: "ttgir") of a Triton kernel compiled for sm_90 ahead of time (no
     GPU needed). `aligned`: the arguments a launch would mark divisible by 16, as Triton does for
     16-byte aligned tensors and integers that are multiples of 16."""
