@@ -15,9 +15,9 @@ not by the bytes. This one issues about 5:
   16-byte loads in inline PTX leave the weight tile out of Triton's coalescing pass, which then
   spreads rows instead of groups over the threads: slower on long rows and the head, and a paired
   gate/up summing its rows in another order than the plain one); Q6_K, whose 210-byte blocks start
-  at even addresses, reads aligned 4-byte
-  words and funnel-shifts them into place (a warp's threads hold groups 16 and 210 bytes apart, so
-  each 2-byte load touched every line the warp spans again); Q8_0's 34-byte blocks read int16.
+  at even addresses, reads aligned 4-byte words and funnel-shifts them into place (a warp's threads
+  hold groups 16 and 210 bytes apart, so each 2-byte load touched every line the warp spans again);
+  Q8_0's 34-byte blocks read int16.
 - A code byte becomes a float by one PRMT (PTX) that moves it under 2^23's exponent, then one
   subtraction and one fma; the scales are factored out of the sums (a group's sums are multiplied
   by its scale once), and Q4_K's minimums multiply the group's sum of inputs.
