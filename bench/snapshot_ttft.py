@@ -14,6 +14,12 @@ alternating, and the medians are compared. Writes JSON under bench/results/.
 `resident` restores from the copy kept on the device, `graphed` runs the suffix on the captured
 verify graphs, `now` both (the default). Each variant also reports, from one more follow-up timed
 with the device drained between them, the restore (`restore_s`) and the suffix's forward (`suffix_s`).
+
+The follow-ups above come after a cold turn, so each restores the snapshot by copy (a user coming
+back to a conversation after another one). `now` also times the follow-up straight after the answer
+(the first turn run again before each), which continues from the model's state in place
+(`ttft_in_place_s`, `in_place_ratio` against the same cold turns). `--profile DIR` (CUDA) writes
+torch's profiler table of one follow-up of each kind to DIR.
 """
 
 from __future__ import annotations
@@ -102,6 +108,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default="now", help=f"comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument(
+        "--profile", type=Path, help="write a profiler table of one follow-up of each kind here"
+    )
+    parser.add_argument(
         "--token-prompt",
         action="store_true",
         help="a conversation of token ids (models without a real tokenizer)",
@@ -126,7 +135,7 @@ def main() -> None:
         runtime = engine._loaded.runtime  # type: ignore[union-attr]  # a bench may reach inside
         for name in names:
             with variant(runtime, name):
-                rows.append({"variant": name, **measure(engine, runtime, args)})
+                rows.append({"variant": name, **measure(engine, runtime, args, name == "now")})
     finally:
         engine.close()
 
@@ -146,26 +155,30 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-def measure(engine: Engine, runtime: Runtime, args: argparse.Namespace) -> dict[str, Any]:
-    """The first turn (its snapshot saved after the answer), then the follow-up warm and cold."""
+def measure(engine: Engine, runtime: Runtime, args: argparse.Namespace, in_place: bool) -> dict[str, Any]:
+    """The first turn (its snapshot saved after the answer), then the follow-up warm and cold; with
+    `in_place` also the follow-up straight after the first turn, run again before each."""
     if args.token_prompt:
         vocab = runtime.model.vocab_size
         ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(args.tokens)]
-        first = engine.generate(
-            GenerateRequest(
-                prompt_tokens=ids, max_new_tokens=32, stop_tokens=[], save_snapshot=SaveSnapshot()
-            )
-        )
-        assert first.ok, first.error
-        follow: dict[str, object] = {"prompt_tokens": [*ids, *first.tokens, *range(500, 514)]}
+        opening: dict[str, object] = {"prompt_tokens": ids, "stop_tokens": []}
     else:
         chat = [{"role": "user", "content": TEXT * (args.tokens // 33) + "Summarise the log in one line."}]
-        first = engine.generate(
-            GenerateRequest(messages=chat, max_new_tokens=32, save_snapshot=SaveSnapshot())
+        opening = {"messages": chat}
+
+    def first_turn() -> Any:
+        result = engine.generate(
+            GenerateRequest(**opening, max_new_tokens=32, save_snapshot=SaveSnapshot())  # type: ignore[arg-type]
         )
-        assert first.ok, first.error
-        chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Which ships?"}]
-        follow = {"messages": chat}
+        assert result.ok, result.error
+        return result
+
+    first = first_turn()
+    if args.token_prompt:
+        follow: dict[str, object] = {"prompt_tokens": [*ids, *first.tokens, *range(500, 514)]}
+    else:
+        answer = {"role": "assistant", "content": first.text}
+        follow = {"messages": [*chat, answer, {"role": "user", "content": "Which ships?"}]}
 
     def turn(use: bool) -> GenerateStats:
         result = engine.generate(GenerateRequest(**follow, max_new_tokens=1, use_snapshots=use))  # type: ignore[arg-type]
@@ -181,7 +194,7 @@ def measure(engine: Engine, runtime: Runtime, args: argparse.Namespace) -> dict[
         turn(True)
     warm_ttft = statistics.median(s.time_to_first_token_s for s in warm)
     cold_ttft = statistics.median(s.time_to_first_token_s for s in cold)
-    return {
+    row = {
         "prompt_tokens": warm[0].prompt_tokens,
         "reused_tokens": warm[0].reused_tokens,
         "prefill_tokens_with_snapshot": warm[0].prefill_tokens,
@@ -190,6 +203,41 @@ def measure(engine: Engine, runtime: Runtime, args: argparse.Namespace) -> dict[
         "ratio": warm_ttft / cold_ttft,
         **split,
     }
+    if not in_place:
+        return row
+    placed = []
+    for _ in range(args.repeats):
+        first_turn()
+        placed.append(turn(True))
+        assert placed[-1].reused_tokens == warm[0].reused_tokens
+    first_turn()
+    in_place_split: dict[str, float] = {}
+    with phases(runtime, in_place_split):
+        turn(True)
+    row["ttft_in_place_s"] = statistics.median(s.time_to_first_token_s for s in placed)
+    row["in_place_ratio"] = row["ttft_in_place_s"] / cold_ttft
+    row |= {f"in_place_{name}": value for name, value in in_place_split.items()}
+    if args.profile and runtime.device.type == "cuda":
+        profile_follow_ups(args.profile, first_turn, turn)
+    return row
+
+
+def profile_follow_ups(folder: Path, first_turn: Callable[[], Any], turn: Callable[[bool], Any]) -> None:
+    """torch's profiler table (by CUDA time) of a follow-up in place and of one that restores."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    for kind in ("in_place", "restored"):
+        first_turn()
+        if kind == "restored":
+            turn(False)  # a cold turn between: the follow-up restores by copy
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            turn(True)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
+        (folder / f"snapshot_follow_up_{kind}_{stamp}.txt").write_text(table)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,9 @@ class Runtime:
         self.graphs_pending = graphs and defer_graphs  # wanted, not captured yet
         self.resident_snapshot_bytes = RESIDENT_SNAPSHOT_BYTES if device.type == "cuda" else 0
         self._resident: list[_Resident] = []  # oldest first
+        # The snapshot the model's state still is, as saved after the last answer and not moved
+        # since: a follow-up turn continues from it in place, with no copy (see _restore).
+        self._live: Snapshot | None = None
         if graphs and not defer_graphs:
             self.capture_graphs()
 
@@ -130,6 +133,7 @@ class Runtime:
         """Capture the decode graphs (see GraphedDecode); `on_captured` runs after each span and may
         raise EngineFailure to stop (a cancelled load), which propagates."""
         self.graphs_pending = False
+        self._live = None  # the captures run the model
         try:
             self.graphs = GraphedDecode(self.model, self.device, on_captured)
         except EngineFailure:
@@ -147,6 +151,7 @@ class Runtime:
             self.graphs.close()
             self.graphs = None
         self._resident.clear()
+        self._live = None
         self.model.free_cache()
 
     def _decode(self, token: torch.Tensor | None, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -170,6 +175,7 @@ class Runtime:
             )
         if split_at is not None and not 0 < split_at < len(ids):
             split_at = None
+        self._live = None
         logits = self._prefill(ids, 0, lambda: False, split_at)
         assert logits is not None
         return logits
@@ -279,6 +285,7 @@ class Runtime:
             snap = snapshots.put(seq, self._host_state(pos), logits, save.slot)
             self._keep_resident(snapshots, snap)
             out.snapshot_slot = snap.slot
+            self._live = snap
         return out
 
     def _decode_plain(
@@ -404,7 +411,12 @@ class Runtime:
         self, prompt: list[int], snapshots: SnapshotStore | None, save_at: int | None
     ) -> tuple[int, torch.Tensor | None]:
         """Continue from the longest snapshot that prefixes the prompt (and does not pass a requested
-        snapshot position). Returns the first position to prefill and the snapshot's logits."""
+        snapshot position). Returns the first position to prefill and the snapshot's logits.
+
+        The snapshot saved after the previous answer is, unless something ran since, the model's
+        state as it is (export_state of the live state, which import_state would copy back): the
+        usual follow-up turn then continues in place, without the restore's copy."""
+        live, self._live = self._live, None  # whatever this request runs moves the state on
         if snapshots is None:
             return 0, None
         limit = prompt if save_at is None else prompt[:save_at]
@@ -413,6 +425,10 @@ class Runtime:
             return 0, None
         length = len(snap.tokens)
         resident = next((r for r in self._resident if r.snapshot is snap), None)
+        # An MTP block's place is reset by each request's track_mtp and put back by import_state.
+        if snap is live and not mtp_available(self.model):
+            self.model.set_length(length)
+            return length, resident.logits.clone() if resident else snap.logits.to(self.device)
         with torch.inference_mode():
             if resident is not None:
                 self.model.import_state(resident.state, length)

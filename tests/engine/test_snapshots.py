@@ -105,6 +105,47 @@ def test_a_snapshot_after_the_answer_serves_the_next_turn(model: torch.nn.Module
     same(restored, run(rt, follow_up))
 
 
+def test_the_next_turn_continues_in_place(model: torch.nn.Module) -> None:
+    """Right after the answer its snapshot is the model's state as it is: the follow-up copies
+    nothing back (the snapshot's tensors are wiped to prove it) and equals an uninterrupted run."""
+    rt = runtime(model)
+    store = SnapshotStore(IDENTITY)
+    first = run(rt, PROMPT[:16], store, SaveSnapshot())
+    snap = store.get(first.snapshot_slot)  # type: ignore[arg-type]
+    kept = {name: tensor.clone() for name, tensor in snap.state.items()}
+    for tensor in snap.state.values():
+        tensor.zero_()
+    follow_up = [*PROMPT[:16], *first.tokens, 7, 8, 9]
+    in_place = run(rt, follow_up, store)
+    assert in_place.stats.reused_tokens == 27
+    for name, tensor in snap.state.items():
+        tensor.copy_(kept[name])
+    same(in_place, run(rt, follow_up))
+
+
+@pytest.mark.parametrize("between", ["generate", "prefill", "cancelled", "restore"])
+def test_a_request_between_makes_the_next_turn_restore(model: torch.nn.Module, between: str) -> None:
+    """Whatever runs the model after the answer (another prompt, a prefill, a request cancelled at
+    once, a turn of another saved conversation) leaves the saved state behind: the follow-up then
+    restores it by copy and still equals an uninterrupted run."""
+    rt = runtime(model)
+    store = SnapshotStore(IDENTITY)
+    other = store.get(run(rt, PROMPT[2:14], store, SaveSnapshot()).snapshot_slot)  # type: ignore[arg-type]
+    first = run(rt, PROMPT[:16], store, SaveSnapshot())
+    if between == "generate":
+        run(rt, PROMPT[5:25])
+    elif between == "prefill":
+        rt.prefill_logits(PROMPT[3:20])
+    elif between == "cancelled":
+        assert run(rt, PROMPT[4:24], count=40, cancel_after=0).finish_reason == FinishReason.CANCELLED
+    else:
+        assert run(rt, [*other.tokens, 5, 6], store).stats.reused_tokens == len(other.tokens)
+    follow_up = [*PROMPT[:16], *first.tokens, 7, 8, 9]
+    restored = run(rt, follow_up, store)
+    assert restored.stats.reused_tokens == 27
+    same(restored, run(rt, follow_up))
+
+
 def test_cancel_on_the_restored_path(model: torch.nn.Module) -> None:
     rt = runtime(model)
     store = SnapshotStore(IDENTITY)
@@ -230,6 +271,7 @@ def test_a_resident_copy_serves_the_follow_up(model: torch.nn.Module) -> None:
     first = run(rt, PROMPT[:16], store, SaveSnapshot())
     snap = store.get(first.snapshot_slot)  # type: ignore[arg-type]
     assert [r.snapshot for r in rt._resident] == [snap]
+    run(rt, PROMPT[5:25])  # moves the model's state on: the follow-up must restore
     for tensor in snap.state.values():
         tensor.zero_()
     follow_up = [*PROMPT[:16], *first.tokens, 7, 8, 9]
