@@ -171,6 +171,10 @@ def measure(engine: Engine, runtime: Runtime, args: argparse.Namespace, in_place
             GenerateRequest(**opening, max_new_tokens=32, save_snapshot=SaveSnapshot())  # type: ignore[arg-type]
         )
         assert result.ok, result.error
+        # A person reads the answer before asking again: by then the copies the answer's snapshot
+        # queued (its device copy, from the pinned host one) are done.
+        if runtime.device.type == "cuda":
+            torch.cuda.synchronize(runtime.device)
         return result
 
     first = first_turn()
