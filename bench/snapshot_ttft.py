@@ -166,11 +166,14 @@ def measure(engine: Engine, runtime: Runtime, args: argparse.Namespace, in_place
         chat = [{"role": "user", "content": TEXT * (args.tokens // 33) + "Summarise the log in one line."}]
         opening = {"messages": chat}
 
+    slot: list[int] = []
+
     def first_turn() -> Any:
-        result = engine.generate(
-            GenerateRequest(**opening, max_new_tokens=32, save_snapshot=SaveSnapshot())  # type: ignore[arg-type]
-        )
+        # Again into the first one's slot: the store holds one snapshot whichever follow-up runs.
+        save = SaveSnapshot(slot=slot[0] if slot else None)
+        result = engine.generate(GenerateRequest(**opening, max_new_tokens=32, save_snapshot=save))  # type: ignore[arg-type]
         assert result.ok, result.error
+        slot[:] = [result.snapshot_slot]
         # A person reads the answer before asking again: by then the copies the answer's snapshot
         # queued (its device copy, from the pinned host one) are done.
         if runtime.device.type == "cuda":
