@@ -7,7 +7,8 @@
 Each run is a FRESH Python process (this script with --child): it imports the engine, loads the
 model (with the load's warm-up stage, or with --no-warm-up semantics), then sends one request (a
 prompt of --tokens token ids, greedy, --new-tokens new tokens, no snapshot reuse) twice. The first
-is what a user waits for after a start; the second is the warm figure it should match. Runs with
+is what a user waits for after a start; the second is the warm figure it should match. A third
+request, 37 tokens shorter, is a prompt length no earlier request ran (`other_length_ttft_s`). Runs with
 and without warm-up alternate, --repeats each, and the medians are compared.
 
 Per variant: `load_s` (the load as reported, its warm-up included), `warm_up_s`, `first_ttft_s` and
@@ -143,7 +144,7 @@ def synthetic_folder(kind: str, work: Path) -> Path:
 
 
 def child(config: dict[str, Any]) -> None:
-    """Load, then the same request twice; one JSON line on stdout."""
+    """Load, then the same request twice and a shorter one; one JSON line on stdout."""
     if config["cache_dir"]:
         os.environ["TRITON_CACHE_DIR"] = str(Path(config["cache_dir"]) / "triton")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(config["cache_dir"]) / "torchinductor")
@@ -151,9 +152,10 @@ def child(config: dict[str, Any]) -> None:
     from ds4desk.engine import runtime as runtime_module
 
     runtime_module.CUDNN_ATTENTION = config.get("cudnn_attention", False)
+    from ds4desk.engine.models.deepseek_v4 import ops as v4_ops
     from ds4desk.engine.models.llama import model as dense_model
 
-    dense_model.PAD_PREFILL_ROWS = config.get("row_buckets", True)
+    dense_model.PAD_PREFILL_ROWS = v4_ops.PAD_PRODUCT_ROWS = config.get("row_buckets", True)
 
     imported = time.time()
     engine = Engine()
@@ -172,9 +174,11 @@ def child(config: dict[str, Any]) -> None:
         vocab = config["vocab"]
         ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(config["tokens"])]
         runs = []
-        for name in ("first", "second"):
+        # The third: a prompt of a length neither request nor the warm-up ran (what a new prompt costs).
+        other = ids[: max(1, len(ids) - 37)]
+        for name, prompt in (("first", ids), ("second", ids), ("other", other)):
             request = GenerateRequest(
-                prompt_tokens=ids, max_new_tokens=config["new_tokens"], stop_tokens=[], use_snapshots=False
+                prompt_tokens=prompt, max_new_tokens=config["new_tokens"], stop_tokens=[], use_snapshots=False
             )
             started = time.time()
             if config.get("profile"):
@@ -186,7 +190,7 @@ def child(config: dict[str, Any]) -> None:
             runs.append((started, result))
     finally:
         engine.close()
-    (first_at, first), (_, second) = runs
+    (first_at, first), (_, second), (_, other_run) = runs
     print(
         json.dumps(
             {
@@ -195,6 +199,7 @@ def child(config: dict[str, Any]) -> None:
                 "warm_up_s": loaded.warm_up_seconds,
                 "first_ttft_s": first.stats.time_to_first_token_s,
                 "second_ttft_s": second.stats.time_to_first_token_s,
+                "other_length_ttft_s": other_run.stats.time_to_first_token_s,
                 "first_decode_tok_s": first.stats.decode_tok_s,
                 "second_decode_tok_s": second.stats.decode_tok_s,
                 "start_to_first_token_s": first_at + first.stats.time_to_first_token_s - config["spawned_at"],
@@ -248,7 +253,15 @@ def spawn(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("import_s", "load_s", "warm_up_s", "first_ttft_s", "second_ttft_s", "start_to_first_token_s")
+    keys = (
+        "import_s",
+        "load_s",
+        "warm_up_s",
+        "first_ttft_s",
+        "second_ttft_s",
+        "other_length_ttft_s",
+        "start_to_first_token_s",
+    )
     out: dict[str, Any] = {key: round(statistics.median(r[key] for r in runs), 4) for key in keys}
     out["first_over_second"] = round(out["first_ttft_s"] / max(out["second_ttft_s"], 1e-9), 2)
     out["same_tokens"] = all(r["same_tokens"] for r in runs)
@@ -276,7 +289,8 @@ def main() -> None:
     parser.add_argument(
         "--no-row-buckets",
         action="store_true",
-        help="run dense prefill chunks at their own row count (models/llama PAD_PREFILL_ROWS), to compare",
+        help="run prefill products at their own row count (models/llama PAD_PREFILL_ROWS, "
+        "models/deepseek_v4/ops PAD_PRODUCT_ROWS), to compare",
     )
     parser.add_argument(
         "--profile",

@@ -68,6 +68,7 @@ from ds4desk.engine.models.deepseek_v4.mtp import MtpTracking
 from ds4desk.engine.models.deepseek_v4.piece import GraphablePiece
 from ds4desk.engine.models.deepseek_v4.verify import VerifyRollback
 from ds4desk.engine.models.packed import embed
+from ds4desk.engine.models.row_buckets import buckets
 from ds4desk.engine.split import materialize_parameters
 
 
@@ -297,6 +298,13 @@ class DeepseekV4Model(
                 tensors = carry.tensors()
                 copies += [(tensor, state[f"{prefix}.{name}.{j}"]) for j, tensor in enumerate(tensors)]
         return copies
+
+    def prefill_row_buckets(self, chunk: int) -> list[int]:
+        """The buckets its prefill products run at (ops.PAD_PRODUCT_ROWS): a prompt of each, run
+        once by the warm-up, meets every cuBLAS kernel a prompt of up to `chunk` tokens needs."""
+        if not ops.pads_rows(self.device):
+            return []
+        return buckets(min(chunk, self._context), self._context)
 
     # --- forward -----------------------------------------------------------------------------
 

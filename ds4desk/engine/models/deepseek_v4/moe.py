@@ -20,6 +20,7 @@ from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from ds4desk.engine.models.deepseek_v4 import ops
 from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.modules import Experts, Moe, SharedExpert
+from ds4desk.engine.models.row_buckets import FEW_ROWS, prefill_rows
 
 
 def _times(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
@@ -140,7 +141,7 @@ class MixtureOfExperts:
         """Each row's experts and their weights, float32: [T, k] each (no host read)."""
         cfg = self.config
         gate = moe.gate
-        scores = F.softplus((x @ gate.weight.t()).float()).sqrt()  # [T, E]
+        scores = F.softplus(ops.product(x, lambda rows: rows @ gate.weight.t()).float()).sqrt()  # [T, E]
         tid2eid = getattr(gate, "tid2eid", None)
         if tid2eid is not None:
             chosen = tid2eid[ids]
@@ -183,6 +184,8 @@ class MixtureOfExperts:
             # rows (and memory) of the pairs themselves. The padded rows are gathered straight
             # from x (a padding row repeats token 0: its output is never read), and each pair's
             # output straight from the result: one pass over the rows each way.
+            if ops.pads_rows(x.device) and largest > FEW_ROWS:
+                largest = prefill_rows(largest)  # the GEMMs' rows (see ops.PAD_PRODUCT_ROWS)
             ranked = flat.index_select(0, order)  # the expert of each sorted pair
             starts = (torch.cumsum(sizes, 0) - sizes).index_select(0, ranked)
             offset = torch.arange(count * k, device=x.device) - starts  # rank within its group

@@ -6,6 +6,7 @@ weight holders, shared by prefill (attention.py, moe.py, hyper.py) and the graph
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,12 @@ from ds4desk.engine.kernels.quant.fp8 import fp8_linear
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
 from ds4desk.engine.models.packed import PackedLinear
+from ds4desk.engine.models.row_buckets import bucketed
+
+# On a GPU a prefill product of more than a few rows runs on its rows padded to their bucket
+# (models/row_buckets.py: cuBLAS's first call at a new row count costs milliseconds); the load's
+# warm-up runs each bucket (DeepseekV4Model.prefill_row_buckets). False: at their own row count.
+PAD_PRODUCT_ROWS = True
 
 
 def position(start: int, device: torch.device) -> torch.Tensor:
@@ -90,7 +97,7 @@ def linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
     weight = holder.weight
     if weight.dtype == torch.float8_e4m3fn:
         return fp8_linear(x, weight, holder.weight_scale_inv)
-    return decode_kernels.linear(x, weight)
+    return product(x, lambda rows: decode_kernels.linear(rows, weight))
 
 
 @functools.cache
@@ -116,13 +123,29 @@ def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch
         parts = [gguf_matmul(grouped[:, g].contiguous(), stacked[g], type_id, cols) for g in range(groups)]
         return torch.cat(parts, dim=1)
     weight = holder.weight.view(groups, -1, holder.weight.shape[-1])
-    return torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1).reshape(count, -1)
+
+    def by_group(rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        grouped = rows.view(n, groups, -1).transpose(0, 1)
+        return torch.bmm(grouped, weight.transpose(1, 2)).transpose(0, 1).reshape(n, -1)
+
+    return product(out.reshape(count, -1), by_group)
 
 
 def shared_expert(shared: SharedExpert, x: torch.Tensor, limit: float) -> torch.Tensor:
     """The shared expert's SwiGLU FFN of x (every token goes through it)."""
     act = swiglu(linear(x, shared.gate_proj), linear(x, shared.up_proj), limit)
     return linear(act, shared.down_proj)
+
+
+def pads_rows(device: torch.device) -> bool:
+    """Whether products on `device` run on their rows' bucket (see PAD_PRODUCT_ROWS)."""
+    return PAD_PRODUCT_ROWS and device.type == "cuda"
+
+
+def product(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fn(x) for a product whose rows are independent, on the rows' bucket where pads_rows says."""
+    return bucketed(x, fn) if pads_rows(x.device) else fn(x)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -133,4 +156,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 def index_weights(x: torch.Tensor, indexer: Indexer, heads: int, dim: int) -> torch.Tensor:
     """The indexer's per-head weights with both scales folded in, float32 [T, Hi]: the score is
     Σ_h w_h Hi^-½ ReLU(q_h · k) di^-½ = Σ_h (w_h Hi^-½ di^-½) ReLU(q_h · k)."""
-    return decode_kernels.linear(x, indexer.scorer.weights_proj.weight).float() * (heads**-0.5 * dim**-0.5)
+    weight = indexer.scorer.weights_proj.weight
+    return product(x, lambda rows: decode_kernels.linear(rows, weight)).float() * (heads**-0.5 * dim**-0.5)

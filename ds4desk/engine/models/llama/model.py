@@ -49,25 +49,14 @@ from ds4desk.engine.models.llama.layer import (
 from ds4desk.engine.models.llama.verify import VerifySteps
 from ds4desk.engine.models.packed import Fused, embedding, fuse_group, group_projection, linear, projection_of
 from ds4desk.engine.models.packed import embed as packed_embed
+from ds4desk.engine.models.row_buckets import FEW_ROWS, buckets, prefill_rows
 from ds4desk.engine.split import host_block, materialize_parameters
 
-# On a GPU a prefill chunk of more than FEW_ROWS tokens runs padded up to its row bucket: the
-# next power of two up to PREFILL_ROW_STEP, then a multiple of it. cuBLAS picks its GEMM kernel by
-# row count, in fine steps, and its first call at a row count it has not met costs 4-5 ms a matrix
-# shape on an H200 (docs/BENCHMARKS.md, bench/cublas_first_calls.py): a prompt of a new length
-# paid that in every layer. The load's warm-up runs each bucket once (prefill_row_buckets), so no
-# prompt length meets a first call. The padding repeats the last token at the positions after the
-# chunk; a cache row per position, masked by position, is not read before decode writes it again.
-FEW_ROWS = 16  # a verify step's or a prompt piece's tokens, and packed weights' few-row kernels
-PREFILL_ROW_STEP = 256
+# On a GPU a prefill chunk of more than FEW_ROWS tokens runs padded up to its row bucket
+# (models/row_buckets.py), and the load's warm-up runs each bucket once (prefill_row_buckets). The
+# padding repeats the last token at the positions after the chunk; a cache row per position, masked
+# by position, is not read before decode writes it again.
 PAD_PREFILL_ROWS = True  # False: chunks run at their own row count (bench/first_answer.py compares)
-
-
-def prefill_rows(count: int) -> int:
-    """The bucket of a prefill chunk of `count` > FEW_ROWS tokens (see PREFILL_ROW_STEP)."""
-    if count >= PREFILL_ROW_STEP:
-        return -(-count // PREFILL_ROW_STEP) * PREFILL_ROW_STEP
-    return 1 << (count - 1).bit_length()
 
 
 class RMSNorm(nn.Module):
@@ -363,9 +352,7 @@ class DenseModel(CausalLM):
     def prefill_row_buckets(self, chunk: int) -> list[int]:
         if not self._pads_rows():
             return []
-        # A chunk's bucket may pass the chunk (a chunk of 3,000 runs as 3,072), never the context.
-        buckets = {prefill_rows(count) for count in range(FEW_ROWS + 1, min(chunk, self._context) + 1)}
-        return sorted(rows for rows in buckets if rows <= self._context)
+        return buckets(min(chunk, self._context), self._context)
 
     def decode_devices(self) -> list[torch.device]:
         return [shard.device for shard in self._shards]
