@@ -32,6 +32,7 @@ ops.py has the math on tensors they share.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -301,10 +302,16 @@ class DeepseekV4Model(
 
     def prefill_row_buckets(self, chunk: int) -> list[int]:
         """The buckets its prefill products run at (ops.PAD_PRODUCT_ROWS): a prompt of each, run
-        once by the warm-up, meets every cuBLAS kernel a prompt of up to `chunk` tokens needs."""
-        if not ops.pads_rows(self.device):
+        once by the warm-up, meets every cuBLAS kernel a prompt of up to `chunk` tokens needs. None
+        for weights kept in FP8, FP4 or GGUF blocks: their products run on kernels of their own,
+        and a bucket's prompt would cost a large model's warm-up a prefill for the few left."""
+        if not ops.pads_rows(self.device) or self._keeps_quantized():
             return []
         return buckets(min(chunk, self._context), self._context)
+
+    def _keeps_quantized(self) -> bool:
+        held = itertools.chain(self.parameters(), self.buffers())
+        return any(t.dtype in (torch.uint8, torch.float8_e4m3fn) for t in held)
 
     # --- forward -----------------------------------------------------------------------------
 

@@ -13,9 +13,11 @@ import torch
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import inspect_folder
-from ds4desk.engine.make_tiny import make_tiny
+from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny
 from ds4desk.engine.models import row_buckets
 from ds4desk.engine.models.deepseek_v4 import moe, ops
+from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
+from ds4desk.engine.models.deepseek_v4.synthetic import build_quantized
 from ds4desk.engine.runtime import Runtime
 from ds4desk.engine.warm_up import warm_up
 
@@ -101,3 +103,11 @@ def test_the_warm_up_runs_every_bucket(folder: Path, monkeypatch: pytest.MonkeyP
     report = warm_up(rt, "off", lambda: False, lambda _done, _total: None)
     assert report.failed == ""
     assert prompts == [32, 64, 128]
+
+
+def test_weights_kept_quantized_get_no_bucket_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 linears and packed FP4 experts run on their own kernels: no warm-up prompt per bucket."""
+    model = build_quantized(DeepseekV4Config.from_hf(TINY_CONFIG), CPU, None, dtype=torch.float32, seed=3)
+    model.allocate_cache(CONTEXT)
+    monkeypatch.setattr(ops, "pads_rows", lambda device: True)
+    assert model.prefill_row_buckets(CHUNK) == []
