@@ -193,9 +193,9 @@ def measure(engine: Engine, runtime: Runtime, args: argparse.Namespace, in_place
         return result.stats
 
     warm, cold = [], []
-    for _ in range(args.repeats):
-        warm.append(turn(True))
+    for _ in range(args.repeats):  # cold first: each warm turn then restores (none is in place)
         cold.append(turn(False))
+        warm.append(turn(True))
     split: dict[str, float] = {}
     with phases(runtime, split):
         turn(True)
