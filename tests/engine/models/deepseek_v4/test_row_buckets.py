@@ -111,3 +111,24 @@ def test_weights_kept_quantized_get_no_bucket_prompts(monkeypatch: pytest.Monkey
     model.allocate_cache(CONTEXT)
     monkeypatch.setattr(ops, "pads_rows", lambda device: True)
     assert model.prefill_row_buckets(CHUNK) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_products_are_padded_by_default_and_answer_the_same(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuda = torch.device("cuda")
+    prompt = [(13 * i + 1) % 250 for i in range(130)]
+
+    def answer() -> tuple[list[int], list[float], list[int]]:
+        model = load_model(inspect_folder(folder), cuda, torch.float32).model
+        rt = Runtime(model, cuda, context=CONTEXT, chunk=CHUNK)
+        out = rt.generate(prompt, SamplingParams(), 12, set(), lambda _t: None, lambda: False)
+        return out.tokens, out.logprobs, rt.model.prefill_row_buckets(CHUNK)
+
+    tokens, logprobs, padded_buckets = answer()
+    assert padded_buckets == [32, 64, 128]
+    monkeypatch.setattr(ops, "PAD_PRODUCT_ROWS", False)
+    want_tokens, want_logprobs, plain_buckets = answer()
+    assert plain_buckets == []
+    assert tokens == want_tokens and logprobs == pytest.approx(want_logprobs, abs=1e-4)
