@@ -426,17 +426,16 @@ class Runtime:
         length = len(snap.tokens)
         resident = next((r for r in self._resident if r.snapshot is snap), None)
         # An MTP block's place is reset by each request's track_mtp and put back by import_state.
-        if snap is live and not mtp_available(self.model):
-            self.model.set_length(length)
-            return length, resident.logits.clone() if resident else snap.logits.to(self.device)
         with torch.inference_mode():
-            if resident is not None:
+            if snap is live and not mtp_available(self.model):
+                self.model.set_length(length)
+            elif resident is not None:
                 self.model.import_state(resident.state, length)
-                return length, resident.logits.clone()
-            # From page-locked memory the copies are DMA transfers that need no staging on the host.
-            on_device = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in snap.state.items()}
-            self.model.import_state(on_device, length)
-        return length, snap.logits.to(self.device)
+            else:
+                # From page-locked memory the copies are DMA transfers that need no staging on the host.
+                state = {k: v.to(self.device, non_blocking=v.is_pinned()) for k, v in snap.state.items()}
+                self.model.import_state(state, length)
+        return length, resident.logits.clone() if resident is not None else snap.logits.to(self.device)
 
     def _keep_resident(self, store: SnapshotStore, snap: Snapshot) -> None:
         """Keep a device copy of `snap` (just put in `store`), dropping the oldest copies, and those

@@ -19,7 +19,7 @@ from ds4desk.engine.models.deepseek_v4 import moe, ops
 from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.synthetic import build_quantized
 from ds4desk.engine.runtime import Runtime
-from ds4desk.engine.warm_up import warm_up
+from tests.engine.warm_up_prompts import warm_up_prompts
 
 CPU = torch.device("cpu")
 CONTEXT = 160
@@ -91,16 +91,7 @@ def test_the_warm_up_runs_every_bucket(folder: Path, monkeypatch: pytest.MonkeyP
     assert rt.model.prefill_row_buckets(rt.chunk) == []  # the CPU: no padding
     monkeypatch.setattr(ops, "pads_rows", lambda device: True)
     assert rt.model.prefill_row_buckets(rt.chunk) == [32, 64, 128]  # 17..96 rows; 128 fits 160
-    prompts: list[int] = []
-    real = rt.prefill_logits
-
-    def recording(ids: list[int], split_at: int | None = None) -> torch.Tensor:
-        if split_at is None:
-            prompts.append(len(ids))
-        return real(ids, split_at)
-
-    rt.prefill_logits = recording  # type: ignore[method-assign]
-    report = warm_up(rt, "off", lambda: False, lambda _done, _total: None)
+    prompts, report = warm_up_prompts(rt)
     assert report.failed == ""
     assert prompts == [32, 64, 128]
 

@@ -13,8 +13,9 @@ from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.models.llama import model as dense
 from ds4desk.engine.runtime import Runtime
-from ds4desk.engine.warm_up import step_count, warm_up
+from ds4desk.engine.warm_up import step_count
 from tests.engine.tiny_dense import save_tiny
+from tests.engine.warm_up_prompts import warm_up_prompts
 
 CPU = torch.device("cpu")
 CONTEXT = 96
@@ -76,16 +77,7 @@ def test_the_warm_up_runs_every_bucket(runtimes: tuple[Runtime, Runtime]) -> Non
     padded, plain = runtimes
     assert padded.model.prefill_row_buckets(padded.chunk) == [32, 64]  # 17..40 rows
     assert plain.model.prefill_row_buckets(plain.chunk) == []  # the CPU: no padding
-    prompts: list[int] = []
-    real = padded.prefill_logits
-
-    def recording(ids: list[int], split_at: int | None = None) -> torch.Tensor:
-        if split_at is None:
-            prompts.append(len(ids))
-        return real(ids, split_at)
-
-    padded.prefill_logits = recording  # type: ignore[method-assign]
-    report = warm_up(padded, "off", lambda: False, lambda _done, _total: None)
+    prompts, report = warm_up_prompts(padded)
     assert report.failed == ""
     assert prompts == [32, 64]
     assert report.steps == step_count(padded) == 4
