@@ -106,9 +106,17 @@ GGUF_REFUSED_TYPE_NAMES: dict[int, str] = {
 }
 
 
+# Q8_0 as a GPU holds it: each row's 32-value blocks split into the row's int8 codes, then its fp16
+# scales (the same bytes, rearranged at load: kernels/quant/gguf.q8_0_rows), so a GEMV streams the
+# codes in 16-byte loads where a 34-byte block only aligns them to 2. Not a GGML type: its id is
+# negative, which no GGUF header (an unsigned field) can hold, so no file is read as it.
+Q8_0_ROWS = GgufType("Q8_0_ROWS", -8, 32, 34)
+
+
 def gguf_type(type_id: int) -> GgufType:
-    """The accepted GGUF type with this id; a ValueError naming the type for any other."""
-    accepted = GGUF_TYPES.get(type_id)
+    """The accepted GGUF type with this id (or the device layout Q8_0_ROWS); a ValueError naming the
+    type for any other."""
+    accepted = Q8_0_ROWS if type_id == Q8_0_ROWS.type_id else GGUF_TYPES.get(type_id)
     if accepted is not None:
         return accepted
     refused = GGUF_REFUSED_TYPE_NAMES.get(type_id)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ds4desk.engine.formats import E2M1_VALUES, IQ4_NL_VALUES, gguf_packed_bytes, gguf_type
+from ds4desk.engine.formats import E2M1_VALUES, IQ4_NL_VALUES, Q8_0_ROWS, gguf_packed_bytes, gguf_type
 
 # MXFP4 as GGML decodes it: the e2m1 values doubled, which makes them integers, and the scale halved
 # to match (see `_mxfp4`). Built from integers so that code 8 ("-0") gives +0.0 as GGML's does.
@@ -41,8 +41,30 @@ def dequantize(raw: torch.Tensor, type_id: int, shape: Sequence[int]) -> torch.T
         raise ValueError(
             f"a {kind.name} tensor of shape {tuple(shape)} takes {expected} bytes, got {raw.numel()}"
         )
+    if kind is Q8_0_ROWS:
+        rows = raw.reshape(-1, gguf_packed_bytes(type_id, shape[-1:]))
+        return _q8_0_rows(rows, shape[-1]).reshape(tuple(shape))
     blocks = raw.reshape(-1, kind.block_bytes).contiguous()
     return _DECODERS[kind.name](blocks).reshape(tuple(shape))
+
+
+def q8_0_rows(raw: torch.Tensor, cols: int) -> torch.Tensor:
+    """Q8_0 rows [rows, row_bytes] rearranged as Q8_0_ROWS (formats.py): each row's 32 int8 codes a
+    block, all of the row's blocks in order, then the row's fp16 scales. A new tensor of the same
+    shape and bytes."""
+    rows, blocks = raw.shape[0], cols // 32
+    if raw.dtype != torch.uint8 or raw.shape[1:] != (blocks * 34,) or cols % 32:
+        raise ValueError(f"q8_0_rows takes Q8_0 rows of {cols} values, got {raw.dtype} {list(raw.shape)}")
+    by_block = raw.reshape(rows, blocks, 34)
+    codes = by_block[:, :, 2:].reshape(rows, blocks * 32)
+    return torch.cat([codes, by_block[:, :, :2].reshape(rows, blocks * 2)], dim=1)
+
+
+def _q8_0_rows(rows: torch.Tensor, cols: int) -> torch.Tensor:
+    # codes (int8) [cols] | scales (fp16) [cols / 32]; value = q * d, as _q8_0
+    d = rows[:, cols:].contiguous().view(torch.float16).float()
+    q = rows[:, :cols].contiguous().view(torch.int8).float()
+    return (q.reshape(rows.shape[0], -1, 32) * d[:, :, None]).reshape(rows.shape[0], cols)
 
 
 # --- unpacking helpers -----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ Q6_K: tl.constexpr = tl.constexpr(14)
 IQ4_NL: tl.constexpr = tl.constexpr(20)
 IQ4_XS: tl.constexpr = tl.constexpr(23)
 MXFP4: tl.constexpr = tl.constexpr(39)
+Q8_0_ROWS: tl.constexpr = tl.constexpr(-8)  # formats.Q8_0_ROWS: a GPU's Q8_0, codes and scales apart
 
 
 @triton.jit
@@ -149,8 +150,11 @@ def decode(w, row_off, s, j, c0, c1, c2, c3, KIND: tl.constexpr):
     real (the loads are not masked: no zero-fill per load, and whole vectors). Value j = V * w + b of
     a sub-block is at [.., w, b] (j: [1, 1, W, V]); the codes are read V bytes at a time (V: the
     alignment of the type's code bytes, gguf_tiles.TILES). c0..c3: the codebook of IQ4_NL, IQ4_XS
-    and MXFP4 (see _codebook)."""
-    if KIND == Q8_0:  # d | 32 int8 codes: q * d
+    and MXFP4 (see _codebook); for Q8_0_ROWS, c0 is the row's columns (the offset of its scales)."""
+    if KIND == Q8_0_ROWS:  # the row's int8 codes | the row's fp16 scales: q * d, as Q8_0
+        d = _half(w + row_off + c0 + 2 * s)
+        v = _signed_float(_unit_bytes(_units(w + row_off + s * 32, j), j)) * d
+    elif KIND == Q8_0:  # d | 32 int8 codes: q * d
         base = row_off + s * 34
         d = _half(w + base)
         v = _signed_float(_unit_bytes(_units(w + base + 2, j), j)) * d

@@ -22,11 +22,13 @@ from ds4desk.engine.kernels.quant.gguf_tiles import (
     INPUT_SILU,
     ONE_ROW_GROUPS,
     READ_ORDER_TYPES,
+    ROWS_OWN_INPUT_MAX_ROWS,
     TILES,
     experts_config,
     gemv_config,
     one_row_fits,
     one_row_plan,
+    rows_config,
 )
 
 
@@ -35,6 +37,14 @@ def _aligned(weight: torch.Tensor) -> torch.Tensor:
     (a copy only for a view that starts mid-allocation at an odd place, which the loader never
     makes: its rows start at multiples of the row bytes)."""
     return weight if weight.data_ptr() % 16 == 0 else weight.clone()
+
+
+def _decoder_words(name: str, cols: int) -> tuple[int, int, int, int]:
+    """gguf_blocks_triton.decode's c0..c3: a table type's codebook; Q8_0_ROWS's columns (where its
+    scales start in a row)."""
+    if name == "Q8_0_ROWS":
+        return cols, 0, 0, 0
+    return CODEBOOK_WORDS.get(name, (0, 0, 0, 0))
 
 
 @dataclass(slots=True)
@@ -52,6 +62,7 @@ def kernels() -> Kernels | None:
         from ds4desk.engine.kernels.quant import gguf_blocks_triton as source
         from ds4desk.engine.kernels.quant import gguf_experts_triton as experts_source
         from ds4desk.engine.kernels.quant import gguf_gemv1_triton as one_row_source
+        from ds4desk.engine.kernels.quant import gguf_rows_triton as rows_source
     except Exception:  # no Triton: gguf_matmul's reference path runs
         return None
 
@@ -78,7 +89,13 @@ def kernels() -> Kernels | None:
             raise ValueError(f"only the one-row GEMV reads a prepared input, not a {rows}-row {name}")
         x = x if x.stride(1) == 1 else x.contiguous()
         target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
-        if t == 1 and one_row_fits(name, rows):
+        if t == 1 and name == "Q8_0_ROWS":
+            if (silu or with_norm) and rows > ROWS_OWN_INPUT_MAX_ROWS:  # one input kernel for all
+                x_row = torch.empty((1, cols), device=x.device, dtype=x.dtype)
+                launch_input(x, norm, eps, cols, x_row, INPUT_SILU if silu else INPUT_NORM)
+                x, silu, with_norm = x_row, False, False
+            launch_rows(x, weight, cols, target, norm, eps, silu, with_norm, residual)
+        elif t == 1 and one_row_fits(name, rows):
             mode = INPUT_SILU if silu else INPUT_NORM if with_norm else INPUT_COPY
             config, n_groups, size = one_row_plan(name, rows, cols)
             # The input row, prepared once for every program: in the order the GEMV reads it, or
@@ -138,7 +155,7 @@ def kernels() -> Kernels | None:
             x.stride(0),
             out.stride(0),
             eps,
-            *CODEBOOK_WORDS.get(name, (0, 0, 0, 0)),
+            *_decoder_words(name, cols),
             KIND=type_id,
             L=sub,
             V=unit,
@@ -155,6 +172,40 @@ def kernels() -> Kernels | None:
             num_warps=warps,
             launch_pdl=use_pdl,
             **experts,
+        )
+
+    def launch_rows(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        cols: int,
+        out: torch.Tensor,
+        norm: torch.Tensor | None,
+        eps: float,
+        silu: bool,
+        with_norm: bool,
+        residual: bool,
+    ) -> None:
+        """rows_gemv_kernel: out [1, rows] (+)= input @ Wᵀ on a Q8_0_ROWS weight."""
+        rows = weight.shape[0]
+        block_n, block_k, warps = rows_config(rows, cols)
+        use_pdl = pdl(x)
+        rows_source.rows_gemv_kernel[(-(-rows // block_n),)](
+            x,
+            weight,
+            out,
+            norm if norm is not None else x,
+            eps,
+            rows,
+            weight.stride(0),
+            K=cols,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            NORM=with_norm,
+            SILU=silu,
+            RESIDUAL=residual,
+            PDL=use_pdl,
+            num_warps=warps,
+            launch_pdl=use_pdl,
         )
 
     def launch_one_row(
@@ -252,7 +303,7 @@ def kernels() -> Kernels | None:
             rows,
             weight.stride(0),
             out.stride(0),
-            *CODEBOOK_WORDS.get(name, (0, 0, 0, 0)),
+            *_decoder_words(name, cols),
             KIND=type_id,
             L=sub,
             V=unit,

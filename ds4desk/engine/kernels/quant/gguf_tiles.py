@@ -41,6 +41,13 @@ EXPERTS_TILES: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 512, 2), "Q3_K": (
 EXPERTS_ONE_ROW: dict[str, tuple[int, int, int]] = {"Q2_K": (4, 32, 1), "Q3_K": (2, 32, 1)}
 EXPERTS_OVERRIDE: tuple[int, int, int] | None = None
 
+# The one-row GEMV on Q8_0_ROWS (gguf_rows_triton): (BLOCK_N, BLOCK_K, num_warps) forced for it (the
+# sweep, the tests), and the rows up to which its programs compute their normed or activated input
+# themselves (each reads the row from L2: on an H100 that cost 0.5 µs on 2048 rows, 3 µs on 16,384
+# and 6 µs on the 49,152-row head, where an input kernel costs 1.1-1.6 µs).
+ROWS_OVERRIDE: tuple[int, int, int] | None = None
+ROWS_OWN_INPUT_MAX_ROWS = 8192
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Each type's tile (L, V): L values per sub-block (the run that shares one scale), and V, the bytes
 # its codes are read by (int32 or int16 units: the alignment its blocks give its code bytes; Q8_0's
@@ -51,6 +58,7 @@ TILES = {
     "Q5_0": (32, 2),
     "Q5_1": (32, 4),
     "Q8_0": (32, 2),
+    "Q8_0_ROWS": (32, 4),
     "Q2_K": (16, 4),
     "Q3_K": (16, 2),
     "Q4_K": (32, 4),
@@ -123,6 +131,24 @@ def one_row_config(name: str, rows: int, cols: int) -> tuple[int, int, int]:
         block_n = 16 if rows >= 32768 else 8 if rows >= 8192 else 4
         values, warps = 1024 if block_n == 16 else 2048, 1
     return block_n, values // ONE_ROW_GROUPS[name], warps
+
+
+def rows_config(rows: int, cols: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the Q8_0_ROWS one-row GEMV: within 3% of the best of H100
+    sweeps on the benchmark model's shapes in their fused forms (docs/BENCHMARKS.md): tiles of 2048
+    values; 8 rows a program over 4 warps from 3072 rows (q/k/v, gate/up: 5.9 -> 4.5 µs on q/k/v
+    against 4 rows over 2), over 2 warps for the head; 4 rows over 2 warps on 2048 (o) and 2 below
+    (a k/v's 512 rows: a program for every SM); a long row (8192) 1024 values over 8 warps."""
+    if ROWS_OVERRIDE is not None:
+        return ROWS_OVERRIDE
+    block_k = next(size for size in (2048, 1024, 512, 256, 128, 64, 32) if cols % size == 0)
+    if cols >= 8192:
+        return 4, min(block_k, 1024), 8
+    if rows >= 32768:
+        return 8, block_k, 2
+    if rows >= 3072:
+        return 8, block_k, 4
+    return (4 if rows >= 2048 else 2), block_k, 2
 
 
 def one_row_plan(name: str, rows: int, cols: int) -> tuple[tuple[int, int, int], int, int]:

@@ -47,7 +47,15 @@ from ds4desk.engine.models.llama.layer import (
     silu_pair_input,
 )
 from ds4desk.engine.models.llama.verify import VerifySteps
-from ds4desk.engine.models.packed import Fused, embedding, fuse_group, group_projection, linear, projection_of
+from ds4desk.engine.models.packed import (
+    Fused,
+    embedding,
+    fuse_group,
+    group_projection,
+    hold_q8_0_as_rows,
+    linear,
+    projection_of,
+)
 from ds4desk.engine.models.packed import embed as packed_embed
 from ds4desk.engine.models.row_buckets import FEW_ROWS, buckets, prefill_rows
 from ds4desk.engine.split import host_block, materialize_parameters
@@ -160,6 +168,7 @@ class DenseModel(CausalLM):
         self._inv_freq = cfg.rope.inverse_frequencies(cfg.head_dim, device)
         self.fused_attention = device.type == "cuda"
         self.one_pass_norm = self.dtype == torch.float32 or device.type == "cuda"
+        hold_q8_0_as_rows(self)
         self._plans = [self._plan(index, layer) for index, layer in enumerate(self.model.layers)]
         bounds = self._split.bounds() if self._split is not None else [(0, cfg.num_layers)]
         self._shards = [
