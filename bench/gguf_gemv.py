@@ -2,7 +2,7 @@
 benchmark model's shapes (bench/gpu_speed.py: hidden 2048, 32 heads and 8 KV heads of 64, FFN 8192,
 vocabulary 49,152), against a bf16 torch.mm GEMV on the same shape and the device's copy bandwidth.
 
-    PYTHONPATH=. python3 bench/gguf_gemv.py [--types Q8_0,Q8_0_ROWS,Q4_K,Q6_K] [--sweep] [--out FILE.json]
+    PYTHONPATH=. python3 bench/gguf_gemv.py [--types Q8_0,Q4_K,Q6_K,Q8_0_ROWS] [--sweep] [--out FILE.json]
 
 Each timing replays a CUDA graph of 40 calls that cycle through enough copies of the weight to exceed
 the L2 cache (a decode step streams every weight from memory), median of 5 replays. Per type and
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ds4desk.engine.formats import GGUF_TYPES, Q8_0_ROWS, gguf_packed_bytes
+from ds4desk.engine.formats import GGUF_TYPES, ROW_LAYOUTS, gguf_packed_bytes
 from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.launch import next_power_of_two
 from ds4desk.engine.kernels.quant import gguf, gguf_tiles
@@ -58,7 +58,10 @@ ONE_ROW_TYPES = tuple(
 ONE_ROW_TILES = ((1024, 1), (2048, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4), (8192, 4), (8192, 8))
 GENERAL_CONFIGS = list(itertools.product((1, 2, 4, 8), (256, 512, 1024), (4, 8)))
 PREFILL_ROWS = 512
-BY_NAME = {t.name: t for t in GGUF_TYPES.values()} | {Q8_0_ROWS.name: Q8_0_ROWS}
+BY_NAME = {t.name: t for t in GGUF_TYPES.values()} | {
+    layout.name: layout for layout, _ in ROW_LAYOUTS.values()
+}
+FILE_TYPE_OF_LAYOUT = {layout.name: file_id for file_id, (layout, _) in ROW_LAYOUTS.items()}
 
 
 def graph_time(fn: Callable[[int], None], copies: int) -> float:
@@ -107,9 +110,10 @@ def copy_bandwidth() -> float:
 
 def packed_weight(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     """Random valid blocks of type `name`: random codes and sub-block scales, small fp16 scales
-    (Q8_0_ROWS: such Q8_0 blocks, rearranged as a GPU holds them)."""
-    if name == Q8_0_ROWS.name:
-        return gguf.q8_0_rows(packed_weight("Q8_0", rows, cols, seed), cols)
+    (a row layout: such blocks of its file type, rearranged as a GPU holds them)."""
+    if name in FILE_TYPE_OF_LAYOUT:
+        file_id = FILE_TYPE_OF_LAYOUT[name]
+        return gguf.device_rows(packed_weight(GGUF_TYPES[file_id].name, rows, cols, seed), file_id, cols)
     kind = BY_NAME[name]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     row_bytes = gguf_packed_bytes(kind.type_id, (cols,))

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from bench.gguf_gemv import L2_BYTES, graph_time, packed_weight
-from ds4desk.engine.formats import Q8_0_ROWS
+from ds4desk.engine.formats import Q8_0_ROWS, gguf_packed_bytes
 from ds4desk.engine.kernels.quant import gguf_tiles
 from ds4desk.engine.kernels.quant import gguf_triton as gt
 
@@ -34,7 +34,7 @@ CASES = [
 
 
 def sweep(label: str, rows: int, cols: int, form: str, configs: list[tuple[int, int, int]]) -> dict:
-    copies = max(2, -(-L2_BYTES // (rows * cols * 34 // 32)))
+    copies = max(2, -(-L2_BYTES // gguf_packed_bytes(ROWS, (rows, cols))))
     weights = [packed_weight(Q8_0_ROWS.name, rows, cols, i) for i in range(copies)]
     x = torch.randn(1, 2 * cols, device="cuda", dtype=torch.bfloat16)
     norm = torch.rand(cols, device="cuda", dtype=torch.bfloat16) + 0.5

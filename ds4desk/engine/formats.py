@@ -106,17 +106,21 @@ GGUF_REFUSED_TYPE_NAMES: dict[int, str] = {
 }
 
 
-# Q8_0 as a GPU holds it: each row's 32-value blocks split into the row's int8 codes, then its fp16
-# scales (the same bytes, rearranged at load: kernels/quant/gguf.q8_0_rows), so a GEMV streams the
-# codes in 16-byte loads where a 34-byte block only aligns them to 2. Not a GGML type: its id is
-# negative, which no GGUF header (an unsigned field) can hold, so no file is read as it.
+# Q8_0 as a GPU holds it: each row's blocks split into the row's codes (the blocks' code bytes in
+# order), then the blocks' heads (their fp16 scales). The same bytes, rearranged at load
+# (kernels/quant/gguf.device_rows), so a GEMV streams the codes in 16-byte loads where a 34-byte block
+# aligns them to 2. Not a GGML type: its id is negative, which no GGUF header (an unsigned field) can
+# hold. (Q4_K in such a layout measured slower: its codes are 16-byte aligned already.)
 Q8_0_ROWS = GgufType("Q8_0_ROWS", -8, 32, 34)
+# A row layout by the id of the file's type: (the layout, the head bytes that open each block).
+ROW_LAYOUTS: dict[int, tuple[GgufType, int]] = {8: (Q8_0_ROWS, 2)}
+_BY_LAYOUT_ID = {layout.type_id: layout for layout, _ in ROW_LAYOUTS.values()}
 
 
 def gguf_type(type_id: int) -> GgufType:
-    """The accepted GGUF type with this id (or the device layout Q8_0_ROWS); a ValueError naming the
-    type for any other."""
-    accepted = Q8_0_ROWS if type_id == Q8_0_ROWS.type_id else GGUF_TYPES.get(type_id)
+    """The accepted GGUF type with this id (or a device row layout); a ValueError naming the type for
+    any other."""
+    accepted = GGUF_TYPES.get(type_id) or _BY_LAYOUT_ID.get(type_id)
     if accepted is not None:
         return accepted
     refused = GGUF_REFUSED_TYPE_NAMES.get(type_id)

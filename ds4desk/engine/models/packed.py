@@ -18,11 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds4desk.engine.formats import Q8_0_ROWS, gguf_packed_bytes
+from ds4desk.engine.formats import ROW_LAYOUTS, gguf_packed_bytes
 from ds4desk.engine.host_memory import HostBlock
 from ds4desk.engine.kernels.quant import gguf, gguf_triton
 from ds4desk.engine.kernels.quant.gguf_matmul import dequantize_rows, gguf_matmul
-from ds4desk.engine.kernels.quant.gguf_quantize import Q8_0
 
 
 def _bytes_param(rows: int, cols: int, type_id: int) -> nn.Parameter:
@@ -71,23 +70,24 @@ def parameter_count(model: nn.Module) -> int:
     return sum(packed.get(key, p.numel()) for key, p in unique.items())
 
 
-def hold_q8_0_as_rows(model: nn.Module) -> None:
-    """Rearrange, in place, every packed Q8_0 weight that the GPU kernels multiply into Q8_0_ROWS
-    (formats.py: the same bytes, each row's codes apart from its scales), which their one-row GEMV
-    streams in 16-byte loads. Rows of 256-value multiples only (16-byte aligned rows); call before
-    building the projections, which take each module's type. Other devices keep the file's blocks."""
+def hold_device_rows(model: nn.Module) -> None:
+    """Rearrange, in place, every packed weight that the GPU kernels multiply and that has a row layout
+    (formats.ROW_LAYOUTS: Q8_0; the same bytes, each row's codes apart from its blocks' heads), which
+    its one-row GEMV streams in 16-byte loads. Rows of 256-value multiples only (16-byte
+    aligned rows); call before building the projections, which take each module's type. Other
+    devices keep the file's blocks."""
     converted: set[int] = set()
     for module in model.modules():
-        if not isinstance(module, (PackedLinear, PackedEmbedding)) or module.type_id != Q8_0:
+        if not isinstance(module, (PackedLinear, PackedEmbedding)) or module.type_id not in ROW_LAYOUTS:
             continue
         cols = module.in_features if isinstance(module, PackedLinear) else module.embedding_dim
         weight = module.weight.data
         if cols % 256 or not gguf_triton.enabled(weight):
             continue
         if weight.data_ptr() not in converted:  # a weight two modules share is rearranged once
-            weight.copy_(gguf.q8_0_rows(weight, cols))
+            weight.copy_(gguf.device_rows(weight, module.type_id, cols))
             converted.add(weight.data_ptr())
-        module.type_id = Q8_0_ROWS.type_id
+        module.type_id = ROW_LAYOUTS[module.type_id][0].type_id
 
 
 def linear(

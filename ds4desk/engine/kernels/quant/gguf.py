@@ -18,7 +18,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ds4desk.engine.formats import E2M1_VALUES, IQ4_NL_VALUES, Q8_0_ROWS, gguf_packed_bytes, gguf_type
+from ds4desk.engine.formats import (
+    E2M1_VALUES,
+    IQ4_NL_VALUES,
+    ROW_LAYOUTS,
+    GgufType,
+    gguf_packed_bytes,
+    gguf_type,
+)
 
 # MXFP4 as GGML decodes it: the e2m1 values doubled, which makes them integers, and the scale halved
 # to match (see `_mxfp4`). Built from integers so that code 8 ("-0") gives +0.0 as GGML's does.
@@ -41,30 +48,38 @@ def dequantize(raw: torch.Tensor, type_id: int, shape: Sequence[int]) -> torch.T
         raise ValueError(
             f"a {kind.name} tensor of shape {tuple(shape)} takes {expected} bytes, got {raw.numel()}"
         )
-    if kind is Q8_0_ROWS:
-        rows = raw.reshape(-1, gguf_packed_bytes(type_id, shape[-1:]))
-        return _q8_0_rows(rows, shape[-1]).reshape(tuple(shape))
+    if kind.type_id < 0:  # a device row layout: its blocks put back together
+        file_id, head = _FILE_TYPE_OF_LAYOUT[kind.type_id]
+        raw = _blocks_of_rows(raw.reshape(-1, gguf_packed_bytes(type_id, shape[-1:])), kind, head)
+        kind = gguf_type(file_id)
     blocks = raw.reshape(-1, kind.block_bytes).contiguous()
     return _DECODERS[kind.name](blocks).reshape(tuple(shape))
 
 
-def q8_0_rows(raw: torch.Tensor, cols: int) -> torch.Tensor:
-    """Q8_0 rows [rows, row_bytes] rearranged as Q8_0_ROWS (formats.py): each row's 32 int8 codes a
-    block, all of the row's blocks in order, then the row's fp16 scales. A new tensor of the same
+_FILE_TYPE_OF_LAYOUT = {layout.type_id: (file_id, head) for file_id, (layout, head) in ROW_LAYOUTS.items()}
+
+
+def device_rows(raw: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
+    """Rows [rows, row_bytes] of a file type with a row layout (formats.ROW_LAYOUTS) rearranged into
+    it: each row's code bytes, block after block, then its blocks' heads. A new tensor of the same
     shape and bytes."""
-    rows, blocks = raw.shape[0], cols // 32
-    if raw.dtype != torch.uint8 or raw.shape[1:] != (blocks * 34,) or cols % 32:
-        raise ValueError(f"q8_0_rows takes Q8_0 rows of {cols} values, got {raw.dtype} {list(raw.shape)}")
-    by_block = raw.reshape(rows, blocks, 34)
-    codes = by_block[:, :, 2:].reshape(rows, blocks * 32)
-    return torch.cat([codes, by_block[:, :, :2].reshape(rows, blocks * 2)], dim=1)
+    layout, head = ROW_LAYOUTS[type_id]
+    row_bytes = gguf_packed_bytes(type_id, (cols,))
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes:
+        raise ValueError(
+            f"device_rows takes {layout.name[:-5]} rows of {cols} values, got {raw.dtype} {list(raw.shape)}"
+        )
+    by_block = raw.reshape(raw.shape[0], -1, layout.block_bytes)
+    codes = by_block[:, :, head:].flatten(1)
+    return torch.cat([codes, by_block[:, :, :head].flatten(1)], dim=1)
 
 
-def _q8_0_rows(rows: torch.Tensor, cols: int) -> torch.Tensor:
-    # codes (int8) [cols] | scales (fp16) [cols / 32]; value = q * d, as _q8_0
-    d = rows[:, cols:].contiguous().view(torch.float16).float()
-    q = rows[:, :cols].contiguous().view(torch.int8).float()
-    return (q.reshape(rows.shape[0], -1, 32) * d[:, :, None]).reshape(rows.shape[0], cols)
+def _blocks_of_rows(rows: torch.Tensor, layout: GgufType, head: int) -> torch.Tensor:
+    """device_rows undone: [rows, row_bytes] of a row layout back to the file's blocks."""
+    blocks = rows.shape[1] // layout.block_bytes
+    codes = rows[:, : blocks * (layout.block_bytes - head)].reshape(rows.shape[0], blocks, -1)
+    heads = rows[:, blocks * (layout.block_bytes - head) :].reshape(rows.shape[0], blocks, head)
+    return torch.cat([heads, codes], dim=2)
 
 
 # --- unpacking helpers -----------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def decode(w, row_off, s, j, c0, c1, c2, c3, KIND: tl.constexpr):
     real (the loads are not masked: no zero-fill per load, and whole vectors). Value j = V * w + b of
     a sub-block is at [.., w, b] (j: [1, 1, W, V]); the codes are read V bytes at a time (V: the
     alignment of the type's code bytes, gguf_tiles.TILES). c0..c3: the codebook of IQ4_NL, IQ4_XS
-    and MXFP4 (see _codebook); for Q8_0_ROWS, c0 is the row's columns (the offset of its scales)."""
+    and MXFP4 (see _codebook); for Q8_0_ROWS, c0 is the byte where the row's scales start."""
     if KIND == Q8_0_ROWS:  # the row's int8 codes | the row's fp16 scales: q * d, as Q8_0
         d = _half(w + row_off + c0 + 2 * s)
         v = _signed_float(_unit_bytes(_units(w + row_off + s * 32, j), j)) * d

@@ -289,6 +289,8 @@ def gemv1_kernel(
         n = tl.program_id(0) * BLOCK_N + j
         live = n < rows
         first = tl.minimum(n, rows - 1)
+    if RESIDUAL:  # read now: loaded after the sums, its latency was the program's last step
+        prior = tl.load(out + n, mask=live, other=0.0).to(tl.float32)
     row = w + first.to(tl.int64)[None, :] * row_bytes  # [1, BLOCK_N]
     total = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     for g0 in range(0, N_GROUPS, G):
@@ -371,7 +373,7 @@ def gemv1_kernel(
             total += d * (s0 * acc0 + s1 * acc1 + s2 * acc2 + s3 * acc3)
     ys = tl.sum(total, axis=0)
     if RESIDUAL:
-        ys += tl.load(out + n, mask=live, other=0.0).to(tl.float32)
+        ys += prior
     stored = cast(ys, out.dtype.element_ty)
     tl.store(out + n, stored, mask=live)
     if PAIRED:

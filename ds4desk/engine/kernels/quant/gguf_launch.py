@@ -40,10 +40,10 @@ def _aligned(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _decoder_words(name: str, cols: int) -> tuple[int, int, int, int]:
-    """gguf_blocks_triton.decode's c0..c3: a table type's codebook; Q8_0_ROWS's columns (where its
-    scales start in a row)."""
+    """gguf_blocks_triton.decode's c0..c3: a table type's codebook; for Q8_0_ROWS, where its scales
+    start in a row."""
     if name == "Q8_0_ROWS":
-        return cols, 0, 0, 0
+        return cols, 0, 0, 0  # the scales after the int8 codes
     return CODEBOOK_WORDS.get(name, (0, 0, 0, 0))
 
 

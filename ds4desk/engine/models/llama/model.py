@@ -52,7 +52,7 @@ from ds4desk.engine.models.packed import (
     embedding,
     fuse_group,
     group_projection,
-    hold_q8_0_as_rows,
+    hold_device_rows,
     linear,
     projection_of,
 )
@@ -168,7 +168,7 @@ class DenseModel(CausalLM):
         self._inv_freq = cfg.rope.inverse_frequencies(cfg.head_dim, device)
         self.fused_attention = device.type == "cuda"
         self.one_pass_norm = self.dtype == torch.float32 or device.type == "cuda"
-        hold_q8_0_as_rows(self)
+        hold_device_rows(self)
         self._plans = [self._plan(index, layer) for index, layer in enumerate(self.model.layers)]
         bounds = self._split.bounds() if self._split is not None else [(0, cfg.num_layers)]
         self._shards = [

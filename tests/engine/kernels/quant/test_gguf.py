@@ -17,12 +17,12 @@ from ds4desk.engine.formats import (
     GGUF_SUPER_BLOCK,
     GGUF_TYPES,
     IQ4_NL_VALUES,
-    Q8_0_ROWS,
+    ROW_LAYOUTS,
     GgufType,
     gguf_packed_bytes,
     gguf_type,
 )
-from ds4desk.engine.kernels.quant.gguf import dequantize, q8_0_rows
+from ds4desk.engine.kernels.quant.gguf import dequantize, device_rows
 
 TYPES = list(GGUF_TYPES.values())
 BY_NAME = {t.name: t for t in TYPES}
@@ -226,20 +226,22 @@ def test_bytes_that_do_not_fit_the_shape_are_refused() -> None:
 # --- Q8_0 as a GPU holds it ------------------------------------------------------------------------
 
 
-def test_q8_0_rows_hold_the_same_values_in_the_same_bytes() -> None:
-    """q8_0_rows moves each row's codes ahead of its scales: the same bytes, the same values, and a
-    row of its own (any subset of rows is still whole rows)."""
-    kind = BY_NAME["Q8_0"]
+@pytest.mark.parametrize(("name", "head"), [("Q8_0", 2)])
+def test_device_rows_hold_the_same_values_in_the_same_bytes(name: str, head: int) -> None:
+    """device_rows moves each row's code bytes ahead of its blocks' heads: the same bytes, the same
+    values, and rows of their own (any subset of rows is still whole rows)."""
+    kind = BY_NAME[name]
+    layout = ROW_LAYOUTS[kind.type_id][0]
     raw = torch.from_numpy(random_blocks(kind, (5, 512), seed=9))
-    rows = q8_0_rows(raw, 512)
-    assert rows.shape == raw.shape and rows.dtype == torch.uint8
+    rows = device_rows(raw, kind.type_id, 512)
+    assert rows.shape == raw.shape and rows.dtype == torch.uint8 and ROW_LAYOUTS[kind.type_id][1] == head
     assert torch.equal(rows.sort(dim=1).values, raw.sort(dim=1).values)
     want = dequantize(raw, kind.type_id, (5, 512))
-    got = dequantize(rows, Q8_0_ROWS.type_id, (5, 512))
+    got = dequantize(rows, layout.type_id, (5, 512))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # subnormal and inf scales too
-    assert torch.equal(dequantize(rows[1:3], Q8_0_ROWS.type_id, (2, 512)), want[1:3])
-    codes = rows[:, :512].view(torch.int8).float().view(5, 16, 32)
-    assert torch.equal(codes, raw.view(5, 16, 34)[:, :, 2:].contiguous().view(torch.int8).float())
-    assert gguf_type(Q8_0_ROWS.type_id) is Q8_0_ROWS and Q8_0_ROWS.type_id < 0  # no GGUF header holds it
-    with pytest.raises(ValueError, match="Q8_0 rows of 512 values"):
-        q8_0_rows(raw[:, :-2], 512)
+    assert torch.equal(dequantize(rows[1:3], layout.type_id, (2, 512)), want[1:3])
+    blocks = raw.view(5, -1, kind.block_bytes)
+    assert torch.equal(rows[:, : blocks.shape[1] * (kind.block_bytes - head)], blocks[:, :, head:].flatten(1))
+    assert gguf_type(layout.type_id) is layout and layout.type_id < 0  # no GGUF header holds it
+    with pytest.raises(ValueError, match=f"{name} rows of 512 values"):
+        device_rows(raw[:, :-2], kind.type_id, 512)

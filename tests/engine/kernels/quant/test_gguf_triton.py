@@ -20,7 +20,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from ds4desk.engine.formats import GGUF_TYPES, IQ4_NL_VALUES, Q8_0_ROWS, GgufType
+from ds4desk.engine.formats import GGUF_TYPES, IQ4_NL_VALUES, ROW_LAYOUTS, GgufType
 from ds4desk.engine.kernels.quant import gguf, gguf_launch, gguf_tiles, gguf_triton
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from tests.engine.kernels.quant.samples import needs_nvidia_gpu
@@ -354,67 +354,78 @@ def test_the_one_row_kernel_equals_the_reference() -> None:
 
 _ROWS_CHECK = """
 import torch
-from ds4desk.engine.formats import Q8_0_ROWS
+from ds4desk.engine.formats import ROW_LAYOUTS
 from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
 from ds4desk.engine.kernels.quant import gguf_tiles
-from tests.engine.kernels.quant.test_gguf_triton import assert_matches, BY_NAME, quantized_blocks, wild_blocks
+from tests.engine.kernels.quant.test_gguf_triton import (
+    BY_NAME, assert_matches, quantized_blocks, wild_blocks,
+)
 
 gt.SWITCH.forced = True
 device = "cuda" if torch.cuda.is_available() else "cpu"
 gen = torch.Generator().manual_seed(2)
-ROWS = Q8_0_ROWS.type_id
 
 def randn(*shape, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen)).to(device)
 
-# The dequantize kernel (prefill's scratch): bit for bit, scales of every exponent included.
-raw = gguf.q8_0_rows(wild_blocks(BY_NAME["Q8_0"], 10, 768, seed=5), 768).to(device)
-want = gguf.dequantize(raw, ROWS, (10, 768))
-for dtype in (torch.float32, torch.bfloat16, torch.float16):
-    out = gt.dequantize_into(raw, ROWS, 768, torch.empty(10, 768, device=device, dtype=dtype))
-    same = (out == want.to(dtype)) | (out.isnan() & want.isnan())
-    assert bool(same.all()), dtype
+for name in ("Q8_0",):  # the types with a row layout (formats.ROW_LAYOUTS)
+    kind = BY_NAME[name]
+    layout = ROW_LAYOUTS[kind.type_id][0].type_id
 
-# The GEMVs: one row (gguf_rows_triton: plain, residual, SiLU and norm inputs computed by its programs
-# or by an input kernel before it), 3 rows (the general kernel), 40 (scratch + mm); rows no program
-# height divides, and the default settings.
-CASES = [(9, 512, (4, 256, 2), 8192), (6, 256, None, 8192), (10, 1024, (8, 512, 4), 0)]
-for rows, cols, config, own in CASES:
-    gguf_tiles.ROWS_OVERRIDE, gguf_tiles.ROWS_OWN_INPUT_MAX_ROWS = config, own
-    raw = gguf.q8_0_rows(quantized_blocks(BY_NAME["Q8_0"], rows, cols, seed=rows), cols).to(device)
-    w = gguf.dequantize(raw, ROWS, (rows, cols))
-    for dtype in (torch.float32, torch.bfloat16):
-        what = (rows, cols, config, own, dtype)
-        for t in (1, 3, 40):
-            x = randn(t, cols).to(dtype)
-            out = gt.matmul(x, raw, ROWS, cols, torch.empty(t, rows, device=device, dtype=dtype))
-            slack = 2.0**-7 if t > 8 and dtype == torch.bfloat16 else 0.0  # cuBLAS's bfloat16 sums
-            want = x.float() @ (w.to(dtype).float() if t > 8 else w).t()
-            assert_matches(out, want, x.float().abs() @ w.abs().t(), (what, t), slack)
-        residual = randn(1, rows).to(dtype)
-        want = residual.float() + x[:1].float() @ w.t()
-        bound = x[:1].float().abs() @ w.abs().t() + residual.float().abs()
-        gt.gemv_add_(residual, x[:1].contiguous(), raw, ROWS, cols)
-        assert_matches(residual, want, bound, (what, "add"))
-        slack = 0.0 if dtype == torch.float32 else 2.0**-8  # a GPU's sigmoid and norm sum: a rounding
-        gate_up = randn(1, 2 * cols, scale=2.0).to(dtype)
-        residual = randn(1, rows).to(dtype)
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        act = (torch.nn.functional.silu(gate) * up).to(dtype)
-        want = residual.float() + act.float() @ w.t()
-        bound = act.float().abs() @ w.abs().t() + residual.float().abs()
-        gt.gemv_add_(residual, gate_up, raw, ROWS, cols, silu=True)
-        assert_matches(residual, want, bound, (what, "silu add"), slack)
-        x, norm = randn(1, cols).to(dtype), (1 + 0.1 * randn(cols)).to(dtype)
-        normed = torch.nn.functional.rms_norm(x.float(), (cols,), norm.float(), 1e-5).to(dtype)
-        out = gt.norm_gemv(x, norm, raw, ROWS, cols, 1e-5, torch.empty(1, rows, device=device, dtype=dtype))
-        assert_matches(out, normed.float() @ w.t(), normed.float().abs() @ w.abs().t(), (what, "norm"), slack)
-    print("checked", rows, cols)
+    def rows_of(blocks, cols):
+        return gguf.device_rows(blocks, kind.type_id, cols).to(device)
+
+    # The dequantize kernel (prefill's scratch): bit for bit, scales of every exponent included.
+    raw = rows_of(wild_blocks(kind, 10, 768, seed=5), 768)
+    want = gguf.dequantize(raw, layout, (10, 768))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = gt.dequantize_into(raw, layout, 768, torch.empty(10, 768, device=device, dtype=dtype))
+        same = (out == want.to(dtype)) | (out.isnan() & want.isnan())
+        assert bool(same.all()), (name, dtype)
+
+    # The GEMVs: one row (gguf_rows_triton: plain, residual, SiLU and norm inputs computed by its
+    # programs or by an input kernel before it), 3 rows (the general kernel), 40 (scratch + mm); rows
+    # no program height divides, several tiles along a row, and the default settings.
+    CASES = [(9, 512, (4, 256, 2), 8192), (6, 256, None, 8192), (10, 1024, (8, 512, 4), 0)]
+    for rows, cols, config, own in CASES:
+        gguf_tiles.ROWS_OVERRIDE, gguf_tiles.ROWS_OWN_INPUT_MAX_ROWS = config, own
+        raw = rows_of(quantized_blocks(kind, rows, cols, seed=rows), cols)
+        w = gguf.dequantize(raw, layout, (rows, cols))
+        for dtype in (torch.float32, torch.bfloat16):
+            what = (name, rows, cols, config, own, dtype)
+            for t in (1, 3, 40):
+                x = randn(t, cols).to(dtype)
+                out = gt.matmul(x, raw, layout, cols, torch.empty(t, rows, device=device, dtype=dtype))
+                slack = 2.0**-7 if t > 8 and dtype == torch.bfloat16 else 0.0  # cuBLAS's bfloat16 sums
+                want = x.float() @ (w.to(dtype).float() if t > 8 else w).t()
+                assert_matches(out, want, x.float().abs() @ w.abs().t(), (what, t), slack)
+            residual = randn(1, rows).to(dtype)
+            want = residual.float() + x[:1].float() @ w.t()
+            bound = x[:1].float().abs() @ w.abs().t() + residual.float().abs()
+            gt.gemv_add_(residual, x[:1].contiguous(), raw, layout, cols)
+            assert_matches(residual, want, bound, (what, "add"))
+            slack = 0.0 if dtype == torch.float32 else 2.0**-8  # a GPU's sigmoid and norm: a rounding
+            gate_up = randn(1, 2 * cols, scale=2.0).to(dtype)
+            residual = randn(1, rows).to(dtype)
+            gate, up = gate_up.float().chunk(2, dim=-1)
+            act = (torch.nn.functional.silu(gate) * up).to(dtype)
+            want = residual.float() + act.float() @ w.t()
+            bound = act.float().abs() @ w.abs().t() + residual.float().abs()
+            gt.gemv_add_(residual, gate_up, raw, layout, cols, silu=True)
+            assert_matches(residual, want, bound, (what, "silu add"), slack)
+            x, norm = randn(1, cols).to(dtype), (1 + 0.1 * randn(cols)).to(dtype)
+            normed = torch.nn.functional.rms_norm(x.float(), (cols,), norm.float(), 1e-5).to(dtype)
+            out = torch.empty(1, rows, device=device, dtype=dtype)
+            gt.norm_gemv(x, norm, raw, layout, cols, 1e-5, out)
+            bound = normed.float().abs() @ w.abs().t()
+            assert_matches(out, normed.float() @ w.t(), bound, (what, "norm"), slack)
+        print("checked", name, rows, cols)
+    gguf_tiles.ROWS_OVERRIDE, gguf_tiles.ROWS_OWN_INPUT_MAX_ROWS = None, 8192
 print("rows ok")
 """
 
 
-def test_the_q8_0_rows_kernels_equal_the_reference() -> None:
+def test_the_row_layout_kernels_equal_the_reference() -> None:
     """Q8_0_ROWS (a GPU's Q8_0): its one-row GEMV in every form, the general GEMV and the dequantize
     kernel against gguf.dequantize of the same rows + a float32 matmul (the dequantize bit for bit)."""
     stdout = run_triton_check(_ROWS_CHECK)
@@ -424,7 +435,7 @@ def test_the_q8_0_rows_kernels_equal_the_reference() -> None:
 @pytest.mark.parametrize(("rows", "cols"), [(3072, 2048), (16384, 2048), (2048, 8192), (512, 2048)])
 @pytest.mark.parametrize("form", ["plain", "norm", "silu_add"])
 def test_the_q8_0_rows_kernel_compiles_for_an_h200(rows: int, cols: int, form: str, tmp_path: object) -> None:
-    """The one-row Q8_0_ROWS GEMV in its settings for the benchmark model's shapes, built for sm_90
+    """The one-row GEMV of Q8_0_ROWS in its settings for the benchmark model's shapes, built for sm_90
     by Triton and ptxas: no spills."""
     from ds4desk.engine.kernels.quant import gguf_rows_triton as source
 
@@ -434,8 +445,8 @@ def test_the_q8_0_rows_kernel_compiles_for_an_h200(rows: int, cols: int, form: s
     constants = {"K": cols, "BLOCK_N": block_n, "BLOCK_K": block_k, "PDL": True}
     constants |= {"NORM": form == "norm", "SILU": form == "silu_add", "RESIDUAL": form == "silu_add"}
     aligned = {"x", "w", "out", "norm", "row_bytes"}
-    kernel = _compile_for_hopper(source.rows_gemv_kernel, args, constants, aligned, {"num_warps": warps})
-    assert _stack_bytes(kernel, tmp_path) in (None, 0), (rows, cols, form)
+    cubin = _compile_for_hopper(source.rows_gemv_kernel, args, constants, aligned, {"num_warps": warps})
+    assert _stack_bytes(cubin, tmp_path) in (None, 0), (rows, cols, form)
 
 
 _EXPERTS_CHECK = """
@@ -831,25 +842,27 @@ def test_the_gpu_kernels_on_the_model_shapes(name: str, rows: int, cols: int) ->
 
 
 @needs_nvidia_gpu
+@pytest.mark.parametrize("name", ["Q8_0"])
 @pytest.mark.parametrize(("rows", "cols"), MODEL_SHAPES)
-def test_the_q8_0_rows_gpu_kernels_on_the_model_shapes(rows: int, cols: int) -> None:
-    kind = BY_NAME["Q8_0"]
+def test_the_row_layouts_on_the_model_shapes(name: str, rows: int, cols: int) -> None:
+    kind = BY_NAME[name]
+    layout = ROW_LAYOUTS[kind.type_id][0].type_id
     blocks = tame_blocks(kind, rows, cols, seed=rows).cuda()
-    raw = gguf.q8_0_rows(blocks, cols)
+    raw = gguf.device_rows(blocks, kind.type_id, cols)
     w = gguf.dequantize(blocks, kind.type_id, (rows, cols))
-    assert torch.equal(gguf.dequantize(raw, Q8_0_ROWS.type_id, (rows, cols)), w)
+    assert torch.equal(gguf.dequantize(raw, layout, (rows, cols)), w)
     for t in (1, 4, 300):
         x = torch.randn(t, cols, device="cuda", dtype=torch.bfloat16)
-        out = gguf_matmul(x, raw, Q8_0_ROWS.type_id, cols)
+        out = gguf_matmul(x, raw, layout, cols)
         prefill = t > gguf_tiles.GEMV_MAX_ROWS
         want = x.float() @ (w.bfloat16().float() if prefill else w).t()
         bound = accumulation_bound(x, blocks, kind, cols)
-        assert_matches(out, want, bound, (t, rows, cols), 2.0**-7 if prefill else 0.0)
+        assert_matches(out, want, bound, (name, t, rows, cols), 2.0**-7 if prefill else 0.0)
     x, norm = torch.randn(1, cols, device="cuda"), torch.rand(cols, device="cuda") + 0.5
     normed = torch.nn.functional.rms_norm(x, (cols,), norm, 1e-5)
     out = torch.empty(1, rows, device="cuda")
-    gguf_triton.norm_gemv(x, norm, raw, Q8_0_ROWS.type_id, cols, 1e-5, out)
-    assert_matches(out, normed @ w.t(), accumulation_bound(normed, blocks, kind, cols), (rows, cols, "norm"))
+    gguf_triton.norm_gemv(x, norm, raw, layout, cols, 1e-5, out)
+    assert_matches(out, normed @ w.t(), accumulation_bound(normed, blocks, kind, cols), (name, rows, "norm"))
 
 
 @needs_nvidia_gpu

@@ -1,8 +1,8 @@
-"""A dense model's Q8_0 weights on a GPU are held as Q8_0_ROWS (models/packed.hold_q8_0_as_rows): the
-codes of each row apart from its scales, for the one-row GEMV's 16-byte loads. The model on them
-answers as on the file's blocks: a prompt's logits and one-token decode steps (each linear, the fused
-q/k/v and gate/up groups, the embedding lookup and the tied head on the rearranged rows). On a GPU the
-real kernels run; without one, the same check runs the kernels in Triton's interpreter."""
+"""A dense model's Q8_0 weights on a GPU are held as Q8_0_ROWS (models/packed.hold_device_rows): the
+codes of each row apart from their scales, for the one-row GEMV's 16-byte loads. The model on them
+answers as on the file's blocks: a prompt's logits and graphed one-token decode steps (each linear,
+the fused q/k/v and gate/up groups, the embedding lookup and the tied head on the rearranged rows).
+On a GPU the real kernels run; without one, the check runs them in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ds4desk.engine.formats import Q8_0_ROWS
+from ds4desk.engine.formats import ROW_LAYOUTS
 from ds4desk.engine.kernels.dense import decode_attention, gemv
 from ds4desk.engine.kernels.quant import gguf_triton as gt
 from ds4desk.engine.loader import fill, plan_load
@@ -37,7 +37,7 @@ def run(rows: bool):
     model = fill(plan_load(read_source(folder), device, torch.float32, 64, weights="q8")).model
     packed = [m for m in model.modules() if isinstance(m, (PackedLinear, PackedEmbedding))]
     types = {m.type_id for m in packed}
-    assert types == ({Q8_0_ROWS.type_id} if rows else {8}), types
+    assert types == ({ROW_LAYOUTS[8][0].type_id} if rows else {8}), types  # Q8_0 (id 8)
     model.allocate_cache(64)
     logits = [model.forward(prompt.to(device), 0, "all")]
     token = logits[0][-1].argmax().view(1)
