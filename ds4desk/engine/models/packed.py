@@ -70,12 +70,15 @@ def parameter_count(model: nn.Module) -> int:
     return sum(packed.get(key, p.numel()) for key, p in unique.items())
 
 
+_REARRANGED_BYTES = 32 << 20  # hold_device_rows' scratch: rows rearranged at a time
+
+
 def hold_device_rows(model: nn.Module) -> None:
     """Rearrange, in place, every packed weight that the GPU kernels multiply and that has a row layout
     (formats.ROW_LAYOUTS: Q8_0; the same bytes, each row's codes apart from its blocks' heads), which
-    its one-row GEMV streams in 16-byte loads. Rows of 256-value multiples only (16-byte
-    aligned rows); call before building the projections, which take each module's type. Other
-    devices keep the file's blocks."""
+    its one-row GEMV streams in 16-byte loads. Rows of 256-value multiples only (16-byte aligned
+    rows); call before building the projections, which take each module's type. Other devices keep
+    the file's blocks. A few MB of rows at a time: a model that fills the GPU still loads."""
     converted: set[int] = set()
     for module in model.modules():
         if not isinstance(module, (PackedLinear, PackedEmbedding)) or module.type_id not in ROW_LAYOUTS:
@@ -85,7 +88,10 @@ def hold_device_rows(model: nn.Module) -> None:
         if cols % 256 or not gguf_triton.enabled(weight):
             continue
         if weight.data_ptr() not in converted:  # a weight two modules share is rearranged once
-            weight.copy_(gguf.device_rows(weight, module.type_id, cols))
+            step = max(1, _REARRANGED_BYTES // weight.shape[1])
+            for start in range(0, weight.shape[0], step):
+                rows = weight[start : start + step]
+                rows.copy_(gguf.device_rows(rows, module.type_id, cols))
             converted.add(weight.data_ptr())
         module.type_id = ROW_LAYOUTS[module.type_id][0].type_id
 
