@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ds4desk.engine.formats import GGUF_TYPES, ROW_LAYOUTS, gguf_packed_bytes
+from ds4desk.engine.formats import GGUF_TYPES, ROW_LAYOUT_SOURCES, ROW_LAYOUTS, gguf_packed_bytes
 from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.launch import next_power_of_two
 from ds4desk.engine.kernels.quant import gguf, gguf_tiles
@@ -61,7 +61,6 @@ PREFILL_ROWS = 512
 BY_NAME = {t.name: t for t in GGUF_TYPES.values()} | {
     layout.name: layout for layout, _ in ROW_LAYOUTS.values()
 }
-FILE_TYPE_OF_LAYOUT = {layout.name: file_id for file_id, (layout, _) in ROW_LAYOUTS.items()}
 
 
 def graph_time(fn: Callable[[int], None], copies: int) -> float:
@@ -111,8 +110,8 @@ def copy_bandwidth() -> float:
 def packed_weight(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     """Random valid blocks of type `name`: random codes and sub-block scales, small fp16 scales
     (a row layout: such blocks of its file type, rearranged as a GPU holds them)."""
-    if name in FILE_TYPE_OF_LAYOUT:
-        file_id = FILE_TYPE_OF_LAYOUT[name]
+    if BY_NAME[name].type_id in ROW_LAYOUT_SOURCES:
+        file_id = ROW_LAYOUT_SOURCES[BY_NAME[name].type_id][0]
         return gguf.device_rows(packed_weight(GGUF_TYPES[file_id].name, rows, cols, seed), file_id, cols)
     kind = BY_NAME[name]
     gen = torch.Generator(device="cuda").manual_seed(seed)

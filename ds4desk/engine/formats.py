@@ -114,13 +114,15 @@ GGUF_REFUSED_TYPE_NAMES: dict[int, str] = {
 Q8_0_ROWS = GgufType("Q8_0_ROWS", -8, 32, 34)
 # A row layout by the id of the file's type: (the layout, the head bytes that open each block).
 ROW_LAYOUTS: dict[int, tuple[GgufType, int]] = {8: (Q8_0_ROWS, 2)}
-_BY_LAYOUT_ID = {layout.type_id: layout for layout, _ in ROW_LAYOUTS.values()}
+# The other way: a layout's id -> (the file type's id, the head bytes).
+ROW_LAYOUT_SOURCES = {layout.type_id: (file_id, head) for file_id, (layout, head) in ROW_LAYOUTS.items()}
 
 
 def gguf_type(type_id: int) -> GgufType:
     """The accepted GGUF type with this id (or a device row layout); a ValueError naming the type for
     any other."""
-    accepted = GGUF_TYPES.get(type_id) or _BY_LAYOUT_ID.get(type_id)
+    source = ROW_LAYOUT_SOURCES.get(type_id)
+    accepted = GGUF_TYPES.get(type_id) if source is None else ROW_LAYOUTS[source[0]][0]
     if accepted is not None:
         return accepted
     refused = GGUF_REFUSED_TYPE_NAMES.get(type_id)

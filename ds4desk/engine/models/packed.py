@@ -78,7 +78,7 @@ def hold_device_rows(model: nn.Module) -> None:
     (formats.ROW_LAYOUTS: Q8_0; the same bytes, each row's codes apart from its blocks' heads), which
     its one-row GEMV streams in 16-byte loads. Rows of 256-value multiples only (16-byte aligned
     rows); call before building the projections, which take each module's type. Other devices keep
-    the file's blocks. A few MB of rows at a time: a model that fills the GPU still loads."""
+    the file's blocks. 32 MB of rows at a time: a model that fills the GPU still loads."""
     converted: set[int] = set()
     for module in model.modules():
         if not isinstance(module, (PackedLinear, PackedEmbedding)) or module.type_id not in ROW_LAYOUTS:

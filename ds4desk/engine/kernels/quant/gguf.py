@@ -21,6 +21,7 @@ import torch
 from ds4desk.engine.formats import (
     E2M1_VALUES,
     IQ4_NL_VALUES,
+    ROW_LAYOUT_SOURCES,
     ROW_LAYOUTS,
     GgufType,
     gguf_packed_bytes,
@@ -48,15 +49,12 @@ def dequantize(raw: torch.Tensor, type_id: int, shape: Sequence[int]) -> torch.T
         raise ValueError(
             f"a {kind.name} tensor of shape {tuple(shape)} takes {expected} bytes, got {raw.numel()}"
         )
-    if kind.type_id < 0:  # a device row layout: its blocks put back together
-        file_id, head = _FILE_TYPE_OF_LAYOUT[kind.type_id]
+    if kind.type_id in ROW_LAYOUT_SOURCES:  # a device row layout: its blocks put back together
+        file_id, head = ROW_LAYOUT_SOURCES[kind.type_id]
         raw = _blocks_of_rows(raw.reshape(-1, gguf_packed_bytes(type_id, shape[-1:])), kind, head)
         kind = gguf_type(file_id)
     blocks = raw.reshape(-1, kind.block_bytes).contiguous()
     return _DECODERS[kind.name](blocks).reshape(tuple(shape))
-
-
-_FILE_TYPE_OF_LAYOUT = {layout.type_id: (file_id, head) for file_id, (layout, head) in ROW_LAYOUTS.items()}
 
 
 def device_rows(raw: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:

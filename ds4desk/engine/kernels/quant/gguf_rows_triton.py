@@ -15,7 +15,9 @@ gguf.dequantize's, summed in another order (accumulation-order error, as the oth
 
 The input row is read as the layer hands it: plain (x), RMSNorm(x) · norm (NORM), or SiLU(gate) · up
 from x = gate | up (SILU), each rounded to x's dtype as torch's normed or activated row would be;
-every program computes it from the row (a few KB, hot in L2), so no input kernel runs before it.
+every program computes it from the row (a few KB, hot in L2), so no input kernel runs before it (on
+matrices of more rows than gguf_tiles.ROWS_OWN_INPUT_MAX_ROWS the launcher runs one instead: there
+the programs' repeated reads cost more than the kernel).
 """
 
 from __future__ import annotations

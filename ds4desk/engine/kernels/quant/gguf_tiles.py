@@ -135,14 +135,13 @@ def one_row_config(name: str, rows: int, cols: int) -> tuple[int, int, int]:
 
 def rows_config(rows: int, cols: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of the Q8_0_ROWS one-row GEMV, within 3% of the best of H100
-    sweeps on the benchmark model's shapes in their fused forms
-    (docs/BENCHMARKS.md): tiles of 2048 values; 8 rows a program over 4 warps from 3072 rows (q/k/v,
-    gate/up: 5.9 -> 4.5 µs on q/k/v against 4 rows over 2), over 2 warps for the head; 4 rows over 2
-    warps on 2048 (o) and 2 below (a k/v's 512 rows: a program for every SM); a long row (8192) 1024
-    values over 8 warps."""
+    sweeps on the benchmark model's shapes in their fused forms (docs/BENCHMARKS.md): tiles of 2048
+    values; 8 rows a program over 4 warps from 3072 rows (q/k/v, gate/up: 5.9 -> 4.5 µs on q/k/v
+    against 4 rows over 2), over 2 warps for the head; 4 rows over 2 warps on 2048 (o) and 2 below
+    (a k/v's 512 rows: a program for every SM); a long row (8192) 1024 values over 8 warps."""
     if ROWS_OVERRIDE is not None:
         return ROWS_OVERRIDE
-    block_k = next(size for size in (2048, 1024, 512, 256) if cols % size == 0)
+    block_k = next(size for size in (2048, 1024, 512, 256, 128, 64, 32) if cols % size == 0)
     if cols >= 8192:
         return 4, min(block_k, 1024), 8
     if rows >= 32768:

@@ -354,12 +354,10 @@ def test_the_one_row_kernel_equals_the_reference() -> None:
 
 _ROWS_CHECK = """
 import torch
-from ds4desk.engine.formats import ROW_LAYOUTS
+from ds4desk.engine.formats import GGUF_TYPES, ROW_LAYOUTS
 from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
 from ds4desk.engine.kernels.quant import gguf_tiles
-from tests.engine.kernels.quant.test_gguf_triton import (
-    BY_NAME, assert_matches, quantized_blocks, wild_blocks,
-)
+from tests.engine.kernels.quant.test_gguf_triton import assert_matches, quantized_blocks, wild_blocks
 
 gt.SWITCH.forced = True
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -368,8 +366,9 @@ gen = torch.Generator().manual_seed(2)
 def randn(*shape, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen)).to(device)
 
-for name in ("Q8_0",):  # the types with a row layout (formats.ROW_LAYOUTS)
-    kind = BY_NAME[name]
+for file_id in ROW_LAYOUTS:  # the types with a row layout: Q8_0
+    kind = GGUF_TYPES[file_id]
+    name = kind.name
     layout = ROW_LAYOUTS[kind.type_id][0].type_id
 
     def rows_of(blocks, cols):
