@@ -91,9 +91,8 @@ def kernels() -> Kernels | None:
         target = out if out.stride(1) == 1 else out.contiguous()  # a residual is read, too
         if t == 1 and name == "Q8_0_ROWS":
             if (silu or with_norm) and rows > ROWS_OWN_INPUT_MAX_ROWS:  # one input kernel for all
-                x_row = torch.empty((1, cols), device=x.device, dtype=x.dtype)
-                launch_input(x, norm, eps, cols, x_row, INPUT_SILU if silu else INPUT_NORM)
-                x, silu, with_norm = x_row, False, False
+                x = input_row(x, norm, eps, cols, INPUT_SILU if silu else INPUT_NORM)
+                silu = with_norm = False
             launch_rows(x, weight, cols, target, norm, eps, silu, with_norm, residual)
         elif t == 1 and one_row_fits(name, rows):
             mode = INPUT_SILU if silu else INPUT_NORM if with_norm else INPUT_COPY
@@ -107,14 +106,21 @@ def kernels() -> Kernels | None:
                 launch_input(x, norm, eps, cols, x_order, mode, (type_id, config[1], n_groups))
                 x = x_order
             elif mode != INPUT_COPY:
-                x_row = torch.empty((1, cols), device=x.device, dtype=x.dtype)
-                launch_input(x, norm, eps, cols, x_row, mode)
-                x = x_row
+                x = input_row(x, norm, eps, cols, mode)
             launch_one_row(x, weight, type_id, config, n_groups, target, residual, pair)
         else:
             launch_blocks(x, weight, type_id, cols, target, norm, eps, silu, with_norm, residual, pdl(x))
         if target is not out:
             out.copy_(target)
+
+    def input_row(
+        x: torch.Tensor, norm: torch.Tensor | None, eps: float, cols: int, mode: int
+    ) -> torch.Tensor:
+        """The normed (INPUT_NORM) or activated (INPUT_SILU) input row in row order and x's dtype, by
+        one input kernel: what every program of a GEMV after it reads as it is."""
+        row = torch.empty((1, cols), device=x.device, dtype=x.dtype)
+        launch_input(x, norm, eps, cols, row, mode)
+        return row
 
     def launch_blocks(
         x: torch.Tensor,
