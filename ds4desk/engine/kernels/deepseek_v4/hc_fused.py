@@ -390,8 +390,12 @@ def _kernels() -> _Kernels | None:
         padded = max(16, next_power_of_two(rows + 1))  # a dot's tile is at least 16 wide
         block_d = max(16, min(_TILED_MIX_BLOCK, next_power_of_two(dim)))
         token_blocks, dim_blocks = triton.cdiv(count, _TILED_MIX_TOKENS), triton.cdiv(dim, block_d)
-        # Splits of D until the grid fills an H200 twice over (132 SMs), whole blocks each.
-        steps = triton.cdiv(dim_blocks, min(dim_blocks, triton.cdiv(264, token_blocks)))
+        # Splits of D until the grid fills an H200 once to twice over (132 SMs), whole blocks each.
+        # The split follows the token blocks' power of two, not their count: STEPS is a constexpr
+        # (Triton's interpreter takes no runtime loop bound), and the load's warm-up runs a prompt
+        # in every power-of-two class, so no prompt length meets a variant it did not compile.
+        fill = triton.cdiv(264, next_power_of_two(token_blocks))
+        steps = triton.cdiv(dim_blocks, min(dim_blocks, fill))
         splits = triton.cdiv(dim_blocks, steps)
         part = torch.empty((count, splits, padded), device=streams.device, dtype=torch.float32)
         tiled_mix_kernel[(token_blocks, splits)](

@@ -1,7 +1,12 @@
 """The Triton kernels of v4_hc_fused (imported only where Triton is: v4_hc_fused._kernels).
 
 They live at module level because a kernel finds the @triton.jit helpers it calls among its module's
-globals."""
+globals.
+
+The prefill kernels take a chunk's token count and split count unspecialised (do_not_specialize):
+Triton compiles, or reads from its disk cache, one variant per specialisation of an integer argument
+(equal to 1, divisible by 16, neither), and a prompt whose length the load's warm-up did not meet
+paid milliseconds of that on its first request."""
 
 from __future__ import annotations
 
@@ -88,7 +93,7 @@ def expand_kernel(x, y, post, comb, out, D, post_stride, M: tl.constexpr, BD: tl
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def tiled_mix_kernel(
     x,
     fn,
@@ -158,7 +163,7 @@ def _inverse_rms(part, t, blocks, count, eps, R: tl.constexpr, RP: tl.constexpr,
     return 1.0 / tl.sqrt(squares / count + eps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks"])
 def finish_kernel(
     part, z, blocks, count, eps, R: tl.constexpr, RP: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr
 ):
@@ -223,7 +228,7 @@ def collapse_kernel(
     _collapse_norm_slice(x + t * M * D, p, weight, h + t * D, s, D, eps, M, BD, SLICE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks"])
 def site_kernel(
     part,
     x,

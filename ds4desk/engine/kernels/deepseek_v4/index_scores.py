@@ -106,7 +106,9 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
     except Exception:  # no Triton (CPU builds, some platforms): the eager form runs
         return None
 
-    @triton.jit
+    # The chunk's sizes and start unspecialised: one variant a block shape, whatever the prompt's
+    # length (a specialisation the warm-up did not meet costs a first request milliseconds).
+    @triton.jit(do_not_specialize=["T", "E", "start"])
     def kernel(
         q,
         keys,
