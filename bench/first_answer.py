@@ -154,8 +154,10 @@ def child(config: dict[str, Any]) -> None:
     runtime_module.CUDNN_ATTENTION = config.get("cudnn_attention", False)
     from ds4desk.engine.models.deepseek_v4 import ops as v4_ops
     from ds4desk.engine.models.llama import model as dense_model
+    from ds4desk.engine.models.qwen3_5 import model as qwen35_model
 
-    dense_model.PAD_PREFILL_ROWS = v4_ops.PAD_PRODUCT_ROWS = config.get("row_buckets", True)
+    padded = config.get("row_buckets", True)
+    dense_model.PAD_PREFILL_ROWS = v4_ops.PAD_PRODUCT_ROWS = qwen35_model.PAD_PRODUCT_ROWS = padded
 
     imported = time.time()
     engine = Engine()
@@ -290,7 +292,7 @@ def main() -> None:
         "--no-row-buckets",
         action="store_true",
         help="run prefill products at their own row count (models/llama PAD_PREFILL_ROWS, "
-        "models/deepseek_v4/ops PAD_PRODUCT_ROWS), to compare",
+        "models/deepseek_v4/ops and models/qwen3_5/model PAD_PRODUCT_ROWS), to compare",
     )
     parser.add_argument(
         "--profile",

@@ -22,6 +22,7 @@ from ds4desk.engine.formats import ROW_LAYOUTS, gguf_packed_bytes
 from ds4desk.engine.host_memory import HostBlock
 from ds4desk.engine.kernels.quant import gguf, gguf_triton
 from ds4desk.engine.kernels.quant.gguf_matmul import dequantize_rows, gguf_matmul
+from ds4desk.engine.models.row_buckets import FEW_ROWS, bucketed
 
 
 def _bytes_param(rows: int, cols: int, type_id: int) -> nn.Parameter:
@@ -139,6 +140,9 @@ class Projection:
     cols: int = 0
     bias: torch.Tensor | None = None
     parts: tuple[Projection, ...] = ()
+    # A family whose prefill chunks cannot be padded sets this on a GPU: more than FEW_ROWS rows run
+    # padded to their bucket (models/row_buckets.py), so a new prompt length meets no first call.
+    pad_rows: bool = False
 
     @property
     def rows(self) -> int:
@@ -151,6 +155,11 @@ class Projection:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ Wᵀ (+ b): [T, rows], into `out` when given."""
+        if self.pad_rows and out is None and x.shape[0] > FEW_ROWS:
+            return bucketed(x, self._product)
+        return self._product(x, out)
+
+    def _product(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight_t is not None:
             if self.bias is None:
                 return torch.mm(x, self.weight_t, out=out) if out is not None else torch.mm(x, self.weight_t)

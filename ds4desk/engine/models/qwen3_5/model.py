@@ -43,7 +43,14 @@ from ds4desk.engine.models.qwen3_5.linear_attention import GatedDeltaNet, Linear
 from ds4desk.engine.models.qwen3_5.moe import SparseMoeBlock, fuse_experts
 from ds4desk.engine.models.qwen3_5.ops import centered_rms_norm
 from ds4desk.engine.models.qwen3_5.state import KINDS, LayerPlan, Shard, copied_to, rope_tables
+from ds4desk.engine.models.row_buckets import buckets
 from ds4desk.engine.split import materialize_parameters
+
+# On a GPU a prefill product of more than a few rows runs on its rows padded to their bucket
+# (models/row_buckets.py: cuBLAS's first call at a new row count costs milliseconds; the chunk
+# itself cannot be padded, its linear layers' state would take the padding in), and the load's
+# warm-up runs each bucket (Qwen35Model.prefill_row_buckets). False: at their own row count.
+PAD_PRODUCT_ROWS = True
 
 
 class MLP(nn.Module):
@@ -167,10 +174,23 @@ class Qwen35Model(CausalLM):
         ]
         self._inv_freq = cfg.rope.inverse_frequencies(cfg.rotary_dim, self.device)
         self.fused_attention = self.device.type == "cuda"
+        for plan in plans:
+            for projection in _projections(plan):
+                projection.pad_rows = self._pads_rows()
         self.copy_tied_head()
         self._head = self.head_projection()
         if self._context:
             self.allocate_cache(self._context)
+
+    def _pads_rows(self) -> bool:
+        return PAD_PRODUCT_ROWS and self.device.type == "cuda"
+
+    def prefill_row_buckets(self, chunk: int) -> list[int]:
+        """The buckets its prefill products run at (PAD_PRODUCT_ROWS): a prompt of each, run once
+        by the warm-up, meets every cuBLAS kernel a prompt of up to `chunk` tokens needs."""
+        if not self._pads_rows():
+            return []
+        return buckets(min(chunk, self._context), self._context)
 
     @staticmethod
     def _plan(layer: DecoderLayer, top_k: int) -> LayerPlan:
@@ -543,3 +563,18 @@ def build(
     if quantized:
         raise load_failure(f"the {family} family does not keep FP8 / FP4 weights packed")
     return Qwen35Model(Qwen35Config.from_hf(config), dtype, packed)
+
+
+def _projections(plan: LayerPlan) -> list[Projection]:
+    """Every projection a layer's forward calls: its mixer's, then its MLP's or MoE block's."""
+    mixer = plan.mixer
+    if isinstance(mixer, LinearPlan):
+        found = [mixer.qkv, mixer.z, mixer.b, mixer.a, mixer.out]
+    else:
+        found = [mixer.q, mixer.k, mixer.v, mixer.o]
+    found += [p for p in (plan.gate, plan.up, plan.down) if p is not None]
+    if plan.moe is not None:
+        moe_plan = plan.moe
+        found += [moe_plan.router, moe_plan.shared_gate_up, moe_plan.shared_down, moe_plan.shared_scale]
+        found += [*moe_plan.gate_up, *moe_plan.down]
+    return found
