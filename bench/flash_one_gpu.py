@@ -152,6 +152,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small model of the same layer kinds")
     parser.add_argument("--model", type=Path, help="instead: load this GGUF (bench/flash_gguf.py writes one)")
     parser.add_argument("--profile", action="store_true", help="then where time goes (4k prefill, decode)")
+    parser.add_argument(
+        "--profile-deep",
+        action="store_true",
+        help="with --profile: also an eager decode step after the last prompt against one at position 8",
+    )
     parser.add_argument("--experts-tiles", type=Path, help="bench/gguf_experts_gemv.py's result: its tiles")
     parser.add_argument("--grouped-share", type=float, help="moe.GROUPED_MIN_SHARE for this run")
     parser.add_argument("--out", type=Path)
@@ -233,7 +238,7 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     if args.profile:
-        profile(model, prompt[:4096], (args.device,))
+        profile(model, prompt, (args.device,), deep=len(prompt) - 1 if args.profile_deep else 0)
 
 
 if __name__ == "__main__":

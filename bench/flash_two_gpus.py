@@ -101,10 +101,12 @@ def run(runtime: Runtime, prompt: list[int], new: int) -> dict[str, float]:
     }
 
 
-def profile(model, prompt: list[int], devices: tuple[str, ...] = DEVICES) -> None:  # type: ignore[no-untyped-def]
+def profile(model, prompt: list[int], devices: tuple[str, ...] = DEVICES, deep: int = 0) -> None:  # type: ignore[no-untyped-def]
     """torch.profiler tables (CUDA time per op, on `devices`) for one 4k prefill and 16 decode steps,
-    then one eager decode step's kernels in launch order (the first layers). Programmatic dependent
-    launch is off here: with it a kernel's measured time includes its wait for the one before."""
+    then one eager decode step's kernels in launch order (the first layers). `deep`: then the eager
+    step at position 8 against the one after a prompt of `deep` tokens (prompt[:deep]), kernel time
+    by name: what grows with the context. Programmatic dependent launch is off here: with it a
+    kernel's measured time includes its wait for the one before."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -113,7 +115,7 @@ def profile(model, prompt: list[int], devices: tuple[str, ...] = DEVICES) -> Non
         try:
             run(runtime, prompt[:256], 4)  # warm-up
             for what, ids, new in (
-                ("prefill 4096", prompt, 1),
+                ("prefill 4096", prompt[:4096], 1),
                 ("8 prompt tokens + 16 decode steps", prompt[:8], 17),
             ):
                 with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -135,8 +137,39 @@ def profile(model, prompt: list[int], devices: tuple[str, ...] = DEVICES) -> Non
             print(f"== one eager decode step: {len(kernels)} kernels; the first 240 in order (us)")
             for event in kernels[:240]:
                 print(f"{event.time_range.elapsed_us():8.1f}  {event.name[:90]}")
+            if deep:
+                shallow = _step_kernels(model, prompt[8], 8, 512, devices)
+                run(runtime, prompt[:deep], 1)  # the cache and the compressed entries of `deep` tokens
+                far = _step_kernels(model, prompt[deep], deep, runtime.context, devices)
+                where = f"at {deep} (span {runtime.context})"
+                print(f"== eager decode step at position 8 (span 512) and {where}: us by kernel")
+                print(f"{'at 8':>9} {'at ' + str(deep):>10} {'calls':>6}  kernel")
+                for name in sorted(far, key=lambda n: far[n][0] - shallow.get(n, (0.0, 0))[0], reverse=True):
+                    near_us = shallow.get(name, (0.0, 0))[0]
+                    print(f"{near_us:9.1f} {far[name][0]:10.1f} {far[name][1]:6d}  {name[:90]}")
+                near_total, far_total = (sum(v[0] for v in d.values()) for d in (shallow, far))
+                print(f"{near_total:9.1f} {far_total:10.1f}  total")
         finally:
             runtime.close()
+
+
+def _step_kernels(
+    model, token: int, pos: int, span: int, devices: tuple[str, ...]
+) -> dict[str, tuple[float, int]]:  # type: ignore[no-untyped-def]
+    """One eager decode step at `pos` under the profiler: {kernel name: (us in all, calls)}."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    first = torch.device(devices[0])
+    with torch.inference_mode(), profiler(activities=[ProfilerActivity.CUDA]) as prof:
+        model.decode_graphable(torch.tensor([token], device=first), torch.tensor([pos], device=first), span)
+        sync(devices)
+    found: dict[str, tuple[float, int]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us, calls = found.get(event.name, (0.0, 0))
+            found[event.name] = (us + event.time_range.elapsed_us(), calls + 1)
+    return found
 
 
 def main() -> None:
