@@ -32,6 +32,7 @@ from ds4desk.engine.formats import GGUF_TYPES
 from ds4desk.engine.kernels.quant import gguf_tiles
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
+from ds4desk.engine.models import packed
 from ds4desk.engine.models.deepseek_v4 import moe
 from ds4desk.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from ds4desk.engine.models.deepseek_v4.synthetic import FLASH_CONFIG, build_gguf_experts, flash_config
@@ -157,11 +158,17 @@ def main() -> None:
         action="store_true",
         help="with --profile: also an eager decode step after the last prompt against one at position 8",
     )
+    parser.add_argument(
+        "--file-blocks",
+        action="store_true",
+        help="keep a GGUF's Q8_0 linears in the file's blocks (packed.DEVICE_ROWS off), to compare",
+    )
     parser.add_argument("--experts-tiles", type=Path, help="bench/gguf_experts_gemv.py's result: its tiles")
     parser.add_argument("--grouped-share", type=float, help="moe.GROUPED_MIN_SHARE for this run")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
+    packed.DEVICE_ROWS = not args.file_blocks
     if args.grouped_share is not None:
         moe.GROUPED_MIN_SHARE = args.grouped_share
     if args.experts_tiles is not None:
@@ -199,6 +206,7 @@ def main() -> None:
         "torch": torch.__version__,
         "model": str(args.model) if args.model else "made on the device",
         "grouped_min_share": moe.GROUPED_MIN_SHARE,
+        "device_rows": packed.DEVICE_ROWS,
         "experts_tiles": {name: list(setting) for name, setting in gguf_tiles.EXPERTS_TILES.items()},
         "experts_one_row": {name: list(setting) for name, setting in gguf_tiles.EXPERTS_ONE_ROW.items()},
         "layers": layers,

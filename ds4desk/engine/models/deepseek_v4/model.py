@@ -68,7 +68,7 @@ from ds4desk.engine.models.deepseek_v4.moe import MixtureOfExperts
 from ds4desk.engine.models.deepseek_v4.mtp import MtpTracking
 from ds4desk.engine.models.deepseek_v4.piece import GraphablePiece
 from ds4desk.engine.models.deepseek_v4.verify import VerifyRollback
-from ds4desk.engine.models.packed import embed
+from ds4desk.engine.models.packed import embed, hold_device_rows
 from ds4desk.engine.models.row_buckets import buckets
 from ds4desk.engine.split import materialize_parameters
 
@@ -161,6 +161,9 @@ class DeepseekV4Model(
             for start, _stop in self._split.bounds()[1:]:
                 self._boundaries[start] = self.model.layers[start].input_layernorm.weight.device
         self.copy_tied_head()
+        # A GGUF's Q8_0 linears in the GPU's row layout; not the grouped output projection's first
+        # half, whose one-row product reads the file's blocks through the experts GEMV.
+        hold_device_rows(self, skip=lambda name: name.endswith("o_a_proj"))
         if self._context:
             self.allocate_cache(self._context)
 
