@@ -138,11 +138,13 @@ def rows_config(rows: int, cols: int) -> tuple[int, int, int]:
     sweeps on the benchmark model's shapes in their fused forms (docs/BENCHMARKS.md): tiles of 2048
     values; 8 rows a program over 4 warps from 3072 rows (q/k/v, gate/up: 5.9 -> 4.5 µs on q/k/v
     against 4 rows over 2), over 2 warps for the head; 4 rows over 2 warps on 2048 (o) and 2 below
-    (a k/v's 512 rows: a program for every SM); a long row (8192) 1024 values over 8 warps."""
+    (a k/v's 512 rows: a program for every SM); a row of more than one 2048-value tile (DeepSeek-V4's
+    4096, 8192) 1024 values over 8 warps: the prefetched second tile of 8 x 2048 over fewer warps
+    spills registers (V4's 129,280 x 4096 head took 18.1 ms, 247 µs so)."""
     if ROWS_OVERRIDE is not None:
         return ROWS_OVERRIDE
     block_k = next(size for size in (2048, 1024, 512, 256, 128, 64, 32) if cols % size == 0)
-    if cols >= 8192:
+    if cols > 2048:
         return 4, min(block_k, 1024), 8
     if rows >= 32768:
         return 8, block_k, 2

@@ -431,11 +431,13 @@ def test_the_row_layout_kernels_equal_the_reference() -> None:
     assert "rows ok" in stdout and stdout.count("checked") == 3
 
 
-@pytest.mark.parametrize(("rows", "cols"), [(3072, 2048), (16384, 2048), (2048, 8192), (512, 2048)])
+@pytest.mark.parametrize(
+    ("rows", "cols"), [(3072, 2048), (16384, 2048), (2048, 8192), (512, 2048), (129280, 4096), (4096, 4096)]
+)
 @pytest.mark.parametrize("form", ["plain", "norm", "silu_add"])
 def test_the_q8_0_rows_kernel_compiles_for_an_h200(rows: int, cols: int, form: str, tmp_path: object) -> None:
-    """The one-row GEMV of Q8_0_ROWS in its settings for the benchmark model's shapes, built for sm_90
-    by Triton and ptxas: no spills."""
+    """The one-row GEMV of Q8_0_ROWS in its settings for the benchmark model's shapes and DeepSeek-V4's
+    rows of 4096 values (its head), built for sm_90 by Triton and ptxas: no spills."""
     from ds4desk.engine.kernels.quant import gguf_rows_triton as source
 
     block_n, block_k, warps = gguf_tiles.rows_config(rows, cols)
