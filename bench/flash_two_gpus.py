@@ -125,22 +125,14 @@ def profile(model, prompt: list[int], devices: tuple[str, ...] = DEVICES, deep: 
                     sort_by="cuda_time_total", row_limit=28, max_name_column_width=70
                 )
                 print(f"== {what}\n{table}", flush=True)
-            token = torch.tensor([prompt[8]], device="cuda:0")
-            pos = torch.tensor([8], device="cuda:0")
-            with torch.inference_mode(), profiler(activities=[ProfilerActivity.CUDA]) as prof:
-                model.decode_graphable(token, pos, 512)
-                sync(devices)
-            kernels = sorted(
-                (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                key=lambda e: e.time_range.start,
-            )
+            kernels = _step_kernels(model, prompt[8], 8, 512, devices)
             print(f"== one eager decode step: {len(kernels)} kernels; the first 240 in order (us)")
             for event in kernels[:240]:
                 print(f"{event.time_range.elapsed_us():8.1f}  {event.name[:90]}")
             if deep:
-                shallow = _step_kernels(model, prompt[8], 8, 512, devices)
+                shallow = _by_name(kernels)
                 run(runtime, prompt[:deep], 1)  # the cache and the compressed entries of `deep` tokens
-                far = _step_kernels(model, prompt[deep], deep, runtime.context, devices)
+                far = _by_name(_step_kernels(model, prompt[deep], deep, runtime.context, devices))
                 where = f"at {deep} (span {runtime.context})"
                 print(f"== eager decode step at position 8 (span 512) and {where}: us by kernel")
                 print(f"{'at 8':>9} {'at ' + str(deep):>10} {'calls':>6}  kernel")
@@ -153,10 +145,8 @@ def profile(model, prompt: list[int], devices: tuple[str, ...] = DEVICES, deep: 
             runtime.close()
 
 
-def _step_kernels(
-    model, token: int, pos: int, span: int, devices: tuple[str, ...]
-) -> dict[str, tuple[float, int]]:  # type: ignore[no-untyped-def]
-    """One eager decode step at `pos` under the profiler: {kernel name: (us in all, calls)}."""
+def _step_kernels(model, token: int, pos: int, span: int, devices: tuple[str, ...]) -> list:  # type: ignore[no-untyped-def]
+    """One eager decode step at `pos` under the profiler: its CUDA kernels' events in launch order."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -164,11 +154,18 @@ def _step_kernels(
     with torch.inference_mode(), profiler(activities=[ProfilerActivity.CUDA]) as prof:
         model.decode_graphable(torch.tensor([token], device=first), torch.tensor([pos], device=first), span)
         sync(devices)
+    return sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+
+
+def _by_name(kernels: list) -> dict[str, tuple[float, int]]:  # type: ignore[type-arg]
+    """{kernel name: (us in all, calls)} of a step's kernel events."""
     found: dict[str, tuple[float, int]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            us, calls = found.get(event.name, (0.0, 0))
-            found[event.name] = (us + event.time_range.elapsed_us(), calls + 1)
+    for event in kernels:
+        us, calls = found.get(event.name, (0.0, 0))
+        found[event.name] = (us + event.time_range.elapsed_us(), calls + 1)
     return found
 
 

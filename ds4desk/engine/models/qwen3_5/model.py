@@ -174,9 +174,10 @@ class Qwen35Model(CausalLM):
         ]
         self._inv_freq = cfg.rope.inverse_frequencies(cfg.rotary_dim, self.device)
         self.fused_attention = self.device.type == "cuda"
+        pads = self._pads_rows()
         for plan in plans:
             for projection in _projections(plan):
-                projection.pad_rows = self._pads_rows()
+                projection.pad_rows = pads
         self.copy_tied_head()
         self._head = self.head_projection()
         if self._context:
