@@ -11,7 +11,7 @@ torch.mm / addmm, packed ones through kernels/quant/gguf_matmul. Layers never te
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,20 +76,17 @@ _REARRANGED_BYTES = 32 << 20  # hold_device_rows' scratch: rows rearranged at a 
 DEVICE_ROWS = True
 
 
-def hold_device_rows(model: nn.Module, skip: Callable[[str], bool] = lambda _name: False) -> None:
+def hold_device_rows(model: nn.Module) -> None:
     """Rearrange, in place, every packed weight that the GPU kernels multiply and that has a row layout
     (formats.ROW_LAYOUTS: Q8_0; the same bytes, each row's codes apart from its blocks' heads), which
     its one-row GEMV streams in 16-byte loads. Rows of 256-value multiples only (16-byte aligned
     rows); call before building the projections, which take each module's type. Other devices keep
-    the file's blocks, as do the modules whose names `skip` picks (a family's weights that a kernel
-    reads as the file's blocks). 32 MB of rows at a time: a model that fills the GPU still loads."""
+    the file's blocks. 32 MB of rows at a time: a model that fills the GPU still loads."""
     if not DEVICE_ROWS:
         return
     converted: set[int] = set()
-    for name, module in model.named_modules():
+    for module in model.modules():
         if not isinstance(module, (PackedLinear, PackedEmbedding)) or module.type_id not in ROW_LAYOUTS:
-            continue
-        if skip(name):
             continue
         cols = module.in_features if isinstance(module, PackedLinear) else module.embedding_dim
         weight = module.weight.data

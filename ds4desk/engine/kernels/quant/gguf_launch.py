@@ -54,6 +54,7 @@ class Kernels:
     prepare: Callable[..., None]
     experts_gemv: Callable[..., None]
     experts_one_row: Callable[..., None]
+    stacked_rows: Callable[..., None]
 
 
 @functools.cache
@@ -190,12 +191,17 @@ def kernels() -> Kernels | None:
         silu: bool,
         with_norm: bool,
         residual: bool,
+        matrices: int = 1,
     ) -> None:
-        """rows_gemv_kernel: out [1, rows] (+)= input @ Wᵀ on a Q8_0_ROWS weight."""
-        rows = weight.shape[0]
+        """rows_gemv_kernel: out [1, rows] (+)= input @ Wᵀ on a Q8_0_ROWS weight; with `matrices`,
+        weight stacks that many [rows / matrices, ...] matrices, and out [m, :] = x [m, :] @ W_mᵀ."""
+        rows = weight.shape[0] // matrices
         block_n, block_k, warps = rows_config(rows, cols)
         use_pdl = pdl(x)
-        rows_source.rows_gemv_kernel[(-(-rows // block_n),)](
+        steps = {}
+        if matrices > 1:
+            steps = {"x_step": x.stride(0), "w_step": rows * weight.stride(0), "out_step": out.stride(0)}
+        rows_source.rows_gemv_kernel[(-(-rows // block_n), matrices)](
             x,
             weight,
             out,
@@ -212,7 +218,11 @@ def kernels() -> Kernels | None:
             PDL=use_pdl,
             num_warps=warps,
             launch_pdl=use_pdl,
+            **steps,
         )
+
+    def launch_stacked_rows(x: torch.Tensor, weight: torch.Tensor, cols: int, out: torch.Tensor) -> None:
+        launch_rows(x, weight, cols, out, None, 0.0, False, False, False, matrices=x.shape[0])
 
     def launch_one_row(
         x: torch.Tensor,
@@ -361,4 +371,5 @@ def kernels() -> Kernels | None:
         on_its_device(launch_input),
         on_its_device(launch_experts),
         on_its_device(launch_experts_one_row),
+        on_its_device(launch_stacked_rows),
     )

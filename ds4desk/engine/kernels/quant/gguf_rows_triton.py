@@ -60,11 +60,20 @@ def rows_gemv_kernel(
     SILU: tl.constexpr,
     RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
+    x_step=0,
+    w_step=0,
+    out_step=0,
 ):
     """out[0, n] (+)= Σ_k input_k · W[n, k] for the BLOCK_N rows n of this program (BLOCK_K divides
     K). Rows past the end read the last row again and are not stored, so no weight load is masked
-    but the tile after the last."""
+    but the tile after the last. A second program axis takes stacked matrices, each times its own
+    input row (DeepSeek-V4's grouped output projection): matrix g is w + g · w_step, its input
+    x + g · x_step, its output out + g · out_step."""
     BLOCKS: tl.constexpr = BLOCK_K // 32
+    matrix = tl.program_id(1)
+    x += matrix * x_step
+    w += matrix.to(tl.int64) * w_step
+    out += matrix * out_step
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = w + tl.minimum(n, rows - 1).to(tl.int64)[:, None, None] * row_bytes
     block = tl.arange(0, BLOCKS)[None, :, None]

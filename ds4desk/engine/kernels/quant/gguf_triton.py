@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4desk.engine.formats import GGUF_TYPES, gguf_packed_bytes, gguf_type
+from ds4desk.engine.formats import GGUF_TYPES, Q8_0_ROWS, gguf_packed_bytes, gguf_type
 from ds4desk.engine.kernels.launch import Switch, Where
 from ds4desk.engine.kernels.quant import gguf
 from ds4desk.engine.kernels.quant.common import nvidia_cuda
@@ -280,6 +280,23 @@ def gemv_prepared(
     assert run is not None
     # `out` stands in for the input row: with `prepared` given, the launcher reads only its shape.
     run.gemv(out, weight, type_id, cols, out, None, 0.0, False, False, residual, prepared)
+    return out
+
+
+def stacked_rows_gemv(x: torch.Tensor, weight: torch.Tensor, cols: int, out: torch.Tensor) -> torch.Tensor:
+    """out [G, R] = x [G, cols] times the G matrices stacked in weight [G R, ...] (Q8_0_ROWS), each
+    row of x by its own matrix, in one launch of the rows GEMV (DeepSeek-V4's grouped output
+    projection at one token)."""
+    _check_weight(weight, Q8_0_ROWS.type_id, cols)
+    matrices = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != cols or x.stride(1) != 1 or x.dtype not in DTYPES:
+        raise ValueError(f"x must be float [G, {cols}] with rows contiguous, got {list(x.shape)}")
+    rows = weight.shape[0] // matrices
+    if weight.shape[0] % matrices or out.shape != (matrices, rows) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{matrices}, {rows}] with rows contiguous, got {list(out.shape)}")
+    run = kernels()
+    assert run is not None
+    run.stacked_rows(x, weight, cols, out)
     return out
 
 

@@ -161,9 +161,7 @@ class DeepseekV4Model(
             for start, _stop in self._split.bounds()[1:]:
                 self._boundaries[start] = self.model.layers[start].input_layernorm.weight.device
         self.copy_tied_head()
-        # A GGUF's Q8_0 linears in the GPU's row layout; not the grouped output projection's first
-        # half, whose one-row product reads the file's blocks through the experts GEMV.
-        hold_device_rows(self, skip=lambda name: name.endswith("o_a_proj"))
+        hold_device_rows(self)  # a GGUF's Q8_0 linears in the GPU's row layout
         if self._context:
             self.allocate_cache(self._context)
 

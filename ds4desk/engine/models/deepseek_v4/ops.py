@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4desk.engine.formats import Q8_0_ROWS
 from ds4desk.engine.kernels.deepseek_v4 import moe_tail
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
 from ds4desk.engine.kernels.quant import gguf_experts, gguf_triton
@@ -109,8 +110,9 @@ def _group_ids(groups: int, device: torch.device) -> torch.Tensor:
 def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch.Tensor:
     """Attention's grouped low-rank output projection of out [T, H, d]: group g's heads (H / G side
     by side) times rows g R .. (g + 1) R of the weight [G R, H d / G], [T, G R]. A GGUF's blocks
-    (PackedLinear) at one row go through the experts GEMV with the groups as its slots (one kernel,
-    the blocks read in place); longer, one packed matmul a group."""
+    (PackedLinear) at one row go through one kernel with the groups as its stacked matrices: the
+    rows GEMV for Q8_0 as a GPU holds it (Q8_0_ROWS), else the experts GEMV with the groups as its
+    slots (the blocks read in place); longer, one packed matmul a group."""
     count = out.shape[0]
     grouped = out.reshape(count, groups, -1)
     if isinstance(holder, PackedLinear):
@@ -118,6 +120,8 @@ def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch
         stacked = holder.weight.view(groups, rank, -1)
         if count == 1 and gguf_triton.enabled(out) and gguf_triton.covers(type_id, out.dtype):
             low = out.new_empty((groups, rank))
+            if type_id == Q8_0_ROWS.type_id:
+                return gguf_triton.stacked_rows_gemv(grouped[0], holder.weight, cols, low).view(1, -1)
             ids = _group_ids(groups, out.device)
             return gguf_experts.experts_gemv(grouped[0], ids, stacked, type_id, cols, low).view(1, -1)
         parts = [gguf_matmul(grouped[:, g].contiguous(), stacked[g], type_id, cols) for g in range(groups)]

@@ -420,15 +420,29 @@ for file_id in ROW_LAYOUTS:  # the types with a row layout: Q8_0
             assert_matches(out, normed.float() @ w.t(), bound, (what, "norm"), slack)
         print("checked", name, rows, cols)
     gguf_tiles.ROWS_OVERRIDE, gguf_tiles.ROWS_OWN_INPUT_MAX_ROWS = None, 8192
+    # Stacked matrices, each times its own input row (V4's grouped output projection at one token):
+    # 3 matrices of 9 rows, on a settings' tile that leaves the last program rows past the end.
+    gguf_tiles.ROWS_OVERRIDE = (4, 256, 2)
+    raw = rows_of(quantized_blocks(kind, 27, 512, seed=11), 512)
+    w = gguf.dequantize(raw, layout, (27, 512)).view(3, 9, 512)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = randn(3, 512).to(dtype)
+        out = gt.stacked_rows_gemv(x, raw, 512, torch.full((3, 9), float("nan"), device=device, dtype=dtype))
+        want = torch.einsum("gk,grk->gr", x.float(), w)
+        bound = torch.einsum("gk,grk->gr", x.float().abs(), w.abs())
+        assert_matches(out, want, bound, (name, "stacked", dtype))
+    gguf_tiles.ROWS_OVERRIDE = None
+    print("checked", name, "stacked")
 print("rows ok")
 """
 
 
 def test_the_row_layout_kernels_equal_the_reference() -> None:
-    """Q8_0_ROWS (a GPU's Q8_0): its one-row GEMV in every form, the general GEMV and the dequantize
-    kernel against gguf.dequantize of the same rows + a float32 matmul (the dequantize bit for bit)."""
+    """Q8_0_ROWS (a GPU's Q8_0): its one-row GEMV in every form and on stacked matrices, the general
+    GEMV and the dequantize kernel against gguf.dequantize of the same rows + a float32 matmul (the
+    dequantize bit for bit)."""
     stdout = run_triton_check(_ROWS_CHECK)
-    assert "rows ok" in stdout and stdout.count("checked") == 3
+    assert "rows ok" in stdout and stdout.count("checked") == 4
 
 
 @pytest.mark.parametrize(
@@ -442,7 +456,7 @@ def test_the_q8_0_rows_kernel_compiles_for_an_h200(rows: int, cols: int, form: s
 
     block_n, block_k, warps = gguf_tiles.rows_config(rows, cols)
     args = {"x": "*bf16", "w": "*u8", "out": "*bf16", "norm": "*bf16", "eps": "fp32"}
-    args |= {"rows": "i32", "row_bytes": "i32"}
+    args |= {"rows": "i32", "row_bytes": "i32", "x_step": "i32", "w_step": "i32", "out_step": "i32"}
     constants = {"K": cols, "BLOCK_N": block_n, "BLOCK_K": block_k, "PDL": True}
     constants |= {"NORM": form == "norm", "SILU": form == "silu_add", "RESIDUAL": form == "silu_add"}
     aligned = {"x", "w", "out", "norm", "row_bytes"}

@@ -1,6 +1,6 @@
 """A DeepSeek-V4 GGUF's Q8_0 linears on a GPU are held as Q8_0_ROWS (models/packed.hold_device_rows),
-all but the grouped output projection's first half (its one-row product reads the file's blocks
-through the experts GEMV). The model on them answers as on the file's blocks: a prompt's logits and
+the grouped output projection's first half too (its one-row product: the rows GEMV on stacked
+matrices). The model on them answers as on the file's blocks: a prompt's logits and
 graphable decode steps. The file is bench/flash_gguf.py's (Q8_0 linears, Q2_K / Q3_K experts) at
 its tiny size. On a GPU the real kernels run; without one, the check runs them in Triton's
 interpreter."""
@@ -28,7 +28,9 @@ from ds4desk.engine.models.packed import PackedEmbedding, PackedLinear
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 path = Path(tempfile.mkdtemp()) / "flash-3-layers.gguf"
-write(path, geometry(3, tiny=True), {"gate_proj": "Q2_K", "up_proj": "Q2_K", "down_proj": "Q3_K"})
+# 8 heads of 64 in 2 groups: the grouped output projection's rows are 256 values, a row layout's
+config = geometry(3, tiny=True) | {"num_attention_heads": 8}
+write(path, config, {"gate_proj": "Q2_K", "up_proj": "Q2_K", "down_proj": "Q3_K"})
 prompt = torch.tensor([5, 17, 200, 3, 99])
 ROWS = ROW_LAYOUTS[8][0].type_id
 
@@ -38,11 +40,11 @@ def run(rows: bool):
     model = load_model(read_source(path), device, torch.float32).model
     packed = {n: m for n, m in model.named_modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
     types = {name: m.type_id for name, m in packed.items()}
-    # Rearranged: rows of 256-value multiples, but for the grouped output projection's first half.
+    # Rearranged: rows of 256-value multiples.
     expected = {}
     for name, m in packed.items():
         cols = m.in_features if isinstance(m, PackedLinear) else m.embedding_dim
-        expected[name] = ROWS if cols % 256 == 0 and not name.endswith("o_a_proj") else 8
+        expected[name] = ROWS if cols % 256 == 0 else 8
     model.allocate_cache(64)
     with torch.inference_mode():
         logits = [model.forward(prompt.to(device), 0, "all")]
@@ -58,6 +60,7 @@ plain, _, want = run(False)
 assert set(plain.values()) == {8}, plain  # every packed linear of the file is Q8_0
 assert types == expected, (types, expected)
 assert "lm_head" in types and list(types.values()).count(ROWS) > len(types) // 2
+assert all(types[n] == ROWS for n in types if n.endswith("o_a_proj")), types
 for step, (a, b) in enumerate(zip(got, want)):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
 print("rows model ok")
