@@ -29,6 +29,7 @@ import torch
 
 from ds4desk.engine.api import SamplingParams
 from ds4desk.engine.formats import GGUF_TYPES
+from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.quant import gguf_tiles
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
@@ -165,8 +166,16 @@ def main() -> None:
     )
     parser.add_argument("--experts-tiles", type=Path, help="bench/gguf_experts_gemv.py's result: its tiles")
     parser.add_argument("--grouped-share", type=float, help="moe.GROUPED_MIN_SHARE for this run")
+    parser.add_argument(
+        "--off", action="append", default=[], help="a kernel switch (launch.switches()) off for the run"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    with launch.force(dict.fromkeys(args.off, False)):
+        bench(args)
+
+
+def bench(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     packed.DEVICE_ROWS = not args.file_blocks
     if args.grouped_share is not None:
@@ -207,6 +216,7 @@ def main() -> None:
         "model": str(args.model) if args.model else "made on the device",
         "grouped_min_share": moe.GROUPED_MIN_SHARE,
         "device_rows": packed.DEVICE_ROWS,
+        "switches_off": args.off,
         "experts_tiles": {name: list(setting) for name, setting in gguf_tiles.EXPERTS_TILES.items()},
         "experts_one_row": {name: list(setting) for name, setting in gguf_tiles.EXPERTS_ONE_ROW.items()},
         "layers": layers,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
+from ds4desk.engine.kernels.deepseek_v4 import decode_index as v4_decode_index
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
 from ds4desk.engine.kernels.deepseek_v4.decode_attention import decode_attention
@@ -259,7 +260,7 @@ class GraphableDecode:
         entries = state.entries[:rows]
         if isinstance(indexer, Indexer) and rows > cfg.index_topk:  # else the top k would be every row
             assert state.index_entries is not None
-            picks = self._decode_index(indexer, state.index_entries[:rows], x, q_res, pos, turn, ready <= pos)
+            picks = self._decode_index(indexer, state.index_entries[:rows], x, q_res, pos, turn)
             return entries, ready, picks
         return entries, ready, None
 
@@ -360,23 +361,21 @@ class GraphableDecode:
         q_res: torch.Tensor,
         pos: torch.Tensor,
         turn: torch.Tensor,
-        visible: torch.Tensor,
     ) -> torch.Tensor:
-        """_index_select for one query over a fixed candidate count: the top index_topk of the rows
-        by score [k], invisible candidates scored -inf (fewer visible than k: the rest are not,
-        and attention masks them). `turn` is the compress table's rotation at `pos`."""
+        """_index_select for one query over a fixed candidate count (rows > index_topk): the top
+        index_topk of the rows by score [k], invisible candidates scored -inf (fewer visible than k:
+        the rest are not, and attention masks them). `turn` is the compress table's rotation at `pos`."""
         cfg = self.config
         heads, dim = cfg.index_heads, cfg.index_head_dim
         q = ops.linear(q_res, indexer.q_b_proj).view(heads, dim)
-        if v4_norm_rope.enabled(q):  # the rotation as one kernel, float32 out
-            cos, sin = self._tables["compress"]
-            q = v4_norm_rope.norm_rope(
-                q, None, None, cos, sin, pos, 2 * turn.shape[-1], torch.float32
-            )  # [Hi, di]
-        else:
-            q = ops.rope_(q.float(), turn)  # [Hi, di]
-        weights = ops.index_weights(x, indexer, heads, dim)  # [1, Hi]
         # The q·k products in the keys' dtype, summed in float32, as in prefill (_index_select).
-        part = torch.relu_(torch.mm(q.to(keys.dtype), keys.t()).float())  # [Hi, rows]
-        scores = torch.where(visible, torch.mm(weights, part), -math.inf)  # [1, rows]
-        return scores.topk(cfg.index_topk, dim=-1).indices.view(-1)  # rows > index_topk
+        if v4_norm_rope.enabled(q):  # the rotation as one kernel, cast once to the keys' dtype
+            cos, sin = self._tables["compress"]
+            q = v4_norm_rope.norm_rope(q, None, None, cos, sin, pos, 2 * turn.shape[-1], keys.dtype)
+        else:
+            q = ops.rope_(q.float(), turn).to(keys.dtype)  # [Hi, di]
+        weights = ops.index_weights(x, indexer, heads, dim)  # [1, Hi]
+        rate, k = cfg.rate(CSA), cfg.index_topk
+        if v4_decode_index.enabled(q):
+            return v4_decode_index.decode_index(q, keys, weights, pos, rate, k)
+        return v4_decode_index.reference(q, keys, weights, pos, rate, k)
