@@ -144,15 +144,17 @@ def _jit_kernels() -> tuple[object, object] | None:
         e = tl.arange(0, EP)
         live = e < E
         bits = tl.load(scores + e, mask=live, other=0.0).to(tl.int32, bitcast=True)
-        # Order-preserving integers: a negative float's magnitude bits flip; then shifted to
-        # 0 .. 2^32 - 1 in int64 (no unsigned arithmetic), and -1 for the lanes past the end.
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
-        key = tl.where(live, key, -1)
-        # The k-th largest key, bit by bit from the top: the largest t with K keys >= t.
+        # Order-preserving integers: a negative float's magnitude bits flip (-inf is above INT_MIN,
+        # which the lanes past the end take).
+        key = tl.where(live, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -2147483648)
+        # The k-th largest key, bit by bit from the top of the offset range 0 .. 2^32 - 1 (int64 on
+        # the scalar, int32 compares on the keys): the largest t with K keys >= t - 2^31.
         kth = tl.zeros([], dtype=tl.int64)
         for b in tl.static_range(31, -1, -1):
             trial = kth + (1 << b)
-            kth = tl.where(tl.sum((key >= trial).to(tl.int32), axis=0) >= K, trial, kth)
+            count = tl.sum((key >= (trial - 2147483648).to(tl.int32)).to(tl.int32), axis=0)
+            kth = tl.where(count >= K, trial, kth)
+        kth = (kth - 2147483648).to(tl.int32)
         above = key > kth
         tie = key == kth
         taken_above = tl.sum(above.to(tl.int32), axis=0)  # < K
