@@ -18,6 +18,8 @@ Measured with it (bf16, views excluded; 2026-11-30):
 - after: decode 542 fused (1,214 eager), prefill chunk 672 fused (1,344 eager).
 - with the fused hc sites (--prompt 200 --chunk 64): decode 458 ops (hc: 13, the 8 sites one op each).
 - with the decode norm / rope as one op a use (v4_norm_rope; --prompt 200 --chunk 64): decode 232 -> 188.
+- with the decode indexer pick as one op (v4_decode_index; --prompt 2200 --chunk 512, so that the CSA
+  layers hold more rows than index_topk; 2026-12-06): decode 188 -> 170.
 
 --cuda builds the full-width model on the GPU and reports the kernels a decode step launches (from
 the profiler), the CUDA-graph decode time, eager decode time and prefill tok/s, for this version and
@@ -44,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ds4desk.engine.kernels import launch
 from ds4desk.engine.kernels.deepseek_v4 import compress_step as v4_compress_step
 from ds4desk.engine.kernels.deepseek_v4 import decode_attention as v4_decode_attention
+from ds4desk.engine.kernels.deepseek_v4 import decode_index as v4_decode_index
 from ds4desk.engine.kernels.deepseek_v4 import hc_fused as v4_hc_fused
 from ds4desk.engine.kernels.deepseek_v4 import hc_kernel as v4_hc_kernel
 from ds4desk.engine.kernels.deepseek_v4 import norm_rope as v4_norm_rope
@@ -59,6 +62,7 @@ FUSED_MODULES = (
     v4_hc_kernel,
     v4_hc_fused,
     v4_decode_attention,
+    v4_decode_index,
     v4_compress_step,
     v4_prefill_attention,
     v4_route,
