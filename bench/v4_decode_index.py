@@ -2,7 +2,7 @@
 (bf16 product, ReLU, weighted sum, mask, torch's top-k) against the two Triton kernels, each timed
 as CUDA-graph replays at Flash's shapes (64 heads of 128, top 512) for the candidate rows of a
 context (rate 4: 8k tokens are 2,048 rows), beside the floor: the keys' bytes over the copy
-bandwidth; and the selection kernel alone at each warp count.
+bandwidth; and the selection kernel alone at each setting (threshold bits a round, warps) up to 4,096 rows.
 
     python3 bench/v4_decode_index.py [--rows 2048,4096,8192,16384] [--calls 50]
 
@@ -49,17 +49,20 @@ def graph_us(call: Callable[[], torch.Tensor], calls: int, repeats: int = 5) -> 
     return best
 
 
-def select_sweep(scores: torch.Tensor, calls: int) -> dict[int, float]:
-    """The selection kernel alone on `scores`, microseconds a call for each warp count."""
+def select_sweep(scores: torch.Tensor, calls: int) -> dict[str, float]:
+    """The selection kernel alone on `scores`, microseconds a call for each setting "bits/warps"."""
     _, select_kernel = v4_decode_index._jit_kernels()
     picks = torch.empty(TOPK, dtype=torch.int64, device=scores.device)
     span = 1 << (scores.shape[0] - 1).bit_length()
 
-    def select(warps: int) -> torch.Tensor:
-        select_kernel[(1,)](scores, picks, scores.shape[0], K=TOPK, EP=span, PDL=False, num_warps=warps)
+    def select(bits: int, warps: int) -> torch.Tensor:
+        select_kernel[(1,)](
+            scores, picks, scores.shape[0], K=TOPK, EP=span, BITS=bits, PDL=False, num_warps=warps
+        )
         return picks
 
-    return {warps: graph_us(functools.partial(select, warps), calls) for warps in (1, 2, 4, 8, 16, 32)}
+    settings = [(bits, warps) for bits in (1, 2, 4) for warps in (4, 8, 16)]
+    return {f"{b}/{w}": graph_us(functools.partial(select, b, w), calls) for b, w in settings}
 
 
 def copy_bandwidth(size: int = 1 << 30) -> float:
@@ -107,7 +110,9 @@ def main() -> None:
             "fused_us": graph_us(fused, args.calls),
             "floor_us": (keys.numel() * keys.element_size() + q.numel() * 2) / bandwidth * 1e6,
             "picks_in_common": len(set(eager().tolist()) & set(fused().tolist())),
-            "select_us_by_warps": select_sweep(torch.randn(rows, device="cuda", generator=gen), args.calls),
+            "select_us_by_bits_warps": select_sweep(
+                torch.randn(rows, device="cuda", generator=gen), args.calls
+            ),
         }
         runs.append(run)
         print(json.dumps(run), flush=True)

@@ -39,6 +39,8 @@ _BLOCK_E = 64
 # The selection holds every score of the layer in one program's registers: up to 16,384 entries (a
 # 65,536-token context at rate 4); beyond, torch's top-k picks from the kernel's scores.
 MAX_SELECT = 1 << 14
+# Threshold bits the selection settles a round (bench/v4_decode_index.py sweeps it).
+SELECT_BITS = 2
 
 
 def enabled(where: Where) -> bool:
@@ -137,7 +139,15 @@ def _jit_kernels() -> tuple[object, object] | None:
         tl.store(out + e, tl.where(visible, score, -float("inf")), mask=live_e)
 
     @triton.jit(do_not_specialize=["E"])
-    def select_kernel(scores, picks, E, K: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr):
+    def select_kernel(
+        scores,
+        picks,
+        E,
+        K: tl.constexpr,
+        EP: tl.constexpr,
+        BITS: tl.constexpr,  # threshold bits settled a round (1, 2, 4 or 8)
+        PDL: tl.constexpr,
+    ):
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -147,13 +157,17 @@ def _jit_kernels() -> tuple[object, object] | None:
         # Order-preserving integers: a negative float's magnitude bits flip (-inf is above INT_MIN,
         # which the lanes past the end take).
         key = tl.where(live, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -2147483648)
-        # The k-th largest key, bit by bit from the top of the offset range 0 .. 2^32 - 1 (int64 on
-        # the scalar, int32 compares on the keys): the largest t with K keys >= t - 2^31.
+        # The k-th largest key, BITS bits a round from the top of the offset range 0 .. 2^32 - 1
+        # (int64 on the threshold, int32 compares on the keys): the largest t with K keys >= t - 2^31.
+        # A round counts the keys at or above each of the 2^BITS next thresholds at once (one
+        # reduction, not BITS); the counts fall with the threshold, so those reaching K say the digit.
+        steps = tl.arange(0, 1 << BITS).to(tl.int64)
         kth = tl.zeros([], dtype=tl.int64)
-        for b in tl.static_range(31, -1, -1):
-            trial = kth + (1 << b)
-            count = tl.sum((key >= (trial - 2147483648).to(tl.int32)).to(tl.int32), axis=0)
-            kth = tl.where(count >= K, trial, kth)
+        for r in tl.static_range(32 // BITS):
+            trials = (kth + (steps << (32 - BITS * (r + 1))) - 2147483648).to(tl.int32)
+            counts = tl.sum((key[:, None] >= trials[None, :]).to(tl.int32), axis=0)
+            digit = tl.sum((counts >= K).to(tl.int64), axis=0) - 1  # the step at kth always counts K
+            kth = kth + (digit << (32 - BITS * (r + 1)))
         kth = (kth - 2147483648).to(tl.int32)
         above = key > kth
         tie = key == kth
@@ -211,6 +225,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             total,
             K=k,
             EP=span,
+            BITS=SELECT_BITS,
             PDL=use_pdl,
             num_warps=max(4, min(16, span // 512)),
             launch_pdl=use_pdl,

@@ -128,9 +128,11 @@ for total, k in ((40, 8), (300, 100), (2048, 512)):
     ties[ties == 0] = -0.0
     for scores in (distinct, ties):
         scores = scores.to(device)
-        picks = torch.full((k,), -1, dtype=torch.int64, device=device)
-        select_kernel[(1,)](scores, picks, total, K=k, EP=1 << (total - 1).bit_length(), PDL=False)
-        assert sorted(picks.tolist()) == expected_picks(scores, k), (total, k)
+        for bits in (1, 2, 4, 8):
+            picks = torch.full((k,), -1, dtype=torch.int64, device=device)
+            span = 1 << (total - 1).bit_length()
+            select_kernel[(1,)](scores, picks, total, K=k, EP=span, BITS=bits, PDL=False)
+            assert sorted(picks.tolist()) == expected_picks(scores, k), (total, k, bits)
 print("triton ok")
 """
 
