@@ -3,12 +3,13 @@
 Once a CSA layer holds more compressed entries than index_topk (Flash: 512, so after 2,048 tokens),
 a decode step scores every entry e as Σ_h w_h ReLU(q_h · k_e) (64 heads of 128) and attends to the
 top 512. Eagerly that is the bf16 product, its float32 copy, the ReLU, the weighted sum, the
-visibility mask and torch's top-k: at 2,048 entries ~45 µs a layer, most of it the top-k's radix
-sort, for 21 CSA layers in Flash. On NVIDIA GPUs with Triton it is two kernels. The first scores a
-block of entries a program (the heads are the product's rows, so the tensor cores run it). The
-second, one program, finds the k-th largest score by bisection on its bits (32 counts over the
-entries, all held in registers) and writes every entry above it plus the first entries equal to it,
-in entry order: the same set as a top-k up to ties, which attention does not order.
+visibility mask and torch's top-k: at 2,048 entries ~50 µs a layer in a CUDA graph on an H100, most
+of it the top-k's radix sort, for 21 CSA layers in Flash. On NVIDIA GPUs with Triton it is two
+kernels (~10 µs). The first scores a block of entries a program (the heads are the product's rows,
+so the tensor cores run it). The second, one program, finds the k-th largest score from its bits,
+two bits a round (16 rounds of counts over the entries, all held in registers), and writes every
+entry above it plus the first entries equal to it, in entry order: the same set as a top-k up to
+ties, which attention does not order.
 
 The fused path goes through a torch custom op (one op for an op counter); elsewhere (CPU, ROCm, no
 Triton) `reference` runs, the model's former eager math.
@@ -145,7 +146,7 @@ def _jit_kernels() -> tuple[object, object] | None:
         E,
         K: tl.constexpr,
         EP: tl.constexpr,
-        BITS: tl.constexpr,  # threshold bits settled a round (1, 2, 4 or 8)
+        BITS: tl.constexpr,  # threshold bits settled a round (1, 2 or 4: a divisor of 32)
         PDL: tl.constexpr,
     ):
         if PDL:
