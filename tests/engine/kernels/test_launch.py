@@ -17,6 +17,7 @@ KERNEL_MODULES = (
     "dense.silu_mul",
     "deepseek_v4.compress_step",
     "deepseek_v4.decode_attention",
+    "deepseek_v4.decode_index",
     "deepseek_v4.hc_fused",
     "deepseek_v4.hc_kernel",
     "deepseek_v4.index_scores",
