@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 import math
+import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +23,9 @@ from pathlib import Path
 import torch
 
 from ds4desk.engine.kernels.deepseek_v4 import decode_index as v4_decode_index
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flash_one_gpu import copy_bandwidth  # a sibling script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, DIM, TOPK, RATE = 64, 128, 512, 4
@@ -65,20 +69,6 @@ def select_sweep(scores: torch.Tensor, calls: int) -> dict[str, float]:
     return {f"{b}/{w}": graph_us(functools.partial(select, b, w), calls) for b, w in settings}
 
 
-def copy_bandwidth(size: int = 1 << 30) -> float:
-    src = torch.empty(size, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        dst.copy_(src)
-    stop.record()
-    torch.cuda.synchronize()
-    return 2 * 5 * size / (start.elapsed_time(stop) / 1e3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="2048,4096,8192,16384")
@@ -86,7 +76,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"), 1 << 30)
     result: dict[str, object] = {
         "date": datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ"),
         "device": torch.cuda.get_device_name(),

@@ -13,6 +13,7 @@ import torch
 
 from ds4desk.engine.kernels.deepseek_v4 import decode_index as v4_decode_index
 from ds4desk.engine.loader import load_model
+from ds4desk.engine.loading.source import ModelSource
 from ds4desk.engine.make_tiny import make_tiny
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
 from tests.engine.models.deepseek_v4.test_graphable import Stepper, relative_error, step_op_names, tokens
@@ -154,8 +155,8 @@ def test_the_triton_kernels_equal_the_reference() -> None:
 CONTEXT = 48
 
 
-def fused_steps_equal_eager_steps(folder: Path, device: torch.device, prefill: int, stop: int) -> None:
-    """Graphable steps with the op forced on for one model, off for the other, from the same prefill."""
+def model_pair(folder: Path, device: torch.device) -> tuple[ModelSource, list[DeepseekV4Model]]:
+    """make_tiny's checkpoint in `folder` and two models of it, each with its own cache."""
     make_tiny("deepseek_v4", folder, seed=4)
     source = source_from_folder(folder)
     models = []
@@ -164,6 +165,12 @@ def fused_steps_equal_eager_steps(folder: Path, device: torch.device, prefill: i
         assert isinstance(model, DeepseekV4Model)
         model.allocate_cache(CONTEXT)
         models.append(model)
+    return source, models
+
+
+def fused_steps_equal_eager_steps(folder: Path, device: torch.device, prefill: int, stop: int) -> None:
+    """Graphable steps with the op forced on for one model, off for the other, from the same prefill."""
+    source, models = model_pair(folder, device)
     ids = tokens(source, stop, seed=17)
     with torch.inference_mode():
         steppers = []
@@ -185,14 +192,7 @@ def test_the_models_steps_through_the_op_equal_its_eager_steps(tmp_path: Path) -
 
 
 def test_the_op_runs_once_a_csa_layer_with_fewer_ops(tmp_path: Path) -> None:
-    make_tiny("deepseek_v4", tmp_path, seed=4)
-    source = source_from_folder(tmp_path)
-    models = []
-    for _ in range(2):
-        model = load_model(source, torch.device("cpu"), torch.float32).model
-        assert isinstance(model, DeepseekV4Model)
-        model.allocate_cache(CONTEXT)
-        models.append(model)
+    source, models = model_pair(tmp_path, torch.device("cpu"))
     ids = tokens(source, 12, seed=19)
     recorded = step_op_names(models[0], models[1], v4_decode_index, ids, 3, 12, CONTEXT)
     # make_tiny: CSA, HCA, CSA layers after a sliding one.
