@@ -24,7 +24,9 @@ Synthetic models (random weights, a byte-level tokenizer), written once to --wor
 `dense` Qwen3-0.6B's shapes (28 layers, hidden 1024, bf16), `v4` bench/gpu_deepseek_v4.py's
 DeepSeek-V4-Flash-shaped model, `qwen35` bench/qwen35_gpu.py's 8-layer Qwen3.5 of Qwen3.5-9B's
 shapes, `dense-small` and `v4-tiny` small ones for a CPU smoke run.
-Prints one JSON line; --out also writes it under that folder.
+Each run also lists the Triton kernels each request compiled or read from the disk cache
+(`triton_compiles`: name and argument specialisation, from Triton's jit_cache_hook), the work a
+warm-up should have done. Prints one JSON line; --out also writes it under that folder.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def child(config: dict[str, Any]) -> None:
     padded = config.get("row_buckets", True)
     dense_model.PAD_PREFILL_ROWS = v4_ops.PAD_PRODUCT_ROWS = qwen35_model.PAD_PRODUCT_ROWS = padded
 
+    compiled = _log_triton_compiles()
     imported = time.time()
     engine = Engine()
     try:
@@ -176,12 +179,14 @@ def child(config: dict[str, Any]) -> None:
         vocab = config["vocab"]
         ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(config["tokens"])]
         runs = []
+        compiles: dict[str, list[str]] = {}
         # The third: a prompt of a length neither request nor the warm-up ran (what a new prompt costs).
         other = ids[: max(1, len(ids) - 37)]
         for name, prompt in (("first", ids), ("second", ids), ("other", other)):
             request = GenerateRequest(
                 prompt_tokens=prompt, max_new_tokens=config["new_tokens"], stop_tokens=[], use_snapshots=False
             )
+            before = len(compiled)
             started = time.time()
             if config.get("profile"):
                 result = _profiled(engine, request, Path(config["profile"]) / f"{name}.txt")
@@ -190,6 +195,7 @@ def child(config: dict[str, Any]) -> None:
             if not result.ok:
                 raise SystemExit(f"generate failed: {result.error}")
             runs.append((started, result))
+            compiles[name] = compiled[before:]
     finally:
         engine.close()
     (first_at, first), (_, second), (_, other_run) = runs
@@ -206,12 +212,32 @@ def child(config: dict[str, Any]) -> None:
                 "second_decode_tok_s": second.stats.decode_tok_s,
                 "start_to_first_token_s": first_at + first.stats.time_to_first_token_s - config["spawned_at"],
                 "same_tokens": first.tokens == second.tokens,
+                # Triton kernels each request compiled or read from the disk cache (the warm-up's job).
+                "triton_compiles": compiles,
                 "model": loaded.info.name,
                 "device": loaded.info.device,
                 "dtype": loaded.info.dtype,
             }
         )
     )
+
+
+def _log_triton_compiles() -> list[str]:
+    """Triton's kernels as they are compiled or read from its disk cache in this process (its
+    jit_cache_hook: each kernel's name and the specialisation of its arguments); empty without
+    Triton."""
+    compiled: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        return compiled
+
+    def hook(*, repr: str, **_: Any) -> bool:
+        compiled.append(repr)
+        return False  # go on and compile
+
+    knobs.runtime.jit_cache_hook = hook
+    return compiled
 
 
 def _profiled(engine: Any, request: Any, table: Path) -> Any:
@@ -267,6 +293,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {key: round(statistics.median(r[key] for r in runs), 4) for key in keys}
     out["first_over_second"] = round(out["first_ttft_s"] / max(out["second_ttft_s"], 1e-9), 2)
     out["same_tokens"] = all(r["same_tokens"] for r in runs)
+    out["first_triton_compiles"] = max(len(r.get("triton_compiles", {}).get("first", [])) for r in runs)
     return out
 
 

@@ -1,8 +1,9 @@
 """DeepSeek-V4's indexer pick of one decode query (kernels/deepseek_v4/decode_index.py): the eager math
-(bf16 product, ReLU, weighted sum, mask, torch's top-k) against the two Triton kernels, each timed
-as CUDA-graph replays at Flash's shapes (64 heads of 128, top 512) for the candidate rows of a
-context (rate 4: 8k tokens are 2,048 rows), beside the floor: the keys' bytes over the copy
-bandwidth; and the selection kernel alone at each setting (threshold bits a round, warps) up to 4,096 rows.
+(the weights' float32 cast and scale, bf16 product, ReLU, weighted sum, mask, torch's top-k) against
+the two Triton kernels, each timed as CUDA-graph replays at Flash's shapes (64 heads of 128, top
+512) for the candidate rows of a context (rate 4: 8k tokens are 2,048 rows), beside the floor: the
+keys' bytes over the copy bandwidth; and the selection kernel alone at each setting (threshold bits
+a round, warps) up to 4,096 rows.
 
     python3 bench/v4_decode_index.py [--rows 2048,4096,8192,16384] [--calls 50]
 
@@ -88,9 +89,10 @@ def main() -> None:
     for rows in (int(n) for n in args.rows.split(",")):
         q = torch.randn(HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
         keys = torch.randn(rows, DIM, device="cuda", generator=gen).to(torch.bfloat16)
-        weights = torch.randn(1, HEADS, device="cuda", generator=gen) / HEADS
+        # As the model hands them over: the projection's bf16 weights and the scale to fold in.
+        weights = torch.randn(1, HEADS, device="cuda", generator=gen).to(torch.bfloat16)
         pos = torch.tensor([rows * RATE - 1], device="cuda")  # every row visible
-        inputs = (q, keys, weights, pos, RATE, TOPK)
+        inputs = (q, keys, weights, pos, RATE, TOPK, HEADS**-0.5 * DIM**-0.5)
         eager = functools.partial(v4_decode_index.reference, *inputs)
         fused = functools.partial(v4_decode_index.decode_index, *inputs)
         run = {

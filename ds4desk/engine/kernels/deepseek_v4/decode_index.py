@@ -2,14 +2,15 @@
 
 Once a CSA layer holds more compressed entries than index_topk (Flash: 512, so after 2,048 tokens),
 a decode step scores every entry e as Σ_h w_h ReLU(q_h · k_e) (64 heads of 128) and attends to the
-top 512. Eagerly that is the bf16 product, its float32 copy, the ReLU, the weighted sum, the
-visibility mask and torch's top-k: at 2,048 entries ~50 µs a layer in a CUDA graph on an H100, most
-of it the top-k's radix sort, for 21 CSA layers in Flash. On NVIDIA GPUs with Triton it is two
-kernels (~10 µs). The first scores a block of entries a program (the heads are the product's rows,
-so the tensor cores run it). The second, one program, finds the k-th largest score from its bits,
-two bits a round (16 rounds of counts over the entries, all held in registers), and writes every
-entry above it plus the first entries equal to it, in entry order: the same set as a top-k up to
-ties, which attention does not order.
+top 512. Eagerly that is the weights' float32 cast and scale, the bf16 product, its float32 copy,
+the ReLU, the weighted sum, the visibility mask and torch's top-k: at 2,048 entries ~50 µs a layer
+in a CUDA graph on an H100, most of it the top-k's radix sort, for 21 CSA layers in Flash. On NVIDIA
+GPUs with Triton it is two kernels (~10 µs). The first scores a block of entries a program (the
+heads are the product's rows, so the tensor cores run it; it casts and scales the projection's
+weights itself). The second, one program, finds the k-th largest score from its bits, two bits a
+round (16 rounds of counts over the entries, all held in registers), and writes every entry above
+it plus the first entries equal to it, in entry order: the same set as a top-k up to ties, which
+attention does not order.
 
 The fused path goes through a torch custom op (one op for an op counter); elsewhere (CPU, ROCm, no
 Triton) `reference` runs, the model's former eager math.
@@ -50,45 +51,70 @@ def enabled(where: Where) -> bool:
 
 
 def reference(
-    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, rate: int, k: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    pos: torch.Tensor,
+    rate: int,
+    k: int,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [H, d] in the keys' dtype (rotated), keys [E, d], weights float32 [1, H], pos int64 [1]:
-    the k entries with the largest Σ_h w_h ReLU(q_h · k_e), each product rounded to the keys' dtype
-    (a 16-bit matmul's output) and summed in float32, as int64 indices [k]. Entry e is visible from
-    position (e + 1) rate - 1 on; the others score -inf (fewer visible than k: some of them are
-    picked, and attention masks them)."""
+    """q [H, d] in the keys' dtype (rotated), keys [E, d], weights [1, H] (float32, bfloat16 or
+    float16; head h weighs w_h = float32(weights[h]) · scale), pos int64 [1]: the k entries with the
+    largest Σ_h w_h ReLU(q_h · k_e), each product rounded to the keys' dtype (a 16-bit matmul's
+    output) and summed in float32, as int64 indices [k]. Entry e is visible from position
+    (e + 1) rate - 1 on; the others score -inf (fewer visible than k: some of them are picked, and
+    attention masks them)."""
     part = torch.relu_(torch.mm(q, keys.t()).float())  # [H, E]
     ready = torch.arange(1, keys.shape[0] + 1, device=keys.device) * rate - 1
-    scores = torch.where(ready <= pos, torch.mm(weights, part), -math.inf)  # [1, E]
+    scores = torch.where(ready <= pos, torch.mm(weights.float() * scale, part), -math.inf)  # [1, E]
     return scores.topk(k, dim=-1).indices.view(-1)
 
 
 def decode_index(
-    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, rate: int, k: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    pos: torch.Tensor,
+    rate: int,
+    k: int,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """See `reference`; always the custom op (see `enabled` for when the model takes this path)."""
     heads, dim = q.shape
     if keys.dim() != 2 or keys.shape[1] != dim or q.dtype != keys.dtype:
         raise ValueError(f"keys must be [E, {dim}] in q's dtype, got {tuple(keys.shape)} {keys.dtype}")
-    if weights.shape != (1, heads) or weights.dtype != torch.float32:
-        raise ValueError(f"weights must be float32 [1, {heads}], got {tuple(weights.shape)} {weights.dtype}")
+    if weights.shape != (1, heads) or weights.dtype not in _WEIGHT_DTYPES:
+        raise ValueError(
+            f"weights must be [1, {heads}] in float32, bfloat16 or float16, got "
+            f"{tuple(weights.shape)} {weights.dtype}"
+        )
     if pos.shape != (1,) or pos.dtype != torch.int64:
         raise ValueError("pos is an int64 tensor [1]")
     if rate < 1 or not 0 < k < keys.shape[0]:
         raise ValueError(f"need rate >= 1 and 0 < k < {keys.shape[0]} entries, got rate {rate} and k {k}")
-    return _fused_op(q.contiguous(), keys.contiguous(), weights.contiguous(), pos, rate, k)
+    return _fused_op(q.contiguous(), keys.contiguous(), weights.contiguous(), pos, rate, k, float(scale))
+
+
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @torch.library.custom_op("ds4desk::v4_decode_index", mutates_args=())
 def _fused_op(
-    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, rate: int, k: int
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    pos: torch.Tensor,
+    rate: int,
+    k: int,
+    scale: float,
 ) -> torch.Tensor:
     kernel = _triton_kernel() if SWITCH.kernel_runs_on(q) else None
-    return (reference if kernel is None else kernel)(q, keys, weights, pos, rate, k)
+    return (reference if kernel is None else kernel)(q, keys, weights, pos, rate, k, scale)
 
 
 @_fused_op.register_fake
-def _(q, keys, weights, pos, rate, k):
+def _(q, keys, weights, pos, rate, k, scale):
     return q.new_empty((k,), dtype=torch.int64)
 
 
@@ -106,6 +132,7 @@ def _jit_kernels() -> tuple[object, object] | None:
         q,
         keys,
         weights,
+        scale,
         pos_ptr,
         out,
         E,
@@ -134,7 +161,7 @@ def _jit_kernels() -> tuple[object, object] | None:
             k = k.to(tl.float32)
         s = tl.dot(qh, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32)  # [HP, BE]
         s = s.to(keys.dtype.element_ty).to(tl.float32)  # a 16-bit matmul returns its dtype
-        w = tl.load(weights + h, mask=h < H, other=0.0)
+        w = tl.load(weights + h, mask=h < H, other=0.0).to(tl.float32) * scale
         score = tl.sum(w[:, None] * tl.maximum(s, 0.0), axis=0)
         visible = (e + 1) * RATE - 1 <= tl.load(pos_ptr)
         tl.store(out + e, tl.where(visible, score, -float("inf")), mask=live_e)
@@ -190,7 +217,13 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
     scores_kernel, select_kernel = kernels
 
     def launch(
-        q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, rate: int, k: int
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        weights: torch.Tensor,
+        pos: torch.Tensor,
+        rate: int,
+        k: int,
+        scale: float,
     ) -> torch.Tensor:
         heads, dim = q.shape
         total = keys.shape[0]
@@ -201,6 +234,7 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
             q,
             keys,
             weights,
+            scale,
             pos,
             scores,
             total,

@@ -374,8 +374,10 @@ class GraphableDecode:
             q = v4_norm_rope.norm_rope(q, None, None, cos, sin, pos, 2 * turn.shape[-1], keys.dtype)
         else:
             q = ops.rope_(q.float(), turn).to(keys.dtype)  # [Hi, di]
-        weights = ops.index_weights(x, indexer, heads, dim)  # [1, Hi]
+        # The weights' float32 cast and scale happen in the scoring kernel (two kernels fewer a step).
+        weights = ops.index_head_weights(x, indexer)  # [1, Hi]
+        scale = ops.index_weight_scale(heads, dim)
         rate, k = cfg.rate(CSA), cfg.index_topk
         if v4_decode_index.enabled(q):
-            return v4_decode_index.decode_index(q, keys, weights, pos, rate, k)
-        return v4_decode_index.reference(q, keys, weights, pos, rate, k)
+            return v4_decode_index.decode_index(q, keys, weights, pos, rate, k, scale)
+        return v4_decode_index.reference(q, keys, weights, pos, rate, k, scale)

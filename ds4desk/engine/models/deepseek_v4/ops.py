@@ -160,5 +160,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 def index_weights(x: torch.Tensor, indexer: Indexer, heads: int, dim: int) -> torch.Tensor:
     """The indexer's per-head weights with both scales folded in, float32 [T, Hi]: the score is
     Σ_h w_h Hi^-½ ReLU(q_h · k) di^-½ = Σ_h (w_h Hi^-½ di^-½) ReLU(q_h · k)."""
+    return index_head_weights(x, indexer).float() * index_weight_scale(heads, dim)
+
+
+def index_head_weights(x: torch.Tensor, indexer: Indexer) -> torch.Tensor:
+    """The indexer's per-head weights w_h as its projection gives them, in x's dtype [T, Hi]."""
     weight = indexer.scorer.weights_proj.weight
-    return product(x, lambda rows: decode_kernels.linear(rows, weight)).float() * (heads**-0.5 * dim**-0.5)
+    return product(x, lambda rows: decode_kernels.linear(rows, weight))
+
+
+def index_weight_scale(heads: int, dim: int) -> float:
+    """Hi^-½ di^-½: what index_weights folds into each head's weight."""
+    return heads**-0.5 * dim**-0.5

@@ -53,6 +53,17 @@ def test_the_reference_is_the_former_math(
     assert picks.dtype == torch.int64 and torch.equal(picks, expected)
 
 
+def test_the_reference_scales_the_projections_weights_as_the_model_did() -> None:
+    """The model's former weights were the projection's output, cast to float32 and scaled
+    (ops.index_weights); the reference takes the projection's output and the scale."""
+    q, keys, _ = inputs(4, 16, 40, torch.bfloat16, seed=3)
+    raw = (torch.randn(1, 4, generator=torch.Generator().manual_seed(5)) * 3).to(torch.bfloat16)
+    scale = 4**-0.5 * 16**-0.5
+    picks = v4_decode_index.reference(q, keys, raw, torch.tensor([120]), 4, 8, scale)
+    expected = scores_of(q, keys, raw.float() * scale, 120, 4).topk(8).indices
+    assert torch.equal(picks, expected)
+
+
 def test_the_custom_op_is_one_op_with_the_reference_result() -> None:
     q, keys, weights = inputs(4, 16, 40, torch.bfloat16, seed=2)
     pos = torch.tensor([90])
@@ -74,7 +85,7 @@ def test_the_cpu_takes_the_eager_path_by_default() -> None:
         ({"keys": torch.zeros(40, 8, dtype=torch.bfloat16)}, "keys must be"),
         ({"keys": torch.zeros(40, 16)}, "q's dtype"),
         ({"weights": torch.zeros(1, 3)}, "weights must be"),
-        ({"weights": torch.zeros(1, 4, dtype=torch.bfloat16)}, "weights must be"),
+        ({"weights": torch.zeros(1, 4, dtype=torch.int32)}, "weights must be"),
         ({"pos": torch.tensor([3], dtype=torch.int32)}, "pos"),
         ({"rate": 0}, "rate"),
         ({"k": 40}, "k"),
@@ -105,7 +116,11 @@ for dtype, step in ((torch.float32, 1e-5), (torch.bfloat16, 2.0**-7)):
     for heads, dim, total, pos, rate, k in cases:
         q, keys, weights = (t.to(device) for t in inputs(heads, dim, total, dtype, seed=total))
         at = torch.tensor([pos], device=device)
-        picks = kernel(q, keys, weights, at, rate, k)
+        # The model's form: the projection's weights in q's dtype, the scale applied in the kernel.
+        scale = 0.5 if dtype == torch.float32 else 0.25
+        raw = (weights / scale).to(dtype)
+        weights = raw.float() * scale
+        picks = kernel(q, keys, raw, at, rate, k, scale)
         assert picks.dtype == torch.int64 and picks.shape == (k,)
         assert len(set(picks.tolist())) == k and 0 <= int(picks.min()) and int(picks.max()) < total
         # Scores equal the reference's to a product's rounding step, so a pick may swap with an entry
