@@ -8,8 +8,10 @@ Each run is a FRESH Python process (this script with --child): it imports the en
 model (with the load's warm-up stage, or with --no-warm-up semantics), then sends one request (a
 prompt of --tokens token ids, greedy, --new-tokens new tokens, no snapshot reuse) twice. The first
 is what a user waits for after a start; the second is the warm figure it should match. A third
-request, 37 tokens shorter, is a prompt length no earlier request ran (`other_length_ttft_s`). Runs with
-and without warm-up alternate, --repeats each, and the medians are compared.
+request, 37 tokens shorter, is a prompt length no earlier request ran (`other_length_ttft_s`); a
+fourth, of 1,000 tokens when the prompt is longer, a length of another class of Triton's integer
+specialisation (`aligned_chunks_ttft_s`). Runs with and without warm-up alternate, --repeats each,
+and the medians are compared.
 
 Per variant: `load_s` (the load as reported, its warm-up included), `warm_up_s`, `first_ttft_s` and
 `second_ttft_s` (GenerateStats.time_to_first_token_s: prefill and the first sample), their ratio,
@@ -72,6 +74,7 @@ DENSE_06B: dict[str, Any] = {
 DENSE_SMALL = {**DENSE_06B, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512}
 DENSE_SMALL |= {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 SYNTHETIC = ("dense", "v4", "qwen35", "dense-small", "v4-tiny")
+ALIGNED_CHUNKS_LENGTH = 1000
 
 
 # --- the synthetic models ---------------------------------------------------------------------------
@@ -181,8 +184,14 @@ def child(config: dict[str, Any]) -> None:
         runs = []
         compiles: dict[str, list[str]] = {}
         # The third: a prompt of a length neither request nor the warm-up ran (what a new prompt costs).
+        # The fourth: 1,000 tokens, not a multiple of 16 but 16 chunks of 64: a class of Triton's
+        # integer specialisation (1, a multiple of 16, other) that neither the warm-up's lengths nor
+        # the requests before meet.
         other = ids[: max(1, len(ids) - 37)]
-        for name, prompt in (("first", ids), ("second", ids), ("other", other)):
+        requests = [("first", ids), ("second", ids), ("other", other)]
+        if len(ids) > ALIGNED_CHUNKS_LENGTH:
+            requests.append(("aligned_chunks", ids[:ALIGNED_CHUNKS_LENGTH]))
+        for name, prompt in requests:
             request = GenerateRequest(
                 prompt_tokens=prompt, max_new_tokens=config["new_tokens"], stop_tokens=[], use_snapshots=False
             )
@@ -198,7 +207,8 @@ def child(config: dict[str, Any]) -> None:
             compiles[name] = compiled[before:]
     finally:
         engine.close()
-    (first_at, first), (_, second), (_, other_run) = runs
+    (first_at, first), (_, second), (_, other_run) = runs[:3]
+    aligned = runs[3][1].stats.time_to_first_token_s if len(runs) > 3 else None
     print(
         json.dumps(
             {
@@ -208,6 +218,7 @@ def child(config: dict[str, Any]) -> None:
                 "first_ttft_s": first.stats.time_to_first_token_s,
                 "second_ttft_s": second.stats.time_to_first_token_s,
                 "other_length_ttft_s": other_run.stats.time_to_first_token_s,
+                "aligned_chunks_ttft_s": aligned,
                 "first_decode_tok_s": first.stats.decode_tok_s,
                 "second_decode_tok_s": second.stats.decode_tok_s,
                 "start_to_first_token_s": first_at + first.stats.time_to_first_token_s - config["spawned_at"],
@@ -291,6 +302,8 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "start_to_first_token_s",
     )
     out: dict[str, Any] = {key: round(statistics.median(r[key] for r in runs), 4) for key in keys}
+    aligned = [r["aligned_chunks_ttft_s"] for r in runs if r.get("aligned_chunks_ttft_s") is not None]
+    out["aligned_chunks_ttft_s"] = round(statistics.median(aligned), 4) if aligned else None
     out["first_over_second"] = round(out["first_ttft_s"] / max(out["second_ttft_s"], 1e-9), 2)
     out["same_tokens"] = all(r["same_tokens"] for r in runs)
     out["first_triton_compiles"] = max(len(r.get("triton_compiles", {}).get("first", [])) for r in runs)

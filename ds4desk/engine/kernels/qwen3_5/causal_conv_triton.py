@@ -36,7 +36,7 @@ def conv_silu(inputs, window, weight, t, row_in, c, channel_in, in_stride, windo
     return (conv / (1.0 + tl.exp(-conv))).to(dtype).to(tl.float32)  # and silu's
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def conv_heads_kernel(
     inputs,  # [T, C], rows apart by in_stride
     window,  # [C, K - 1], rows apart by window_stride

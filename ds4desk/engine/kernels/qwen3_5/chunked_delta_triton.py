@@ -10,6 +10,10 @@ Three kernels, C tokens a chunk, everything float32:
   chunk's real writes U - W S.
 - `output_kernel`, a program per (chunk, head, value block), all in parallel again: each chunk's
   outputs from the state it started from and its own writes.
+
+The token and chunk counts are not specialised (do_not_specialize): Triton would compile a variant
+for each class of them (1, a multiple of 16, any other), so the first prompt of a new class (1,000
+tokens: 16 chunks) paid a compile, 636 ms on an H100, that no warm-up of fixed lengths covers.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def _token_rows(base, head, stride_h, stride_t, t, length, cols, D: tl.constexpr
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["length"])
 def prepare_kernel(
     k,
     v,
@@ -127,7 +131,7 @@ def prepare_kernel(
         tl.store(u + (head * padded + t[:, None]) * DV + cols[None, :], part, mask=cols[None, :] < DV)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["length", "chunks"])
 def state_kernel(
     k,
     gam,
@@ -173,7 +177,7 @@ def state_kernel(
     tl.store(state + head * DK * DV + at, carried, mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["length", "chunks"])
 def output_kernel(
     q,
     k,

@@ -77,7 +77,7 @@ def _jit_kernel() -> Any:
     except Exception:
         return None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows"])
     def kernel(
         x,  # [R, D]
         gate,  # [R, D]

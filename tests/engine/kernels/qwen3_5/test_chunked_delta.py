@@ -140,6 +140,42 @@ def test_the_models_prefill_through_the_kernels_equals_its_eager_prefill(tmp_pat
     assert "model ok" in run_triton_check(script)
 
 
+_LENGTHS_CHECK = """
+import torch
+from triton import knobs
+from ds4desk.engine.kernels.qwen3_5 import chunked_delta
+from tests.engine.kernels.qwen3_5.test_chunked_delta import inputs
+
+compiled = []
+
+
+def hook(*, repr, **_):
+    compiled.append(repr)
+    return False
+
+
+knobs.runtime.jit_cache_hook = hook
+for length in (250, 1000, 1024, 2024, 3000, 4096):
+    q, k, v, g, beta, state = (t.cuda() for t in inputs(length, heads=4, dk=128, dv=128, seed=length))
+    chunked_delta.chunked(q, k, v, g, beta, state, tf32=True)
+    torch.cuda.synchronize()
+    print(length, len(compiled), flush=True)
+    if length == 250:
+        assert len(compiled) == 3, compiled  # the first run meets the three kernels
+        compiled.clear()
+assert compiled == [], compiled
+print("lengths ok")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the interpreter compiles nothing")
+def test_a_run_of_any_length_reuses_the_compiled_kernels() -> None:
+    """The token and chunk counts are not specialised: once a fresh process has run 250 tokens, runs
+    of other classes of Triton's integer specialisation (a multiple of 16 tokens, 16 or 32 chunks)
+    compile nothing (a first request of 1,000 tokens paid a 636 ms compile)."""
+    assert "lengths ok" in run_triton_check(_LENGTHS_CHECK)
+
+
 # --- ahead of time: the kernels as an H200 runs them ----------------------------------------------
 
 
