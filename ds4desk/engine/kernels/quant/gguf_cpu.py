@@ -8,11 +8,12 @@ after this module has checked every dtype, shape and stride, and with the GIL re
   threads. They read the packed bytes once per pass and never make a float copy of the weight; each
   row of y gets the same sums in the same order whatever T is, so a verify step's logits are bit
   for bit a decode step's.
-- prefill up to GEMM_MAX_T rows of x (AVX-512 builds): a GEMM in C whose threads each decode a
-  panel of 12 packed rows into their own caches and multiply it with every row of x while it is
-  there; no float copy of the weight reaches memory.
-- longer x (and the portable build): a tile of rows dequantized into a bounded scratch, then
-  torch.mm (oneDNN / MKL) on it, tile by tile, so a prompt goes as fast as it would on float weights.
+- prefill (AVX-512 builds; on Intel CPUs up to GEMM_MAX_T rows of x): a GEMM in C whose threads
+  each decode a panel of 12 packed rows into their own caches and multiply it with every row of x
+  while it is there; no float copy of the weight reaches memory.
+- longer x on Intel CPUs (and the portable build): a tile of rows dequantized into a bounded
+  scratch, then torch.mm (oneDNN / MKL) on it, tile by tile, so a prompt goes as fast as it would on
+  float weights.
 
 All three dequantize with the same float32 operations as the reference (quant/gguf.py), so they differ
 from `gguf_matmul.reference_matmul` only in the order of the sums.
@@ -35,8 +36,11 @@ and gguf_matmul falls back to the reference; a log line at import says so.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import platform
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -59,10 +63,13 @@ except ImportError as error:  # an install without a C compiler
 # a verify step of MAX_TOKENS (SmolLM2's Q8_0 head, one thread: 9.9 ms at T = 12 and 13.9 ms at
 # T = 16 in the kernel's passes, against 24.8 and 33.5 ms dequantized).
 GEMV_MAX_T = 16
-# Up to this many rows of x, prefill's packed GEMM (AVX-512); beyond, dequantized tiles and torch.mm,
-# whose float32 product keeps more of the cores' peak on long inputs. On Gemma-3-270M's layer 0 (two
-# cores of a Xeon with AVX-512): the GEMM's products take 0.42x the tiles' time at 32 rows, 0.75x at
-# 128, 0.90x at 256, 1.02x at 384 and 1.04x at 512 (docs/BENCHMARKS.md, CPU GGUF, 2026-12-05).
+# On an Intel CPU, up to this many rows of x, prefill's packed GEMM (AVX-512); beyond, dequantized
+# tiles and torch.mm, whose float32 product (MKL's AVX-512 kernels) keeps more of the cores' peak on
+# long inputs. On Gemma-3-270M's layer 0 (two cores of a Xeon with AVX-512): the GEMM's products take
+# 0.42x the tiles' time at 32 rows, 0.75x at 128, 0.90x at 256, 1.02x at 384 and 1.04x at 512. On AMD
+# CPUs MKL runs its AVX2 kernels (93 GFLOP/s a core of a Zen 5, about half its AVX-512 peak), and the
+# GEMM takes every prefill: a 512-token Gemma prompt 1,150 against 700 tok/s on the tiles
+# (docs/BENCHMARKS.md, CPU GGUF).
 GEMM_MAX_T = 320
 # Floats in one prefill tile of dequantized rows (8 MiB), which bounds the scratch.
 TILE_VALUES = 1 << 21
@@ -173,11 +180,30 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: 
     )
     if tokens <= GEMV_MAX_T:
         _ext.gemv(*args)
-    elif tokens > GEMM_MAX_T or BF16_PREFILL.on(x) or not PACKED_GEMM.on(x) or not _ext.gemm(*args):
+    elif tokens > _gemm_max_t() or BF16_PREFILL.on(x) or not PACKED_GEMM.on(x) or not _ext.gemm(*args):
         _tiled_matmul(x, weight, type_id, cols, target, threads)
     if target is not out:
         out.copy_(target)
     return out
+
+
+@functools.cache
+def _gemm_max_t() -> int:
+    """The most rows of x the packed GEMM takes on this CPU (see GEMM_MAX_T): no limit on AMD."""
+    return sys.maxsize if cpu_vendor() == "AuthenticAMD" else GEMM_MAX_T
+
+
+def cpu_vendor() -> str:
+    """The x86 vendor string ("GenuineIntel", "AuthenticAMD"), or "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    processor = platform.processor()  # Windows: "AMD64 Family 26 Model 2 Stepping 1, AuthenticAMD"
+    return next((name for name in ("GenuineIntel", "AuthenticAMD") if name in processor), "")
 
 
 def dequantize(weight: torch.Tensor, type_id: int, cols: int, dtype: torch.dtype = _F32) -> torch.Tensor:

@@ -155,7 +155,8 @@ def test_prefill_gemm_at_the_edges_of_its_blocks(kind: GgufType, isa: str) -> No
     blocks (512 tokens at 512 columns), the rows in panels of 12 (the last one short): token counts on
     both sides of a block's and a group's edge, 37 rows (three panels and one of one row), a row
     slice and a strided output. With the AVX-512 kernels the GEMM itself runs (the extension says
-    so); the portable build, PACKED_GEMM off and more than GEMM_MAX_T tokens take the tiles."""
+    so); the portable build, PACKED_GEMM off and, on Intel CPUs, more than GEMM_MAX_T tokens take the
+    tiles."""
     rows, cols = 37, 512
     raw = packed_weight(kind, rows + 3, cols, seed=kind.type_id + 11)[3:]
     for tokens in (17, 31, 32, 33, 100, 600):
@@ -175,6 +176,59 @@ def test_prefill_gemm_at_the_edges_of_its_blocks(kind: GgufType, isa: str) -> No
         assert ran == (isa == "avx512")
         if ran:
             assert_close_to_reference(x, raw, kind, cols, direct)
+
+
+class _Recorder:
+    """The extension with its calls recorded by name."""
+
+    def __init__(self, ext: object) -> None:
+        self.ext, self.called = ext, []
+
+    def __getattr__(self, name: str) -> object:
+        function = getattr(self.ext, name)
+
+        def recorded(*args: object) -> object:
+            self.called.append(name)
+            return function(*args)
+
+        return recorded
+
+
+@pytest.mark.parametrize(("vendor", "gemm_takes_600"), [("AuthenticAMD", True), ("GenuineIntel", False)])
+@needs_extension
+def test_long_prefills_take_the_gemm_on_amd_and_the_tiles_on_intel(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, gemm_takes_600: bool
+) -> None:
+    """MKL's float32 GEMM runs AVX-512 on Intel CPUs (the tiles win past GEMM_MAX_T rows there) and
+    AVX2 on AMD ones (the packed GEMM wins at every length): the route follows the vendor."""
+    if gguf_cpu.kernel_isa() != "avx512":
+        pytest.skip("the portable build has no packed GEMM")
+    kind = GGUF_TYPES["Q4_K"]
+    raw = packed_weight(kind, 24, 512, seed=3)
+    monkeypatch.setattr(gguf_cpu, "cpu_vendor", lambda: vendor)
+    gguf_cpu._gemm_max_t.cache_clear()
+    recorder = _Recorder(gguf_cpu._ext)
+    monkeypatch.setattr(gguf_cpu, "_ext", recorder)
+    try:
+        for tokens in (100, gguf_cpu.GEMM_MAX_T + 1, 600):
+            recorder.called.clear()
+            x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens))
+            out = torch.empty(tokens, 24)
+            gguf_cpu.matmul(x, raw, kind.type_id, 512, out)
+            assert_close_to_reference(x, raw, kind, 512, out)
+            tiles = "dequantize" in recorder.called
+            assert tiles == (tokens > gguf_cpu.GEMM_MAX_T and not gemm_takes_600), (tokens, recorder.called)
+    finally:
+        gguf_cpu._gemm_max_t.cache_clear()
+
+
+def test_the_cpu_vendor_is_the_systems() -> None:
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    named = [line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")]
+    if not named:
+        pytest.skip("no vendor_id in /proc/cpuinfo here")
+    assert gguf_cpu.cpu_vendor() == named[0] != ""
 
 
 needs_bf16 = pytest.mark.skipif(
