@@ -348,7 +348,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ds4desk-first-answer-") as scratch:
         work = args.work or Path(scratch)
         model = str(synthetic_folder(args.synthetic, work)) if args.synthetic else args.model
-        vocab = _vocab_of(model)
+        vocab = vocab_of(model)
         base = {
             "cudnn_attention": args.cudnn_attention,
             "row_buckets": not args.no_row_buckets,
@@ -420,7 +420,7 @@ def main() -> None:
         (args.out / name).write_text(line + "\n")
 
 
-def _vocab_of(model: str | None) -> int:
+def vocab_of(model: str | None) -> int:
     """The vocabulary size, for prompt ids inside it (from the headers: no weights are read)."""
     from ds4desk.engine.loading.default_model import default_model_path
     from ds4desk.engine.loading.detect import read_source
