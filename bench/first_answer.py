@@ -306,7 +306,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["aligned_chunks_ttft_s"] = round(statistics.median(aligned), 4) if aligned else None
     out["first_over_second"] = round(out["first_ttft_s"] / max(out["second_ttft_s"], 1e-9), 2)
     out["same_tokens"] = all(r["same_tokens"] for r in runs)
-    out["first_triton_compiles"] = max(len(r.get("triton_compiles", {}).get("first", [])) for r in runs)
+    out["first_triton_compiles"] = max(len(r["triton_compiles"]["first"]) for r in runs)
     return out
 
 

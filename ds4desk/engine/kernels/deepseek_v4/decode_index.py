@@ -43,6 +43,8 @@ _BLOCK_E = 64
 MAX_SELECT = 1 << 14
 # Threshold bits the selection settles a round (bench/v4_decode_index.py sweeps it).
 SELECT_BITS = 2
+# The head weights' dtypes the scoring kernel reads (the indexer's projection gives the model's).
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def enabled(where: Where) -> bool:
@@ -94,9 +96,6 @@ def decode_index(
     if rate < 1 or not 0 < k < keys.shape[0]:
         raise ValueError(f"need rate >= 1 and 0 < k < {keys.shape[0]} entries, got rate {rate} and k {k}")
     return _fused_op(q.contiguous(), keys.contiguous(), weights.contiguous(), pos, rate, k, float(scale))
-
-
-_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @torch.library.custom_op("ds4desk::v4_decode_index", mutates_args=())

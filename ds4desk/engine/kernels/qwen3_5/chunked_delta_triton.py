@@ -13,7 +13,8 @@ Three kernels, C tokens a chunk, everything float32:
 
 The token and chunk counts are not specialised (do_not_specialize): Triton would compile a variant
 for each class of them (1, a multiple of 16, any other), so the first prompt of a new class (1,000
-tokens: 16 chunks) paid a compile, 636 ms on an H100, that no warm-up of fixed lengths covers.
+tokens: 16 chunks) compiled new variants (that request took 636 ms on an H100), which no warm-up of
+fixed lengths covers.
 """
 
 from __future__ import annotations
