@@ -8,10 +8,10 @@ after this module has checked every dtype, shape and stride, and with the GIL re
   threads. They read the packed bytes once per pass and never make a float copy of the weight; each
   row of y gets the same sums in the same order whatever T is, so a verify step's logits are bit
   for bit a decode step's.
-- prefill (AVX-512 builds; on Intel CPUs up to GEMM_MAX_T rows of x): a GEMM in C whose threads
+- prefill (AVX-512 builds; up to GEMM_MAX_T rows of x but on AMD Zen 5): a GEMM in C whose threads
   each decode a panel of 12 packed rows into their own caches and multiply it with every row of x
   while it is there; no float copy of the weight reaches memory.
-- longer x on Intel CPUs (and the portable build): a tile of rows dequantized into a bounded
+- longer x elsewhere (and the portable build): a tile of rows dequantized into a bounded
   scratch, then torch.mm (oneDNN / MKL) on it, tile by tile, so a prompt goes as fast as it would on
   float weights.
 
@@ -67,8 +67,8 @@ GEMV_MAX_T = 16
 # tiles and torch.mm, whose float32 product (MKL's AVX-512 kernels) keeps more of the cores' peak on
 # long inputs. On Gemma-3-270M's layer 0 (two cores of a Xeon with AVX-512): the GEMM's products take
 # 0.42x the tiles' time at 32 rows, 0.75x at 128, 0.90x at 256, 1.02x at 384 and 1.04x at 512. On AMD
-# CPUs MKL runs its AVX2 kernels (93 GFLOP/s a core of a Zen 5, about half its AVX-512 peak), and the
-# GEMM takes every prefill: a 512-token Gemma prompt 1,150 against 700 tok/s on the tiles
+# CPUs MKL runs its AVX2 kernels (93 GFLOP/s a core of a Zen 5, about half its AVX-512 peak), and on a
+# Zen 5 the GEMM takes every prefill: a 512-token Gemma prompt 1,150 against 700 tok/s on the tiles
 # (docs/BENCHMARKS.md, CPU GGUF).
 GEMM_MAX_T = 320
 # Floats in one prefill tile of dequantized rows (8 MiB), which bounds the scratch.
@@ -189,21 +189,32 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: 
 
 @functools.cache
 def _gemm_max_t() -> int:
-    """The most rows of x the packed GEMM takes on this CPU (see GEMM_MAX_T): no limit on AMD."""
-    return sys.maxsize if cpu_vendor() == "AuthenticAMD" else GEMM_MAX_T
+    """The most rows of x the packed GEMM takes on this CPU (see GEMM_MAX_T): no limit on AMD Zen 5
+    and later (CPU family 26 on), whose AVX-512 units are full width; Zen 4 (family 25) runs them as
+    two halves, as fast as MKL's AVX2 kernels at best, and keeps the measured default with Intel."""
+    vendor, family = cpu_identity()
+    return sys.maxsize if vendor == "AuthenticAMD" and family >= 26 else GEMM_MAX_T
 
 
-def cpu_vendor() -> str:
-    """The x86 vendor string ("GenuineIntel", "AuthenticAMD"), or "" where it cannot be read."""
+def cpu_identity() -> tuple[str, int]:
+    """The x86 vendor string ("GenuineIntel", "AuthenticAMD") and CPU family, or ("", 0) where they
+    cannot be read."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
             for line in info:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
+                if not line.strip():  # the first processor's block is enough
+                    break
     except OSError:
-        pass
-    processor = platform.processor()  # Windows: "AMD64 Family 26 Model 2 Stepping 1, AuthenticAMD"
-    return next((name for name in ("GenuineIntel", "AuthenticAMD") if name in processor), "")
+        # Windows: "AMD64 Family 26 Model 2 Stepping 1, AuthenticAMD".
+        words = platform.processor().replace(",", " ").split()
+        if "Family" in words[:-1]:
+            fields["cpu family"] = words[words.index("Family") + 1]
+        fields["vendor_id"] = next((w for w in words if w in ("GenuineIntel", "AuthenticAMD")), "")
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
 
 
 def dequantize(weight: torch.Tensor, type_id: int, cols: int, dtype: torch.dtype = _F32) -> torch.Tensor:

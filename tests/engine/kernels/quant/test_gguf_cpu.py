@@ -194,18 +194,27 @@ class _Recorder:
         return recorded
 
 
-@pytest.mark.parametrize(("vendor", "gemm_takes_600"), [("AuthenticAMD", True), ("GenuineIntel", False)])
+@pytest.mark.parametrize(
+    ("identity", "gemm_takes_600"),
+    [
+        (("AuthenticAMD", 26), True),
+        (("AuthenticAMD", 25), False),
+        (("GenuineIntel", 6), False),
+        (("", 0), False),
+    ],
+)
 @needs_extension
-def test_long_prefills_take_the_gemm_on_amd_and_the_tiles_on_intel(
-    monkeypatch: pytest.MonkeyPatch, vendor: str, gemm_takes_600: bool
+def test_long_prefills_take_the_gemm_on_zen_5_and_the_tiles_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, identity: tuple[str, int], gemm_takes_600: bool
 ) -> None:
     """MKL's float32 GEMM runs AVX-512 on Intel CPUs (the tiles win past GEMM_MAX_T rows there) and
-    AVX2 on AMD ones (the packed GEMM wins at every length): the route follows the vendor."""
+    AVX2 on AMD ones, where a Zen 5's full-width AVX-512 GEMM wins at every length: the route follows
+    the vendor and the family."""
     if gguf_cpu.kernel_isa() != "avx512":
         pytest.skip("the portable build has no packed GEMM")
-    kind = GGUF_TYPES["Q4_K"]
+    kind = next(t for t in GGUF_TYPES.values() if t.name == "Q4_K")
     raw = packed_weight(kind, 24, 512, seed=3)
-    monkeypatch.setattr(gguf_cpu, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(gguf_cpu, "cpu_identity", lambda: identity)
     gguf_cpu._gemm_max_t.cache_clear()
     recorder = _Recorder(gguf_cpu._ext)
     monkeypatch.setattr(gguf_cpu, "_ext", recorder)
@@ -222,13 +231,15 @@ def test_long_prefills_take_the_gemm_on_amd_and_the_tiles_on_intel(
         gguf_cpu._gemm_max_t.cache_clear()
 
 
-def test_the_cpu_vendor_is_the_systems() -> None:
+def test_the_cpu_identity_is_the_systems() -> None:
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.is_file() else []
-    named = [line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")]
-    if not named:
-        pytest.skip("no vendor_id in /proc/cpuinfo here")
-    assert gguf_cpu.cpu_vendor() == named[0] != ""
+    fields = [line.split(":", 1) for line in lines if ":" in line]
+    vendors = [value.strip() for name, value in fields if name.strip() == "vendor_id"]
+    families = [int(value) for name, value in fields if name.strip() == "cpu family"]
+    if not vendors or not families:
+        pytest.skip("no vendor_id and cpu family in /proc/cpuinfo here")
+    assert gguf_cpu.cpu_identity() == (vendors[0], families[0])
 
 
 needs_bf16 = pytest.mark.skipif(
