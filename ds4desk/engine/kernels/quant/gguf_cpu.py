@@ -190,8 +190,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, type_id: int, cols: int, out: 
 @functools.cache
 def _gemm_max_t() -> int:
     """The most rows of x the packed GEMM takes on this CPU (see GEMM_MAX_T): no limit on AMD Zen 5
-    and later (CPU family 26 on), whose AVX-512 units are full width; Zen 4 (family 25) runs them as
-    two halves, as fast as MKL's AVX2 kernels at best, and keeps the measured default with Intel."""
+    and later (CPU family 26 on), whose AVX-512 units are full width. Zen 4 (family 25, AVX-512 as two
+    256-bit halves) was not measured against the tiles: it keeps GEMM_MAX_T, as Intel and unknown
+    CPUs do."""
     vendor, family = cpu_identity()
     return sys.maxsize if vendor == "AuthenticAMD" and family >= 26 else GEMM_MAX_T
 
