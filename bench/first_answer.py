@@ -180,7 +180,7 @@ def child(config: dict[str, Any]) -> None:
             raise SystemExit(f"load failed: {loaded.error}")
         assert loaded.info is not None
         vocab = config["vocab"]
-        ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(config["tokens"])]
+        ids = prompt_ids(config["tokens"], vocab)
         runs = []
         compiles: dict[str, list[str]] = {}
         # The third: a prompt of a length neither request nor the warm-up ran (what a new prompt costs).
@@ -231,6 +231,12 @@ def child(config: dict[str, Any]) -> None:
             }
         )
     )
+
+
+def prompt_ids(count: int, vocab: int) -> list[int]:
+    """A prompt of `count` ordinary token ids spread over the vocabulary (the speed does not depend on
+    which)."""
+    return [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(count)]
 
 
 def _log_triton_compiles() -> list[str]:
@@ -302,7 +308,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "start_to_first_token_s",
     )
     out: dict[str, Any] = {key: round(statistics.median(r[key] for r in runs), 4) for key in keys}
-    aligned = [r["aligned_chunks_ttft_s"] for r in runs if r.get("aligned_chunks_ttft_s") is not None]
+    aligned = [r["aligned_chunks_ttft_s"] for r in runs if r["aligned_chunks_ttft_s"] is not None]
     out["aligned_chunks_ttft_s"] = round(statistics.median(aligned), 4) if aligned else None
     out["first_over_second"] = round(out["first_ttft_s"] / max(out["second_ttft_s"], 1e-9), 2)
     out["same_tokens"] = all(r["same_tokens"] for r in runs)

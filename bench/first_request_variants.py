@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from first_answer import SYNTHETIC, synthetic_folder, vocab_of
+from first_answer import SYNTHETIC, prompt_ids, synthetic_folder, vocab_of
 
 VARIANTS = ("base", "gc", "tiny", "sleep", "short")
 
@@ -38,7 +38,7 @@ def main() -> None:
 
     model = str(synthetic_folder(args.synthetic, args.work))
     vocab = vocab_of(model)
-    ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(args.tokens)]
+    ids = prompt_ids(args.tokens, vocab)
     engine = Engine()
     try:
         request = LoadRequest(path=model, device="cuda", dtype="bfloat16", context=args.tokens + 200)
