@@ -3,7 +3,9 @@ stacked [experts, rows, row_bytes] weight by its input row, reading the picked e
 id on the device (no copy of their blocks, no host read: a decode step captures it in its graph).
 Q2_K and Q3_K experts take gguf_experts_triton.py's kernel, whose input is read in its own order
 (`experts_input`, `read_order`); the other types the general GEMV's stacked form
-(gguf_blocks_triton.py). The kernels' switch and reference are gguf_triton.py's."""
+(gguf_blocks_triton.py). `experts_swiglu` runs a Q2_K / Q3_K gate and up pair as one kernel with
+the clamped SwiGLU folded in, writing its result where the down projection's kernel reads it. The
+kernels' switch and reference are gguf_triton.py's."""
 
 from __future__ import annotations
 
@@ -39,12 +41,7 @@ def experts_gemv(
         raise ValueError(f"stacked {kind.name} experts of {cols} columns: uint8 [experts, rows, {row_bytes}]")
     if not weight.is_contiguous() or ids.dim() != 1 or ids.dtype != torch.int64:
         raise ValueError("experts_gemv needs contiguous stacked experts and int64 ids [k]")
-    if x.dim() != 2 or x.shape[0] not in (1, k) or x.shape[1] != cols or x.stride(1) != 1:
-        raise ValueError(f"x must be [1 or {k}, {cols}] with rows contiguous, got {list(x.shape)}")
-    if x.dtype not in DTYPES or out.dtype != x.dtype:
-        raise ValueError(f"x and out must be float32, bfloat16 or float16, got {x.dtype} and {out.dtype}")
-    if out.shape != (k, weight.shape[1]) or out.stride(1) != 1:
-        raise ValueError(f"out must be [{k}, {weight.shape[1]}] with rows contiguous, got {list(out.shape)}")
+    _check_rows(x, out, k, cols, weight.shape[1])
     if k:
         run = kernels()
         assert run is not None
@@ -55,6 +52,79 @@ def experts_gemv(
             x_read = x if ordered else experts_input(x, type_id, cols)
             run.experts_one_row(x_read, ids, weight, type_id, cols, out, config)
     return out
+
+
+def swiglu_fits(gate_type: int, up_type: int, cols: int, x: torch.Tensor) -> bool:
+    """Whether experts_swiglu takes these gate and up projections for inputs like x: one type, which
+    gguf_experts_triton's kernel runs on x's device."""
+    name = gguf_type(gate_type).name
+    return up_type == gate_type and experts_one_row_config(name, cols, x.is_cuda) is not None
+
+
+def experts_swiglu(
+    x_read: torch.Tensor,
+    ids: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    type_id: int,
+    cols: int,
+    limit: float,
+    out: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """out [k, rows]: silu(min(g, limit)) · clamp(u, ±limit) for slot j's gate and up rows g, u =
+    x_j @ dequantize(gate[ids[j]])ᵀ, x_j @ dequantize(up[ids[j]])ᵀ (each rounded to out's dtype, as
+    experts_gemv and the swiglu kernel round), one kernel for both projections. x_read is
+    experts_input(x, type_id, cols); the value of row n goes to column positions[n] of out (int32
+    [rows]: write_order puts it where the down projection's kernel reads it; pass out to
+    experts_gemv with ordered=True). Where swiglu_fits."""
+    k = ids.shape[0]
+    row_bytes = gguf_packed_bytes(type_id, (cols,))
+    name = gguf_type(type_id).name
+    for weight in (gate, up):
+        if weight.dtype != torch.uint8 or weight.dim() != 3 or weight.shape[2] != row_bytes:
+            raise ValueError(f"stacked {name} experts of {cols} columns: uint8 [experts, rows, {row_bytes}]")
+        if not weight.is_contiguous() or weight.shape != gate.shape:
+            raise ValueError("experts_swiglu needs contiguous gate and up stacks of one shape")
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ValueError("experts_swiglu needs int64 ids [k]")
+    if positions.shape != (gate.shape[1],) or positions.dtype != torch.int32:
+        raise ValueError(f"positions must be int32 [{gate.shape[1]}]")
+    _check_rows(x_read, out, k, cols, gate.shape[1])
+    config = experts_one_row_config(name, cols, x_read.is_cuda)
+    if config is None:
+        raise ValueError(f"experts_swiglu does not run {name} on {x_read.device}: see swiglu_fits")
+    if k:
+        run = kernels()
+        assert run is not None
+        run.experts_swiglu(x_read, ids, gate, up, type_id, cols, float(limit), out, positions, config)
+    return out
+
+
+def _check_rows(x: torch.Tensor, out: torch.Tensor, k: int, cols: int, rows: int) -> None:
+    if x.dim() != 2 or x.shape[0] not in (1, k) or x.shape[1] != cols or x.stride(1) != 1:
+        raise ValueError(f"x must be [1 or {k}, {cols}] with rows contiguous, got {list(x.shape)}")
+    if x.dtype not in DTYPES or out.dtype != x.dtype:
+        raise ValueError(f"x and out must be float32, bfloat16 or float16, got {x.dtype} and {out.dtype}")
+    if out.shape != (k, rows) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{k}, {rows}] with rows contiguous, got {list(out.shape)}")
+
+
+def write_order(cols: int, type_id: int, device: torch.device) -> torch.Tensor:
+    """int32 [cols]: where value c of a row goes in what experts_gemv reads for a `type_id` matrix of
+    `cols` columns (experts_input's order, inverted; the identity where its kernel takes the row as it is)."""
+    config = experts_one_row_config(gguf_type(type_id).name, cols, device.type == "cuda")
+    return _positions(cols, None if config is None else config[1], device)
+
+
+@functools.cache
+def _positions(cols: int, groups: int | None, device: torch.device) -> torch.Tensor:
+    positions = torch.arange(cols, device=device, dtype=torch.int32)
+    if groups is None:
+        return positions
+    inverse = torch.empty_like(positions)
+    inverse[read_order(cols, groups, device)] = positions
+    return inverse
 
 
 def experts_input(x: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:

@@ -16,6 +16,9 @@ Q2_K's minimums multiply the sub-block's sum of inputs.
 The input is read in the kernel's own order (gguf_experts.read_order): for each unrolled step the G values the
 G threads of a tile need lie side by side, where in the row's own order they lie 16-256 values apart
 and a warp's load touches up to 32 lines. gguf_experts.experts_input writes that order with one index_select.
+
+experts_swiglu_kernel runs a gate and up pair on one tile (their rows side by side) and writes the
+clamped SwiGLU of each row pair, where the down projection's kernel reads it.
 """
 
 from __future__ import annotations
@@ -61,35 +64,17 @@ def _byte_of(word, b):
 
 
 @triton.jit
-def experts_kernel(
+def _rows_dot(
     x,
-    ids,
-    w,
-    out,
-    rows,
-    row_bytes,
-    expert_bytes,
-    x_step,
-    out_step,
+    row,
     KIND: tl.constexpr,
     G: tl.constexpr,
     N_GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """out[slot, n] = Σ_c x[slot, c] · W_e[n, c] for the BLOCK_N rows n of program_id(0), expert
-    e = ids[slot] (slot = program_id(1), read on the device). W holds stacked matrices of
-    expert_bytes each; x is the input in read order (x_step apart a slot, 0: one row for all), a
-    whole number of tiles; out's rows are out_step apart. Rows past the end read the last row again
-    (the stores are masked), so the weight loads need no mask."""
-    slot = tl.program_id(1)
-    w += tl.load(ids + slot).to(tl.int64) * expert_bytes
-    x += slot * x_step
-    out += slot * out_step
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = n < rows
-    row = w + tl.minimum(n, rows - 1).to(tl.int64)[None, :] * row_bytes  # [1, BLOCK_N]
-    total = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    """float32 [WIDTH]: each row's products with x (in read order), for the row pointers row [1, WIDTH]."""
+    total = tl.zeros((G, WIDTH), dtype=tl.float32)
     for g0 in range(0, N_GROUPS, G):
         group = (g0 + tl.arange(0, G))[:, None]
         half = (group % 4) // 2
@@ -98,10 +83,10 @@ def experts_kernel(
         if KIND == Q2_K:  # 84-byte super-blocks: 16 scale bytes | 64 code bytes | d | dmin
             block = row + (group // 4) * 84
             codes = (block + 16 + half * 32 + t).to(tl.pointer_type(tl.int32))
-            acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-            acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-            acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-            acc3 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+            acc0 = tl.zeros((G, WIDTH), dtype=tl.float32)
+            acc1 = tl.zeros((G, WIDTH), dtype=tl.float32)
+            acc2 = tl.zeros((G, WIDTH), dtype=tl.float32)
+            acc3 = tl.zeros((G, WIDTH), dtype=tl.float32)
             sum0 = tl.zeros((G, 1), dtype=tl.float32)
             sum1 = tl.zeros((G, 1), dtype=tl.float32)
             sum2 = tl.zeros((G, 1), dtype=tl.float32)
@@ -139,10 +124,10 @@ def experts_kernel(
             codes = block + 32 + half * 32 + t
             highs = block + t
             shift = half * 4  # the high bit of field k is bit 4 h + k
-            acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-            acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-            acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-            acc3 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+            acc0 = tl.zeros((G, WIDTH), dtype=tl.float32)
+            acc1 = tl.zeros((G, WIDTH), dtype=tl.float32)
+            acc2 = tl.zeros((G, WIDTH), dtype=tl.float32)
+            acc3 = tl.zeros((G, WIDTH), dtype=tl.float32)
             for u in tl.static_range(8):  # int16 units: the blocks put the codes at even addresses
                 low = _int16_units(codes + 2 * u)
                 high = _int16_units(highs + 2 * u) >> shift
@@ -168,5 +153,79 @@ def experts_kernel(
             scaled = (s0 - 32).to(tl.float32) * acc0 + (s1 - 32).to(tl.float32) * acc1
             scaled += (s2 - 32).to(tl.float32) * acc2 + (s3 - 32).to(tl.float32) * acc3
             total += d * scaled
-    ys = tl.sum(total, axis=0)
-    tl.store(out + n, cast(ys, out.dtype.element_ty), mask=live)
+    return tl.sum(total, axis=0)
+
+
+@triton.jit
+def experts_kernel(
+    x,
+    ids,
+    w,
+    out,
+    rows,
+    row_bytes,
+    expert_bytes,
+    x_step,
+    out_step,
+    KIND: tl.constexpr,
+    G: tl.constexpr,
+    N_GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """out[slot, n] = Σ_c x[slot, c] · W_e[n, c] for the BLOCK_N rows n of program_id(0), expert
+    e = ids[slot] (slot = program_id(1), read on the device). W holds stacked matrices of
+    expert_bytes each; x is the input in read order (x_step apart a slot, 0: one row for all), a
+    whole number of tiles; out's rows are out_step apart. Rows past the end read the last row again
+    (the stores are masked), so the weight loads need no mask."""
+    slot = tl.program_id(1)
+    w += tl.load(ids + slot).to(tl.int64) * expert_bytes
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = w + tl.minimum(n, rows - 1).to(tl.int64)[None, :] * row_bytes  # [1, BLOCK_N]
+    ys = _rows_dot(x + slot * x_step, row, KIND, G, N_GROUPS, BLOCK_N, ASM)
+    tl.store(out + slot * out_step + n, cast(ys, out.dtype.element_ty), mask=n < rows)
+
+
+@triton.jit
+def experts_swiglu_kernel(
+    x,
+    ids,
+    gate_w,
+    up_w,
+    out,
+    positions,
+    rows,
+    row_bytes,
+    expert_bytes,
+    x_step,
+    out_step,
+    limit,
+    KIND: tl.constexpr,
+    G: tl.constexpr,
+    N_GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """The clamped SwiGLU of experts_kernel's gate and up rows, out[slot, positions[n]] =
+    silu(min(g, limit)) · clamp(u, ±limit) for g, u = rows n of x_slot @ Gateᵀ, x_slot @ Upᵀ of
+    expert ids[slot], each rounded to out's dtype first and SiLU's result too (as the unfused gate,
+    up and swiglu kernels round). One tile holds a program's gate and up rows side by side (column 2 i
+    + 0 / 1: row i of gate / up), so each input value read serves both; `positions` puts the result
+    where the down projection's kernel reads it (its read order), or in order."""
+    slot = tl.program_id(1)
+    expert = tl.load(ids + slot).to(tl.int64) * expert_bytes
+    j = tl.arange(0, 2 * BLOCK_N)
+    n = tl.program_id(0) * BLOCK_N + j // 2
+    base = tl.where(j % 2 == 0, gate_w + expert, up_w + expert)
+    row = (base + tl.minimum(n, rows - 1).to(tl.int64) * row_bytes)[None, :]  # [1, 2 BLOCK_N]
+    ys = _rows_dot(x + slot * x_step, row, KIND, G, N_GROUPS, 2 * BLOCK_N, ASM)
+    gate, up = tl.split(tl.reshape(ys, (BLOCK_N, 2)))
+    dtype = out.dtype.element_ty
+    g = tl.minimum(cast(gate, dtype).to(tl.float32), limit)
+    u = cast(up, dtype).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    act = cast(g / (1.0 + tl.exp(-g)), dtype).to(tl.float32)
+    m = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = m < rows
+    at = tl.load(positions + m, mask=live, other=0)
+    tl.store(out + slot * out_step + at, cast(act * u, dtype), mask=live)

@@ -54,6 +54,7 @@ class Kernels:
     prepare: Callable[..., None]
     experts_gemv: Callable[..., None]
     experts_one_row: Callable[..., None]
+    experts_swiglu: Callable[..., None]
     stacked_rows: Callable[..., None]
 
 
@@ -365,11 +366,47 @@ def kernels() -> Kernels | None:
             num_warps=warps,
         )
 
+    def launch_experts_swiglu(
+        x_read: torch.Tensor,
+        ids: torch.Tensor,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        type_id: int,
+        cols: int,
+        limit: float,
+        out: torch.Tensor,
+        positions: torch.Tensor,
+        config: tuple[int, int, int],
+    ) -> None:
+        block_n, groups, warps = config
+        rows = gate.shape[1]
+        experts_source.experts_swiglu_kernel[(-(-rows // block_n), ids.shape[0])](
+            x_read,
+            ids,
+            _aligned(gate),
+            _aligned(up),
+            out,
+            positions,
+            rows,
+            gate.stride(1),
+            gate.stride(0),
+            x_read.stride(0) if x_read.shape[0] > 1 else 0,
+            out.stride(0),
+            limit,
+            KIND=type_id,
+            G=groups,
+            N_GROUPS=cols // 64,
+            BLOCK_N=block_n,
+            ASM=x_read.is_cuda,
+            num_warps=warps,
+        )
+
     return Kernels(
         on_its_device(launch_gemv),
         on_its_device(launch_dequantize),
         on_its_device(launch_input),
         on_its_device(launch_experts),
         on_its_device(launch_experts_one_row),
+        on_its_device(launch_experts_swiglu),
         on_its_device(launch_stacked_rows),
     )

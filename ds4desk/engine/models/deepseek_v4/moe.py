@@ -61,7 +61,8 @@ def _gguf_experts_by_id(
 ) -> torch.Tensor:
     """Each (token, slot) pair's clamped SwiGLU through its expert, [T k, D] in (token, slot) order,
     for x [T, D] and the experts chosen [T, k]: the blocks read in place by id (experts_gemv, no copy,
-    no host read), three kernels whatever T."""
+    no host read), the same kernels whatever T: gate and up as one kernel with the SwiGLU folded in
+    where gguf_experts.swiglu_fits, then down."""
     k = chosen.shape[1]
     ids = chosen.reshape(-1).long()
     pairs, hidden, width = ids.shape[0], x.shape[1], experts.gate_proj.shape[1]
@@ -69,13 +70,21 @@ def _gguf_experts_by_id(
     types = experts.type_ids
     # The input as the experts' kernel reads it, prepared once for gate and up where their types agree.
     gate_in = gguf_experts.experts_input(inputs, types["gate_proj"], hidden)
+    out = x.new_empty((pairs, hidden))
+    if gguf_experts.swiglu_fits(types["gate_proj"], types["up_proj"], hidden, x):
+        act = x.new_empty((pairs, width))
+        at = gguf_experts.write_order(width, types["down_proj"], x.device)  # where down reads
+        gate_up = (experts.gate_proj, experts.up_proj)
+        gguf_experts.experts_swiglu(gate_in, ids, *gate_up, types["gate_proj"], hidden, limit, act, at)
+        return gguf_experts.experts_gemv(
+            act, ids, experts.down_proj, types["down_proj"], width, out, ordered=True
+        )
     same = types["up_proj"] == types["gate_proj"]
     up_in = gate_in if same else gguf_experts.experts_input(inputs, types["up_proj"], hidden)
     gate, up = x.new_empty((pairs, width)), x.new_empty((pairs, width))
     gguf_experts.experts_gemv(gate_in, ids, experts.gate_proj, types["gate_proj"], hidden, gate, ordered=True)
     gguf_experts.experts_gemv(up_in, ids, experts.up_proj, types["up_proj"], hidden, up, ordered=True)
     act = ops.swiglu(gate, up, limit)
-    out = x.new_empty((pairs, hidden))
     return gguf_experts.experts_gemv(act, ids, experts.down_proj, types["down_proj"], width, out)
 
 

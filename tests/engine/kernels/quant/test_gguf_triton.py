@@ -512,6 +512,77 @@ def test_the_experts_gemv_reads_each_slots_expert() -> None:
     assert all(f"checked {t}" in stdout for t in types)
 
 
+_EXPERTS_SWIGLU_CHECK = """
+import torch
+from ds4desk.engine.kernels.deepseek_v4.moe_tail import reference_swiglu
+from ds4desk.engine.kernels.quant import gguf, gguf_triton as gt
+from ds4desk.engine.kernels.quant import gguf_experts
+from ds4desk.engine.kernels.quant import gguf_tiles
+from tests.engine.kernels.quant.test_gguf_triton import BY_NAME, tame_blocks
+
+gt.SWITCH.forced = True
+device = "cuda" if torch.cuda.is_available() else "cpu"
+gen = torch.Generator().manual_seed(4)
+experts, hidden = 5, 256
+ids = torch.tensor([3, 0, 3], device=device)  # an expert twice; experts 1, 2 and 4 never read
+# (gate/up type, down type, width, setting): each low-bit type with the other as down (the result in
+# down's read order), and a Q8_0 down (in order) whose 96 rows end inside a program of 64. Few
+# programs of many rows: Triton's interpreter runs a program's tile at once, a program at a time.
+CASES = [
+    ("Q2_K", "Q3_K", 256, (64, 4, 1)),
+    ("Q3_K", "Q2_K", 256, (128, 2, 1)),
+    ("Q2_K", "Q8_0", 96, (64, 2, 1)),
+]
+for name, down_name, width, setting in CASES:
+    kind, down_kind = BY_NAME[name], BY_NAME[down_name]
+    gguf_tiles.EXPERTS_OVERRIDE = setting
+    assert gguf_experts.swiglu_fits(kind.type_id, kind.type_id, hidden, torch.empty(0, device=device))
+    assert not gguf_experts.swiglu_fits(kind.type_id, BY_NAME["Q4_K"].type_id, hidden, torch.empty(0))
+    def stack(kind, rows, cols, seed):
+        return torch.stack([tame_blocks(kind, rows, cols, seed=seed + e) for e in range(experts)]).to(device)
+    gate, up = stack(kind, width, hidden, 20), stack(kind, width, hidden, 40)
+    down = stack(down_kind, hidden, width, 60)
+    mats = {
+        which: [gguf.dequantize(stack[e].cpu(), kind.type_id, (width, hidden)) for e in range(experts)]
+        for which, stack in (("gate", gate), ("up", up))
+    }
+    for dtype in (torch.float32, torch.bfloat16):
+        for inputs in (1, len(ids)):
+            x = torch.randn(inputs, hidden, generator=gen).to(device, dtype)
+            rows = [x[min(slot, inputs - 1)].float().cpu() for slot in range(len(ids))]
+            g = torch.stack([rows[j] @ mats["gate"][e].t() for j, e in enumerate(ids.tolist())])
+            u = torch.stack([rows[j] @ mats["up"][e].t() for j, e in enumerate(ids.tolist())])
+            limit = float(g.abs().median())  # about half of the gates and a few ups clamped
+            want = reference_swiglu(g.to(dtype), u.to(dtype), limit).float()
+            x_read = gguf_experts.experts_input(x, kind.type_id, hidden)
+            act = torch.full((len(ids), width), float("nan"), device=device, dtype=dtype)
+            positions = gguf_experts.write_order(width, down_kind.type_id, torch.device(device))
+            pair = (gate, up, kind.type_id, hidden, limit)
+            got = gguf_experts.experts_swiglu(x_read, ids, *pair, act, positions)
+            assert got is act and not act.isnan().any()
+            in_order = act[:, positions.long()]
+            # float32: accumulation order; bfloat16: gate or up a rounding apart, SiLU's and the product's
+            tolerance = 1e-4 if dtype == torch.float32 else 2.0**-6
+            err = (in_order.float().cpu() - want).abs()
+            assert bool((err <= tolerance * (want.abs() + 1e-2 * want.abs().max())).all()), (name, dtype)
+            # down reads the result where it was written: as from the in-order rows, bit for bit
+            out = torch.empty(len(ids), hidden, device=device, dtype=dtype)
+            placed = gguf_experts.experts_gemv(act, ids, down, down_kind.type_id, width, out, ordered=True)
+            rows_in_order = in_order.contiguous()
+            again = gguf_experts.experts_gemv(rows_in_order, ids, down, down_kind.type_id, width, out.clone())
+            assert torch.equal(placed, again), (name, down_name, dtype)
+    print("checked", name, down_name)
+"""
+
+
+def test_the_experts_gate_and_up_with_their_swiglu_in_one_kernel() -> None:
+    """experts_swiglu (a Q2_K / Q3_K gate and up pair on one tile, the clamped SwiGLU folded in)
+    against dequantize + float32 matmuls and the torch SwiGLU on the rounded projections, its result
+    where the down projection's kernel reads it; the limit clamps about half of the gates."""
+    stdout = run_triton_check(_EXPERTS_SWIGLU_CHECK)
+    assert stdout.count("checked") == 3
+
+
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "MXFP4"])
 def test_the_experts_gemv_compiles_for_an_h200(name: str, tmp_path: object) -> None:
     """The experts form of the GEMV with Flash's expert shapes and its settings for them
@@ -538,9 +609,9 @@ def test_the_experts_gemv_compiles_for_an_h200(name: str, tmp_path: object) -> N
 
 @pytest.mark.parametrize("name", list(gguf_tiles.EXPERTS_ONE_ROW))
 def test_the_low_bit_experts_kernel_compiles_for_an_h200(name: str, tmp_path: object) -> None:
-    """gguf_experts_triton's kernel with Flash's expert shapes and its settings for them
-    (experts_one_row_config), PTX byte conversion included, passes Triton's compiler and ptxas for
-    sm_90 and spills nothing."""
+    """gguf_experts_triton's kernels (one projection; gate and up with their SwiGLU) with Flash's
+    expert shapes and their settings (experts_one_row_config), PTX byte conversion included, pass
+    Triton's compiler and ptxas for sm_90 and spill nothing."""
     pytest.importorskip("triton")
     from ds4desk.engine.kernels.quant import gguf_experts_triton as source
 
@@ -554,6 +625,14 @@ def test_the_low_bit_experts_kernel_compiles_for_an_h200(name: str, tmp_path: ob
             source.experts_kernel, args, constants, {"x", "w", "out", "ids"}, {"num_warps": warps}
         )
         assert _stack_bytes(cubin, tmp_path) in (None, 0), (name, cols)
+        if cols == 4096:  # gate and up with their SwiGLU
+            pair = {"x": "*bf16", "ids": "*i64", "gate_w": "*u8", "up_w": "*u8", "out": "*bf16"}
+            pair |= {"positions": "*i32", "rows": "i32", "row_bytes": "i32", "expert_bytes": "i32"}
+            pair |= {"x_step": "i32", "out_step": "i32", "limit": "fp32"}
+            aligned = {"x", "gate_w", "up_w", "out", "ids"}
+            kernel = source.experts_swiglu_kernel
+            cubin = _compile_for_hopper(kernel, pair, constants, aligned, {"num_warps": warps})
+            assert _stack_bytes(cubin, tmp_path) in (None, 0), (name, "swiglu")
 
 
 _SILU_PAIR_CHECK = """

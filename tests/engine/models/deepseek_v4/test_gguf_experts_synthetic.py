@@ -109,15 +109,23 @@ from ds4desk.engine.models.deepseek_v4.synthetic import build_gguf_experts
 from tests.engine.models.deepseek_v4.test_gguf_experts_synthetic import SMALL, TYPES
 
 calls = []
-kernel = gguf_experts.experts_gemv
-gguf_experts.experts_gemv = lambda *args, **kwargs: calls.append(args[3]) or kernel(*args, **kwargs)
+for op in ("experts_gemv", "experts_swiglu"):
+    kernel = getattr(gguf_experts, op)
+    setattr(gguf_experts, op, lambda *a, op=op, kernel=kernel, **kw: calls.append(op) or kernel(*a, **kw))
 gguf_tiles.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
 device = "cuda" if torch.cuda.is_available() else "cpu"
 model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=torch.float32)
 ids = torch.randint(0, SMALL.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).to(device)
-steps = {}
+# The picked blocks gathered (the switch off); read in place by id on the general GEMV (three
+# kernels a layer); on the low-bit experts kernel, gate and up as one kernel with the SwiGLU.
+RUNS = {"gathered": (False, None), "general": (True, None), "low_bit": (True, (64, 4, 1))}
+if device == "cuda":
+    del RUNS["general"]  # a GPU takes the low-bit kernel for Q2_K / Q3_K whatever the override
+steps, counts = {}, {}
 with torch.inference_mode():
-    for forced in (False, True):  # the picked blocks gathered / read in place by id
+    for run, (forced, setting) in RUNS.items():
+        gguf_tiles.EXPERTS_OVERRIDE = setting
+        calls.clear()
         with gt.SWITCH.force(forced):
             model.allocate_cache(32)
             model.forward(ids[:8], 0, "none")
@@ -126,17 +134,22 @@ with torch.inference_mode():
             for i in range(8, 12):
                 pos.fill_(i)
                 out.append(model.decode_graphable(ids[i : i + 1], pos, 32).clone())
-            steps[forced] = torch.cat(out)
-want = steps[False]
-assert (steps[True] - want).abs().max() <= 1e-4 * want.abs().max(), (steps[True] - want).abs().max()
-assert len(calls) == (1 + 4) * 4 * 3, len(calls)  # (the 8-token prefill + 4 steps) x 4 layers x 3
+            steps[run] = torch.cat(out)
+        counts[run] = (calls.count("experts_gemv"), calls.count("experts_swiglu"))
+want = steps["gathered"]
+for run in RUNS:
+    assert (steps[run] - want).abs().max() <= 1e-4 * want.abs().max(), (run, (steps[run] - want).abs().max())
+# (the 8-token prefill + 4 steps) x 4 layers, each: nothing by id / gate, up, down / the pair, down
+expected = {"gathered": (0, 0), "general": (60, 0), "low_bit": (20, 20)}
+assert counts == {run: expected[run] for run in RUNS}, counts
 print("by id ok")
 """
 
 
 def test_the_decode_step_reads_the_picked_blocks_in_place() -> None:
-    """The graphable decode step on the experts kernel (picked experts read by id, three kernels a
-    layer) equals the step that gathers the picked blocks first: Triton's interpreter on the CPU."""
+    """The graphable decode step on the experts kernels (picked experts read by id: gate, up and down
+    on the general GEMV, or the low-bit kernel's gate and up pair with its SwiGLU, then down) equals
+    the step that gathers the picked blocks first: Triton's interpreter on the CPU."""
     assert "by id ok" in run_triton_check(_BY_ID_CHECK)
 
 
@@ -178,8 +191,11 @@ assert len(grouped) == chose.count(True), (grouped, chose)
 # A chunk of at most BY_ID_MAX_PAIRS (token, slot) pairs reads each pair's expert in place by id.
 moe.BY_ID_MAX_PAIRS = 2 * 12
 calls = []
-by_id = gguf_experts.experts_gemv
-gguf_experts.experts_gemv = lambda *args, **kwargs: calls.append(args[0].shape[0]) or by_id(*args, **kwargs)
+for op in ("experts_gemv", "experts_swiglu"):
+    kernel = getattr(gguf_experts, op)
+    setattr(gguf_experts, op, lambda *a, kernel=kernel, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
+# A layer's launches: gate, up, down (the CPU's general GEMV), or the gate and up pair and down (a GPU).
+launches = 4 * (2 if device == "cuda" else 3)
 gguf_tiles.OVERRIDE = (32, 256, 4)  # 32 rows a program: few programs for the interpreter
 short = {}
 with torch.inference_mode():
@@ -189,7 +205,7 @@ with torch.inference_mode():
             short[forced] = model.forward(ids[:12], 0, "all").float()
 error = (short[True] - short[False]).abs().max()
 assert error <= tolerance * short[False].abs().max(), error
-assert calls == [24] * 12, calls  # 4 layers x (gate, up, down), a row a pair
+assert calls == [24] * launches, calls  # a row a pair
 
 # A prompt piece (the graphable suffix of a follow-up turn) reads its rows' experts by id too, all
 # rows at once; its padding rows change nothing.
@@ -212,7 +228,7 @@ with torch.inference_mode(), gt.SWITCH.force(False):
         )
 error = (piece.float() - last).abs().max()
 assert error <= tolerance * last.abs().max(), error
-assert calls == [PIECE * 2] * 12, calls  # every row's 2 pairs, one launch a projection and layer
+assert calls == [PIECE * 2] * launches, calls  # every row's 2 pairs, one launch for all
 print("grouped ok")
 """
 
