@@ -170,19 +170,55 @@ moe._DEQUANTIZE_VALUES = 3 * 256 * 256  # three experts a launch: the slices end
 moe.GROUPED_MIN_SHARE = 1 / 3  # of 8 experts: some of this model's chunks group, some loop
 moe.BY_ID_MAX_PAIRS = 0  # the grouping first; the few-pairs path below
 device = "cuda" if torch.cuda.is_available() else "cpu"
-# The grouped GEMM takes bf16 on a GPU (float32 on the CPU): there, bf16 rounding bounds the match.
-dtype, tolerance = (torch.bfloat16, 3e-2) if device == "cuda" else (torch.float32, 1e-4)
-model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=dtype)
 ids = torch.randint(0, SMALL.vocab_size, (64,), generator=torch.Generator().manual_seed(7)).to(device)
+real, start = 5, 40  # the prompt piece's tokens and where it starts (below)
+
+
+def run_prompts(model):  # the three prompts' logits: 64 tokens, 12 tokens, the piece's 5 after 40
+    model.allocate_cache(64)
+    full = model.forward(ids, 0, "all").float()
+    model.allocate_cache(64)
+    short = model.forward(ids[:12], 0, "all").float()
+    model.allocate_cache(64)
+    model.forward(ids[:start], 0, "none")
+    return full, short, model.forward(ids[start : start + real], start, "last").float()
+
+
+# The grouped GEMM takes bf16 on a GPU (float32 on the CPU). In float32 both paths agree to
+# accumulation order. In bf16 they round in different places (a dequantized stack, an expert at a
+# time), which this random model amplifies to tenths of a logit (5% of the logits' norm between
+# its bf16 and float32 runs): there each path is held to the float32 model on the reference path,
+# the kernels' no further from it than twice the reference's own distance.
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+exact = None
+if dtype != torch.float32:
+    with torch.inference_mode(), gt.SWITCH.force(False):
+        exact = run_prompts(build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=torch.float32))
+    chose.clear()
+
+
+def held(got, want, which, what):  # the kernels' logits against the reference path's, prompt `which`
+    got, want = got.float(), want.float()
+    if exact is None:
+        error = (got - want).abs().max()
+        assert error <= 1e-4 * want.abs().max(), (what, error)
+        return
+    truth = exact[which]
+
+    def distance(logits):
+        return float((logits - truth).norm() / truth.norm())
+
+    assert distance(got) <= 2 * distance(want), (what, distance(got), distance(want))
+
+
+model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=dtype)
 logits = {}
 with torch.inference_mode():
     for forced in (False, True):  # an expert at a time on the reference / grouped where chosen
         with gt.SWITCH.force(forced):
             model.allocate_cache(64)
             logits[forced] = model.forward(ids, 0, "all")
-want = logits[False].float()
-error = (logits[True].float() - want).abs().max()
-assert error <= tolerance * want.abs().max(), error
+held(logits[True], logits[False], 0, "grouped")
 # The reference run never groups; the kernels' run groups the layers whose chunk reaches the share
 # (the hash-routed first layer does) and loops over the others.
 assert chose[:4] == [False] * 4 and True in chose[4:] and False in chose[4:], chose
@@ -203,14 +239,12 @@ with torch.inference_mode():
         with gt.SWITCH.force(forced):
             model.allocate_cache(64)
             short[forced] = model.forward(ids[:12], 0, "all").float()
-error = (short[True] - short[False]).abs().max()
-assert error <= tolerance * short[False].abs().max(), error
+held(short[True], short[False], 1, "by id")
 assert calls == [24] * launches, calls  # a row a pair
 
 # A prompt piece (the graphable suffix of a follow-up turn) reads its rows' experts by id too, all
 # rows at once; its padding rows change nothing.
 from tests.engine.models.deepseek_v4.test_graphable import PIECE, smallest_bucket
-real, start = 5, 40
 padding = torch.randint(0, SMALL.vocab_size, (PIECE - real,), generator=torch.Generator().manual_seed(8))
 with torch.inference_mode(), gt.SWITCH.force(False):
     model.allocate_cache(64)
@@ -226,8 +260,7 @@ with torch.inference_mode(), gt.SWITCH.force(False):
             torch.tensor([real], device=device),
             smallest_bucket(start + PIECE - 1),
         )
-error = (piece.float() - last).abs().max()
-assert error <= tolerance * last.abs().max(), error
+held(piece, last, 2, "piece")
 assert calls == [PIECE * 2] * launches, calls  # every row's 2 pairs, one launch for all
 print("grouped ok")
 """
