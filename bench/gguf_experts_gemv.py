@@ -128,10 +128,10 @@ def bench_layer() -> dict:
 
     def paired(setting: tuple[int, int, int]) -> Callable[[int], None]:
         order = gguf_experts.read_order(HIDDEN, setting[1], x.device)
+        run = gguf_launch.kernels()
 
         def call(i: int) -> None:
             x_read = x.index_select(1, order)
-            run = gguf_launch.kernels()
             run.experts_swiglu(x_read, picks[i], gate, up, gate_type, HIDDEN, limit, act, positions, setting)
             gguf_experts.experts_gemv(act, picks[i], down, down_type, WIDTH, out, ordered=True)
 

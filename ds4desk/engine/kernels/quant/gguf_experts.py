@@ -36,11 +36,7 @@ def experts_gemv(
     if kind.name not in TILES:
         raise ValueError(f"the GGUF kernels do not take {kind.name}")
     k = ids.shape[0]
-    row_bytes = gguf_packed_bytes(type_id, (cols,))
-    if weight.dtype != torch.uint8 or weight.dim() != 3 or weight.shape[2] != row_bytes:
-        raise ValueError(f"stacked {kind.name} experts of {cols} columns: uint8 [experts, rows, {row_bytes}]")
-    if not weight.is_contiguous() or ids.dim() != 1 or ids.dtype != torch.int64:
-        raise ValueError("experts_gemv needs contiguous stacked experts and int64 ids [k]")
+    _check_stack(weight, ids, type_id, cols)
     _check_rows(x, out, k, cols, weight.shape[1])
     if k:
         run = kernels()
@@ -79,15 +75,11 @@ def experts_swiglu(
     [rows]: write_order puts it where the down projection's kernel reads it; pass out to
     experts_gemv with ordered=True). Where swiglu_fits."""
     k = ids.shape[0]
-    row_bytes = gguf_packed_bytes(type_id, (cols,))
     name = gguf_type(type_id).name
-    for weight in (gate, up):
-        if weight.dtype != torch.uint8 or weight.dim() != 3 or weight.shape[2] != row_bytes:
-            raise ValueError(f"stacked {name} experts of {cols} columns: uint8 [experts, rows, {row_bytes}]")
-        if not weight.is_contiguous() or weight.shape != gate.shape:
-            raise ValueError("experts_swiglu needs contiguous gate and up stacks of one shape")
-    if ids.dim() != 1 or ids.dtype != torch.int64:
-        raise ValueError("experts_swiglu needs int64 ids [k]")
+    _check_stack(gate, ids, type_id, cols)
+    _check_stack(up, ids, type_id, cols)
+    if up.shape != gate.shape:
+        raise ValueError("experts_swiglu needs gate and up stacks of one shape")
     if positions.shape != (gate.shape[1],) or positions.dtype != torch.int32:
         raise ValueError(f"positions must be int32 [{gate.shape[1]}]")
     _check_rows(x_read, out, k, cols, gate.shape[1])
@@ -99,6 +91,15 @@ def experts_swiglu(
         assert run is not None
         run.experts_swiglu(x_read, ids, gate, up, type_id, cols, float(limit), out, positions, config)
     return out
+
+
+def _check_stack(weight: torch.Tensor, ids: torch.Tensor, type_id: int, cols: int) -> None:
+    row_bytes = gguf_packed_bytes(type_id, (cols,))
+    if weight.dtype != torch.uint8 or weight.dim() != 3 or weight.shape[2] != row_bytes:
+        name = gguf_type(type_id).name
+        raise ValueError(f"stacked {name} experts of {cols} columns: uint8 [experts, rows, {row_bytes}]")
+    if not weight.is_contiguous() or ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ValueError("the experts kernels need contiguous stacked experts and int64 ids [k]")
 
 
 def _check_rows(x: torch.Tensor, out: torch.Tensor, k: int, cols: int, rows: int) -> None:

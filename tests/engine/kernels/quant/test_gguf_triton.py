@@ -533,18 +533,22 @@ CASES = [
     ("Q3_K", "Q2_K", 256, (128, 2, 1)),
     ("Q2_K", "Q8_0", 96, (64, 2, 1)),
 ]
+
+
+def stacked(kind, rows, cols, seed):
+    return torch.stack([tame_blocks(kind, rows, cols, seed=seed + e) for e in range(experts)]).to(device)
+
+
 for name, down_name, width, setting in CASES:
     kind, down_kind = BY_NAME[name], BY_NAME[down_name]
     gguf_tiles.EXPERTS_OVERRIDE = setting
     assert gguf_experts.swiglu_fits(kind.type_id, kind.type_id, hidden, torch.empty(0, device=device))
     assert not gguf_experts.swiglu_fits(kind.type_id, BY_NAME["Q4_K"].type_id, hidden, torch.empty(0))
-    def stack(kind, rows, cols, seed):
-        return torch.stack([tame_blocks(kind, rows, cols, seed=seed + e) for e in range(experts)]).to(device)
-    gate, up = stack(kind, width, hidden, 20), stack(kind, width, hidden, 40)
-    down = stack(down_kind, hidden, width, 60)
+    gate, up = stacked(kind, width, hidden, 20), stacked(kind, width, hidden, 40)
+    down = stacked(down_kind, hidden, width, 60)
     mats = {
-        which: [gguf.dequantize(stack[e].cpu(), kind.type_id, (width, hidden)) for e in range(experts)]
-        for which, stack in (("gate", gate), ("up", up))
+        which: [gguf.dequantize(blocks[e].cpu(), kind.type_id, (width, hidden)) for e in range(experts)]
+        for which, blocks in (("gate", gate), ("up", up))
     }
     for dtype in (torch.float32, torch.bfloat16):
         for inputs in (1, len(ids)):
