@@ -22,7 +22,7 @@ from ds4desk.engine.formats import ROW_LAYOUTS, gguf_packed_bytes
 from ds4desk.engine.host_memory import HostBlock
 from ds4desk.engine.kernels.quant import gguf, gguf_triton
 from ds4desk.engine.kernels.quant.gguf_matmul import dequantize_rows, gguf_matmul
-from ds4desk.engine.models.row_buckets import FEW_ROWS, bucketed
+from ds4desk.engine.models.row_buckets import FEW_ROWS, bucketed, prefill_rows
 
 
 def _bytes_param(rows: int, cols: int, type_id: int) -> nn.Parameter:
@@ -186,11 +186,17 @@ class Projection:
         return out
 
     def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + x @ Wᵀ (+ b), a fresh tensor (the float path folds the add into addmm)."""
-        if self.weight_t is not None:
+        """residual + x @ Wᵀ (+ b), a fresh tensor (the float path folds the add into addmm, except
+        where the rows would be padded to their bucket: there the padded product, then the add)."""
+        if self.weight_t is not None and not (self.pad_rows and _padded(x.shape[0])):
             result = torch.addmm(residual, x, self.weight_t)
             return result if self.bias is None else result.add_(self.bias)
         return self(x).add_(residual)
+
+
+def _padded(rows: int) -> bool:
+    """Whether a bucketed product pads `rows` rows (models/row_buckets.py)."""
+    return rows > FEW_ROWS and prefill_rows(rows) != rows
 
 
 def projection_of(module: nn.Linear | PackedLinear | nn.Embedding | PackedEmbedding) -> Projection:

@@ -68,7 +68,8 @@ def chunked(
 ) -> torch.Tensor:
     """A run of tokens: q, k [H, T, dk], v [H, T, dv], g, beta [H, T] (float32); `state`
     [H, dk, dv] float32 holds the state before the first token and is updated in place to the
-    state after the last. Returns o [H, T, dv] float32. `tf32`: the kernels' matmuls may round
+    state after the last. Returns o [H, T, dv] float32 (on the kernels a view of [T, H, dv]
+    memory). `tf32`: the kernels' matmuls may round
     their inputs to TF32 (for a 16-bit model, whose output is rounded coarser than that; IEEE
     float32 otherwise, as the reference's)."""
     heads, length, dk = k.shape
@@ -222,7 +223,9 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         u = torch.empty((heads, padded, dv), **scratch)
         lower, inverse = (torch.empty((heads, padded, chunk), **scratch) for _ in range(2))
         starts = torch.empty((heads, chunks, dk, dv), **scratch)
-        out = torch.empty((heads, length, dv), **scratch)
+        # Tokens first in memory: the model reads the outputs back as [T, H, dv] rows (the gated norm's
+        # input), which a transposed view of this is without a copy.
+        out = torch.empty((length, heads, dv), **scratch).transpose(0, 1)
         settings = {"PRECISION": "tf32" if tf32 else "ieee", "num_warps": WARPS, "num_stages": 1}
         source.prepare_kernel[(chunks, heads)](
             k,

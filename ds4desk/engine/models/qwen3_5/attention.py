@@ -20,7 +20,7 @@ from torch import nn
 from ds4desk.engine.models.base import CenteredNorm, later_chunk_mask
 from ds4desk.engine.models.packed import Projection, linear, projection_of
 from ds4desk.engine.models.qwen3_5.config import Qwen35Config
-from ds4desk.engine.models.qwen3_5.ops import centered_rms_norm, rotate_leading
+from ds4desk.engine.models.qwen3_5.ops import rotate_leading, scaled_rms_norm
 
 
 class GatedAttention(nn.Module):
@@ -48,8 +48,8 @@ class AttentionPlan:
     k: Projection
     v: Projection
     o: Projection
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    q_scale: torch.Tensor  # the head norms' float32 1 + w
+    k_scale: torch.Tensor
     kv_cache: torch.Tensor | None = None  # [2, kv heads, context, head_dim], set by allocate_cache
 
 
@@ -59,8 +59,8 @@ def plan_of(module: GatedAttention) -> AttentionPlan:
         k=projection_of(module.k_proj),
         v=projection_of(module.v_proj),
         o=projection_of(module.o_proj),
-        q_norm=module.q_norm.weight,
-        k_norm=module.k_norm.weight,
+        q_scale=1.0 + module.q_norm.weight.float(),
+        k_scale=1.0 + module.k_norm.weight.float(),
     )
 
 
@@ -85,10 +85,16 @@ def positions_for(
 
 
 def forward(
-    cfg: Qwen35Config, plan: AttentionPlan, x: torch.Tensor, at: Positions, fused: bool = False
+    cfg: Qwen35Config,
+    plan: AttentionPlan,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    at: Positions,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Gated attention over normed hidden states x [T, hidden]: writes their keys and values into
-    the cache rows `at.rows` and attends over rows 0..at.keys-1. Returns [T, hidden].
+    the cache rows `at.rows` and attends over rows 0..at.keys-1. Returns residual [T, hidden] plus
+    the output projection.
 
     `fused`: a prefill chunk of consecutive positions ending at at.keys - 1 (never the graphable
     step) through SDPA laid out for the GPU's fused kernels (kv heads repeated, a causal flag or
@@ -97,8 +103,11 @@ def forward(
     count, heads, kv_heads, dim = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     query_gate = plan.q(x).view(count, heads, 2 * dim)
     query, gate = query_gate[..., :dim], query_gate[..., dim:].reshape(count, heads * dim)
-    query = centered_rms_norm(query, plan.q_norm, cfg.rms_norm_eps).transpose(0, 1)  # [H, T, D]
-    key = centered_rms_norm(plan.k(x).view(count, kv_heads, dim), plan.k_norm, cfg.rms_norm_eps)
+    # Each head's query is a row [D] of the query-and-gate rows, 2D apart: normed as rows in place.
+    query = scaled_rms_norm(query_gate.view(count * heads, 2 * dim)[:, :dim], plan.q_scale, cfg.rms_norm_eps)
+    query = query.view(count, heads, dim).transpose(0, 1)  # [H, T, D]
+    key = scaled_rms_norm(plan.k(x).view(count * kv_heads, dim), plan.k_scale, cfg.rms_norm_eps)
+    key = key.view(count, kv_heads, dim)
     value = plan.v(x).view(count, kv_heads, dim).transpose(0, 1)
     query = rotate_leading(query, at.cos, at.sin)
     key = rotate_leading(key.transpose(0, 1), at.cos, at.sin)
@@ -126,4 +135,4 @@ def forward(
             torch.softmax(scores.float(), dim=-1).to(values.dtype).view(kv_heads, group * count, at.keys)
         )
         out = torch.bmm(weights, values).view(heads, count, dim).transpose(0, 1).reshape(count, heads * dim)
-    return plan.o(out * torch.sigmoid(gate))
+    return plan.o.add_into(residual, out * torch.sigmoid(gate))

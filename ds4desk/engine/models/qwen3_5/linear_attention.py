@@ -113,16 +113,21 @@ def plan_of(module: GatedDeltaNet) -> LinearPlan:
 
 
 def forward(
-    cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor, real: torch.Tensor | None = None
+    cfg: Qwen35Config,
+    plan: LinearPlan,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The layer's mixer over normed hidden states x [T, hidden] that continue the state in `plan`
-    (updated in place). One token takes the recurrent step, more the chunked form; both leave the
-    same state. Returns [T, hidden]. `real` (int64 [1] on the device): only the first `real` rows
-    enter the state; the others are padding whose outputs are garbage."""
+    (updated in place), added to `residual` [T, hidden] by the output projection. One token takes the
+    recurrent step, more the chunked form; both leave the same state. Returns [T, hidden]. `real`
+    (int64 [1] on the device): only the first `real` rows enter the state; the others are padding
+    whose outputs are garbage."""
     assert plan.conv_state is not None and plan.recurrent is not None
     count = x.shape[0]
     if count == 1 and real is None and plan.written is None and linear_decode.enabled(x):
-        return _fused_step(cfg, plan, x)
+        return plan.out.add_into(residual, _fused_step(cfg, plan, x)[None])
     conv_inputs = plan.qkv(x)
     heads = cfg.linear_value_heads
     if count > 1 and real is None and causal_conv.enabled(x):
@@ -166,16 +171,17 @@ def forward(
         normed = gated_norm.gated_rms_norm(core, z, plan.norm_weight, cfg.rms_norm_eps)
     else:
         normed = gated_rms_norm(core.to(x.dtype), z, plan.norm_weight, cfg.rms_norm_eps)
-    return plan.out(normed.reshape(count, -1))
+    return plan.out.add_into(residual, normed.reshape(count, -1))
 
 
 def _fused_step(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.Tensor:
-    """The one-token forward with everything between the projections in one op (three Triton kernels
-    on a GPU: kernels/qwen3_5/linear_decode.py), the same math as the eager path. Not while a
-    speculative verify records what it feeds the state (plan.written): that needs the keys, values
-    and gates the op keeps to itself."""
+    """The one-token forward up to the output projection with everything between the projections in
+    one op (three Triton kernels on a GPU: kernels/qwen3_5/linear_decode.py), the same math as the
+    eager path: the output projection's input [value width]. Not while a speculative verify records
+    what it feeds the state (plan.written): that needs the keys, values and gates the op keeps to
+    itself."""
     assert plan.conv_state is not None and plan.recurrent is not None
-    core = linear_decode.linear_decode(
+    return linear_decode.linear_decode(
         plan.qkv(x)[0],
         plan.conv_state,
         plan.conv_weight,
@@ -190,7 +196,6 @@ def _fused_step(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.T
         cfg.rms_norm_eps,
         cfg.gguf_layout,
     )
-    return plan.out(core[None])
 
 
 def _heads(cfg: Qwen35Config, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

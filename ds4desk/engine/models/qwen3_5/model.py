@@ -32,19 +32,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.kernels.dense import gemv as dense_gemv
+from ds4desk.engine.kernels.dense.silu_mul import silu_mul
 from ds4desk.engine.kernels.qwen3_5 import linear_decode
 from ds4desk.engine.models import base  # base.hand_over looked up per call: one place to spy on
 from ds4desk.engine.models.base import CausalLM, CenteredNorm, LogitsMode, load_failure
-from ds4desk.engine.models.packed import Projection, embed, embedding, linear, projection_of
+from ds4desk.engine.models.packed import (
+    Fused,
+    Projection,
+    embed,
+    embedding,
+    fuse_group,
+    group_projection,
+    linear,
+    projection_of,
+)
 from ds4desk.engine.models.qwen3_5 import attention, delta_rule, linear_attention, moe
 from ds4desk.engine.models.qwen3_5.attention import AttentionPlan, GatedAttention, Positions
 from ds4desk.engine.models.qwen3_5.config import LINEAR, Qwen35Config
 from ds4desk.engine.models.qwen3_5.linear_attention import GatedDeltaNet, LinearPlan, Written
 from ds4desk.engine.models.qwen3_5.moe import SparseMoeBlock, fuse_experts
-from ds4desk.engine.models.qwen3_5.ops import centered_rms_norm
+from ds4desk.engine.models.qwen3_5.ops import scaled_rms_norm
 from ds4desk.engine.models.qwen3_5.state import KINDS, LayerPlan, Shard, copied_to, rope_tables
 from ds4desk.engine.models.row_buckets import buckets
-from ds4desk.engine.split import materialize_parameters
+from ds4desk.engine.split import host_block, materialize_parameters
 
 # On a GPU a prefill product of more than a few rows runs on its rows padded to their bucket
 # (models/row_buckets.py: cuBLAS's first call at a new row count costs milliseconds; the chunk
@@ -78,6 +88,8 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = CenteredNorm(cfg.hidden_size, dtype)
         self.post_attention_layernorm = CenteredNorm(cfg.hidden_size, dtype)
+        # Set by materialize: "gate_up" -> the fused (weight, bias) a float MLP's gate and up view.
+        self.fused: dict[str, Fused] = {}
 
 
 class Backbone(nn.Module):
@@ -139,6 +151,7 @@ class Qwen35Model(CausalLM):
             self.lm_head = linear(config.hidden_size, config.vocab_size, False, dtype, "lm_head", packed)
         self._shards: list[Shard] = []
         self._head: Projection | None = None
+        self._final_scale: torch.Tensor | None = None  # the final norm's 1 + w, float32
         self._inv_freq: torch.Tensor | None = None
         self._length = 0  # the positions the state holds
         # What each captured verify graph, by (tokens, span), feeds the linear layers, in their
@@ -149,16 +162,21 @@ class Qwen35Model(CausalLM):
 
     def materialize(self, device: torch.device) -> None:
         """Real (uninitialised) storage on `device`, or where the split puts each layer; a MoE
-        layer's experts laid side by side first (moe.fuse_experts)."""
-        if self.config.is_moe:
-            split = self._split
-            layer_devices = [device] * self.config.num_layers
-            if split is not None:
-                layer_devices = [torch.device(d) for d in split.layer_devices()]
-            for layer, where in zip(self.model.layers, layer_devices, strict=True):
-                assert isinstance(layer.mlp, SparseMoeBlock)
+        layer's experts laid side by side first (moe.fuse_experts), a float MLP's gate and up as
+        row ranges of one weight (a prefill runs them as one product)."""
+        split = self._split
+        layer_devices = [device] * self.config.num_layers
+        if split is not None:
+            layer_devices = [torch.device(d) for d in split.layer_devices()]
+        for layer, where in zip(self.model.layers, layer_devices, strict=True):
+            if isinstance(layer.mlp, SparseMoeBlock):
                 fuse_experts(layer.mlp, where)
-        materialize_parameters(self, device, self._split)
+        block = host_block(self, device, split)  # sized for what is still to place
+        for layer, where in zip(self.model.layers, layer_devices, strict=True):
+            parts = (layer.mlp.gate_proj, layer.mlp.up_proj) if isinstance(layer.mlp, MLP) else ()
+            if parts and all(type(part) is nn.Linear for part in parts):
+                layer.fused["gate_up"] = fuse_group(parts, where, block=block)
+        materialize_parameters(self, device, split, block)
 
     def finish_loading(self) -> None:
         """After the weights are in: the per-layer plans grouped by shard, the rope speeds and the head."""
@@ -180,6 +198,7 @@ class Qwen35Model(CausalLM):
                 projection.pad_rows = pads
         self.copy_tied_head()
         self._head = self.head_projection()
+        self._final_scale = 1.0 + self.model.norm.weight.float()
         if self._context:
             self.allocate_cache(self._context)
 
@@ -200,10 +219,13 @@ class Qwen35Model(CausalLM):
             mixer = linear_attention.plan_of(layer.linear_attn)
         else:
             mixer = attention.plan_of(layer.self_attn)
+        input_norm, post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         plan = LayerPlan(
-            input_norm=layer.input_layernorm.weight,
+            input_norm=input_norm,
             mixer=mixer,
-            post_norm=layer.post_attention_layernorm.weight,
+            post_norm=post_norm,
+            input_scale=1.0 + input_norm.float(),
+            post_scale=1.0 + post_norm.float(),
         )
         if isinstance(layer.mlp, SparseMoeBlock):
             plan.moe = moe.plan_of(layer.mlp, top_k)
@@ -211,12 +233,13 @@ class Qwen35Model(CausalLM):
             plan.gate = projection_of(layer.mlp.gate_proj)
             plan.up = projection_of(layer.mlp.up_proj)
             plan.down = projection_of(layer.mlp.down_proj)
+            fused = layer.fused.get("gate_up")
+            if fused is not None:
+                plan.gate_up = group_projection((layer.mlp.gate_proj, layer.mlp.up_proj), fused)
             plan.mlp_fits = all(
                 p.weight_t is not None and dense_gemv.fits(p.weight_t.t())
                 for p in (plan.gate, plan.up, plan.down)
             )
-        plan.input_scale = 1.0 + plan.input_norm.float()
-        plan.post_scale = 1.0 + plan.post_norm.float()
         plan.mixer_fits = isinstance(mixer, LinearPlan) and linear_attention.fits_one_row_kernels(mixer)
         return plan
 
@@ -483,7 +506,8 @@ class Qwen35Model(CausalLM):
         if dense_gemv.enabled(x) and head is not None and dense_gemv.fits(head.t()) and x.dtype == head.dtype:
             # The final norm folded into the head's GEMV, float32 logits straight out of it.
             logits = x.new_empty((1, head.shape[1]), dtype=torch.float32)
-            scale = 1.0 + self.model.norm.weight.float()
+            assert self._final_scale is not None
+            scale = self._final_scale
             return (dense_gemv.norm_gemv(x, scale, head.t(), None, self.config.rms_norm_eps, logits)[0],)
         return (self._logits(x)[0],)
 
@@ -517,15 +541,14 @@ class Qwen35Model(CausalLM):
                 and mixer.written is None
                 and linear_decode.enabled(x)
             ):
-                assert plan.input_scale is not None
                 x = linear_attention.decode_on_kernels(cfg, mixer, x, plan.input_scale, eps)
             elif isinstance(mixer, LinearPlan):
-                x = x + linear_attention.forward(cfg, mixer, centered_rms_norm(x, plan.input_norm, eps), real)
+                normed = scaled_rms_norm(x, plan.input_scale, eps)
+                x = linear_attention.forward(cfg, mixer, normed, x, real)
             else:
-                x = x + attention.forward(cfg, mixer, centered_rms_norm(x, plan.input_norm, eps), at, fused)
+                x = attention.forward(cfg, mixer, scaled_rms_norm(x, plan.input_scale, eps), x, at, fused)
             if kernels and plan.mlp_fits:
                 assert plan.gate is not None and plan.up is not None and plan.down is not None
-                assert plan.post_scale is not None
                 width = plan.gate.rows
                 gate_up = x.new_empty((1, 2 * width))
                 for part, columns in ((plan.gate, slice(0, width)), (plan.up, slice(width, 2 * width))):
@@ -536,11 +559,14 @@ class Qwen35Model(CausalLM):
                 assert plan.down.weight_t is not None  # silu(gate) * up is the GEMV's input
                 x = dense_gemv.gemv_add_(x, gate_up, plan.down.weight_t.t(), None, silu=True)
                 continue
-            normed = centered_rms_norm(x, plan.post_norm, eps)
+            normed = scaled_rms_norm(x, plan.post_scale, eps)
             if plan.moe is not None:
                 # Eager forwards (prefill and decode alike) group their tokens by expert with one
                 # host read a layer; only the graphable step picks experts on the device.
                 x = x + moe.forward(plan.moe, normed, graphable and plan.moe.stacked_gate_up is not None)
+            elif plan.gate_up is not None:  # one product, SiLU · up as one kernel, the add in down's
+                assert plan.down is not None
+                x = plan.down.add_into(x, silu_mul(plan.gate_up(normed)))
             else:
                 assert plan.gate is not None and plan.up is not None and plan.down is not None
                 x = x + plan.down(F.silu(plan.gate(normed)) * plan.up(normed))
@@ -549,7 +575,8 @@ class Qwen35Model(CausalLM):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and head over hidden states [T, hidden] (on the last shard): float32 [T, V]."""
         assert self._head is not None
-        return self._head(centered_rms_norm(x, self.model.norm.weight, self.config.rms_norm_eps)).float()
+        assert self._final_scale is not None
+        return self._head(scaled_rms_norm(x, self._final_scale, self.config.rms_norm_eps)).float()
 
 
 def build(
@@ -573,7 +600,7 @@ def _projections(plan: LayerPlan) -> list[Projection]:
         found = [mixer.qkv, mixer.z, mixer.b, mixer.a, mixer.out]
     else:
         found = [mixer.q, mixer.k, mixer.v, mixer.o]
-    found += [p for p in (plan.gate, plan.up, plan.down) if p is not None]
+    found += [p for p in (plan.gate, plan.up, plan.gate_up, plan.down) if p is not None]
     if plan.moe is not None:
         moe_plan = plan.moe
         found += [moe_plan.router, moe_plan.shared_gate_up, moe_plan.shared_down, moe_plan.shared_scale]

@@ -5,12 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ds4desk.engine.kernels.dense import norm_rows
 
-def centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's RMSNorm: normalised in float32, scaled by (1 + weight) (the stored weight is
-    centred on 0), then rounded to x's dtype once."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+def scaled_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNorm: normalised in float32, scaled by the float32 `scale` = 1 + weight (the
+    stored weight is centred on 0; the plans make the scale once), then rounded to x's dtype once.
+    On a GPU one kernel for rows [N, D] (kernels/dense/norm_rows.py), else these torch ops."""
+    if x.dim() == 2 and norm_rows.enabled(x):
+        return norm_rows.scaled_rms_norm(x, scale, eps)
+    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * scale).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -33,16 +33,19 @@ class LayerPlan:
     input_norm: torch.Tensor
     mixer: LinearPlan | AttentionPlan
     post_norm: torch.Tensor
-    # The dense MLP's projections, or the MoE block's plan: one or the other.
+    # Both norms' float32 scales 1 + w, as the norm kernel and the fused one-row GEMVs read them.
+    input_scale: torch.Tensor
+    post_scale: torch.Tensor
+    # The dense MLP's projections, or the MoE block's plan: one or the other. gate_up: gate and up as
+    # one product over their fused weight (None where they are not fused: packed weights).
     gate: Projection | None = None
     up: Projection | None = None
     down: Projection | None = None
+    gate_up: Projection | None = None
     moe: MoePlan | None = None
     # For the graphable decode step on the fused one-row GEMV kernels (kernels/dense/gemv.py, see
-    # model._layers): both norms' float32 scales 1 + w, and whether the mixer's (a linear layer's) and
-    # the dense MLP's projections are float weights those kernels take.
-    input_scale: torch.Tensor | None = None
-    post_scale: torch.Tensor | None = None
+    # model._layers): whether the mixer's (a linear layer's) and the dense MLP's projections are
+    # float weights those kernels take.
     mixer_fits: bool = False
     mlp_fits: bool = False
 
