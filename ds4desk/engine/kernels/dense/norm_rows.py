@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,8 @@ def scaled_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.T
 
 
 @functools.cache
-def _triton_kernel() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+def jit_kernel() -> Any:
+    """The Triton kernel itself (the sm_90 compile test builds it ahead of time), None without Triton."""
     try:
         import triton
         import triton.language as tl
@@ -74,19 +76,35 @@ def _triton_kernel() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tens
             mask=keep,
         )
 
+    return kernel
+
+
+def launch_constants(width: int) -> dict[str, int]:
+    """A program's rows and warps for rows of `width`: about 4,096 values a program, a wide row alone,
+    narrow ones (a head's 128-256) in groups."""
+    block = next_power_of_two(width)
+    per_program = max(1, min(64, 4096 // block))
+    return {
+        "D": width,
+        "BLOCK": block,
+        "ROWS": per_program,
+        "num_warps": 8 if block * per_program >= 4096 else 4,
+    }
+
+
+@functools.cache
+def _triton_kernel() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+    kernel = jit_kernel()
+    if kernel is None:
+        return None
+
     def launch(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         rows, width = x.shape
         out = torch.empty((rows, width), device=x.device, dtype=x.dtype)
         if rows:
-            block = next_power_of_two(width)
-            # About 4,096 values a program: a wide row alone, narrow ones (a head's 128-256) in groups.
-            per_program = max(1, min(64, 4096 // block))
-            warps = 8 if block * per_program >= 4096 else 4
-            grid = (triton.cdiv(rows, per_program),)
-            kernel[grid](
-                x, scale, out, rows, x.stride(0), eps,
-                D=width, BLOCK=block, ROWS=per_program, num_warps=warps,
-            )  # fmt: skip
+            constants = launch_constants(width)
+            grid = (-(-rows // constants["ROWS"]),)
+            kernel[grid](x, scale, out, rows, x.stride(0), eps, **constants)
         return out
 
     return on_its_device(launch)

@@ -1,9 +1,12 @@
 """A prefill chunk's RMSNorm with a float32 scale (norm_rows): the torch form is Qwen3.5's centred
 norm, a bad shape gets a clear error, the Triton kernel (on CUDA, or Triton's CPU interpreter) equals
 the torch form on wide, narrow and strided rows, and a Qwen3.5 prefill through it equals the torch
-ops."""
+ops; the kernel compiles for Hopper without spills."""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +96,31 @@ def test_the_torch_form_matches_f_rms_norm_with_a_weight_in_float32() -> None:
     torch.testing.assert_close(
         norm_rows.reference(x, weight, 1e-5), F.rms_norm(x, (40,), weight, 1e-5), rtol=1e-6, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("width", [4096, 256, 128])
+def test_the_kernel_compiles_for_hopper_without_spills(tmp_path: Path, width: int) -> None:
+    """The interpreter never compiles: the bf16 launch at Qwen3.5-9B's hidden width and head widths,
+    compiled for sm_90 ahead of time (no GPU needed), then ptxas: no register spills."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    constants = norm_rows.launch_constants(width)
+    warps = constants.pop("num_warps")
+    signature = {"x": "*bf16", "scale": "*fp32", "out": "*bf16", "rows": "i32", "in_stride": "i32"}
+    signature |= {"eps": "fp32"} | dict.fromkeys(constants, "constexpr")
+    names = list(signature)
+    source = ASTSource(
+        fn=norm_rows.jit_kernel(),
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+    )
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptx_file = tmp_path / "kernel.ptx"
+    ptx_file.write_text(compiled.asm["ptx"])
+    args = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_file), "-o", str(tmp_path / "kernel.o")]
+    report = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    assert "0 bytes spill stores" in report.stderr + report.stdout, report.stderr
