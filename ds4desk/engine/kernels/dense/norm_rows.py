@@ -1,7 +1,7 @@
 """RMSNorm of a prefill chunk's rows with a float32 scale, as one kernel: `scaled_rms_norm`.
 
-Qwen3.5 and Gemma 3 store their norm weights centred on 0 and normalise in float32: the rows cast to
-float32, F.rms_norm, times 1 + w, cast back. Eagerly that is four passes over the chunk (two of them
+Qwen3.5 stores its norm weights centred on 0 and normalises in float32: the rows cast to float32,
+F.rms_norm, times 1 + w, cast back. Eagerly that is four passes over the chunk (two of them
 over a float32 copy): at Qwen3.5-9B's width and a 4k prompt, the bulk of a prefill's elementwise
 time after its convolution (bench/results/qwen35_prefill_profile_*). On NVIDIA GPUs with Triton one
 kernel reads each row once and writes it normed in its dtype, with the same float32 math and one

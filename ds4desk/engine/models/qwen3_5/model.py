@@ -173,9 +173,11 @@ class Qwen35Model(CausalLM):
                 fuse_experts(layer.mlp, where)
         block = host_block(self, device, split)  # sized for what is still to place
         for layer, where in zip(self.model.layers, layer_devices, strict=True):
-            parts = (layer.mlp.gate_proj, layer.mlp.up_proj) if isinstance(layer.mlp, MLP) else ()
-            if parts and all(type(part) is nn.Linear for part in parts):
-                layer.fused["gate_up"] = fuse_group(parts, where, block=block)
+            mlp = layer.mlp
+            if isinstance(mlp, MLP) and type(mlp.gate_proj) is nn.Linear and type(mlp.up_proj) is nn.Linear:
+                fused = fuse_group((mlp.gate_proj, mlp.up_proj), where, block=block)
+                assert fused is not None  # float parts of one dtype always fuse
+                layer.fused["gate_up"] = fused
         materialize_parameters(self, device, split, block)
 
     def finish_loading(self) -> None:
@@ -187,7 +189,7 @@ class Qwen35Model(CausalLM):
         self.supports_graphs = all(p.moe is None or p.moe.stacked_gate_up is not None for p in plans)
         bounds = self._split.bounds() if self._split is not None else [(0, cfg.num_layers)]
         self._shards = [
-            Shard(plans[start].input_norm.device, plans[start:stop], index == 0)
+            Shard(plans[start].input_scale.device, plans[start:stop], index == 0)
             for index, (start, stop) in enumerate(bounds)
         ]
         self._inv_freq = cfg.rope.inverse_frequencies(cfg.rotary_dim, self.device)
@@ -219,13 +221,10 @@ class Qwen35Model(CausalLM):
             mixer = linear_attention.plan_of(layer.linear_attn)
         else:
             mixer = attention.plan_of(layer.self_attn)
-        input_norm, post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         plan = LayerPlan(
-            input_norm=input_norm,
             mixer=mixer,
-            post_norm=post_norm,
-            input_scale=1.0 + input_norm.float(),
-            post_scale=1.0 + post_norm.float(),
+            input_scale=1.0 + layer.input_layernorm.weight.float(),
+            post_scale=1.0 + layer.post_attention_layernorm.weight.float(),
         )
         if isinstance(layer.mlp, SparseMoeBlock):
             plan.moe = moe.plan_of(layer.mlp, top_k)

@@ -30,10 +30,9 @@ KINDS = ("kv", "conv", "recurrent")
 class LayerPlan:
     """What one layer's forward reads, derived once the weights are in (model.finish_loading)."""
 
-    input_norm: torch.Tensor
     mixer: LinearPlan | AttentionPlan
-    post_norm: torch.Tensor
-    # Both norms' float32 scales 1 + w, as the norm kernel and the fused one-row GEMVs read them.
+    # Both norms' float32 scales 1 + w (the stored weights are centred on 0), as the norm kernel and
+    # the fused one-row GEMVs read them.
     input_scale: torch.Tensor
     post_scale: torch.Tensor
     # The dense MLP's projections, or the MoE block's plan: one or the other. gate_up: gate and up as
