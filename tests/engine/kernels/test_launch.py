@@ -14,6 +14,7 @@ from ds4desk.engine.kernels import launch
 KERNEL_MODULES = (
     "dense.decode_attention",
     "dense.gemv",
+    "dense.norm_rows",
     "dense.silu_mul",
     "deepseek_v4.compress_step",
     "deepseek_v4.decode_attention",
