@@ -26,3 +26,29 @@ def run_triton_check(script: str) -> str:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def hopper_ptxas_report(
+    tmp_path: Path, kernel: object, signature: dict[str, str], constants: dict[str, object], warps: int
+) -> str:
+    """A real sm_90 compile of one launch of `kernel`, ahead of time (no GPU needed), then ptxas:
+    its report (registers, spills). `signature` names the arguments' types, `constants` the
+    constexprs. Skips where Triton is not installed."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    signature = signature | dict.fromkeys(constants, "constexpr")
+    names = list(signature)
+    source = ASTSource(
+        fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()}
+    )
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert compiled.asm["cubin"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptx_file = tmp_path / "kernel.ptx"
+    ptx_file.write_text(compiled.asm["ptx"])
+    args = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_file), "-o", str(tmp_path / "kernel.o")]
+    report = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    return report.stderr + report.stdout

@@ -5,7 +5,6 @@ ops; the kernel compiles for Hopper without spills."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4desk.engine.kernels.dense import norm_rows
-from tests.engine.triton_check import run_triton_check
+from tests.engine.triton_check import hopper_ptxas_report, run_triton_check
 
 
 def test_the_reference_is_the_float32_norm_times_the_scale_rounded_once() -> None:
@@ -102,25 +101,15 @@ def test_the_torch_form_matches_f_rms_norm_with_a_weight_in_float32() -> None:
 def test_the_kernel_compiles_for_hopper_without_spills(tmp_path: Path, width: int) -> None:
     """The interpreter never compiles: the bf16 launch at Qwen3.5-9B's hidden width and head widths,
     compiled for sm_90 ahead of time (no GPU needed), then ptxas: no register spills."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    constants = norm_rows.launch_constants(width)
+    constants: dict[str, object] = dict(norm_rows.launch_constants(width))
     warps = constants.pop("num_warps")
-    signature = {"x": "*bf16", "scale": "*fp32", "out": "*bf16", "rows": "i32", "in_stride": "i32"}
-    signature |= {"eps": "fp32"} | dict.fromkeys(constants, "constexpr")
-    names = list(signature)
-    source = ASTSource(
-        fn=norm_rows.jit_kernel(),
-        signature=signature,
-        constexprs={(names.index(k),): v for k, v in constants.items()},
-    )
-    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    ptx_file = tmp_path / "kernel.ptx"
-    ptx_file.write_text(compiled.asm["ptx"])
-    args = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_file), "-o", str(tmp_path / "kernel.o")]
-    report = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert report.returncode == 0, report.stderr
-    assert "0 bytes spill stores" in report.stderr + report.stdout, report.stderr
+    signature = {
+        "x": "*bf16",
+        "scale": "*fp32",
+        "out": "*bf16",
+        "rows": "i32",
+        "in_stride": "i32",
+        "eps": "fp32",
+    }
+    report = hopper_ptxas_report(tmp_path, norm_rows.jit_kernel(), signature, constants, int(warps))
+    assert "0 bytes spill stores" in report, report

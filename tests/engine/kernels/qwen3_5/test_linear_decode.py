@@ -5,7 +5,6 @@ small odd ones, and the model's decode and prefill through them equal its eager 
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.qwen3_5.model import Qwen35Model
 from tests.engine.op_names import OpNames
-from tests.engine.triton_check import run_triton_check
+from tests.engine.triton_check import hopper_ptxas_report, run_triton_check
 
 # The Triton checks below set the GPU where there is one.
 DEVICE = torch.device("cpu")
@@ -265,25 +264,9 @@ def _compile_for_hopper(
     tmp_path: Path, kernel, pointers: dict[str, str], scalars: dict[str, str], constants, warps
 ):
     """A real sm_90 compile of one launch, ahead of time (no GPU needed), then ptxas: no spills."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
     signature = {name: "*" + kind for name, kind in pointers.items()} | scalars
-    signature |= dict.fromkeys(constants, "constexpr")
-    names = list(signature)
-    source = ASTSource(
-        fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()}
-    )
-    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert compiled.asm["cubin"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    ptx_file = tmp_path / "kernel.ptx"
-    ptx_file.write_text(compiled.asm["ptx"])
-    args = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_file), "-o", str(tmp_path / "kernel.o")]
-    report = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert report.returncode == 0, report.stderr
-    assert "0 bytes spill stores" in report.stderr + report.stdout, report.stderr
+    report = hopper_ptxas_report(tmp_path, kernel, signature, dict(constants), warps)
+    assert "0 bytes spill stores" in report, report
 
 
 @pytest.mark.parametrize("tiled", [False, True])
