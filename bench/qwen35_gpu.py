@@ -583,7 +583,7 @@ def conv_share(cfg: dict[str, Any], device: torch.device, tokens: int) -> dict[s
         with causal_conv.SWITCH.force(kernel), torch.inference_mode():
 
             def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                return causal_conv.conv_heads(inputs, window, weight, *heads, interleaved=True)
+                return causal_conv.conv_heads(inputs, window, weight, *heads)
 
             seconds = timed(run, device)
             outputs.append(torch.cat([t.flatten() for t in run()]))

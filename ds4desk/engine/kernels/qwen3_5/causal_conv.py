@@ -2,21 +2,22 @@
 
 A linear-attention layer convolves its q/k/v channels with `kernel` taps each, continuing from the
 window it kept (the last kernel - 1 inputs before this chunk), and takes silu; the delta rule then
-reads per value head the query and key of its key head, each scaled to unit length (the query also
-by dk^-1/2), and the value, in float32. Eagerly (models/qwen3_5/linear_attention.py: `_convolve`
+reads per key head the query and key, each scaled to unit length (the query also by dk^-1/2), and
+per value head the value, in float32. Eagerly (models/qwen3_5/linear_attention.py: `_convolve`
 and `_heads`) that is the inputs transposed behind the window ([C, kept + T], a copy), F.conv1d, silu,
-a transposed copy, a float32 copy and norm of each of q and k, their repeat to the value heads and
-a float32 copy of v: at Qwen3.5-9B's shapes on an H200 the convolution alone took 3.6 ms of a
-4k-token prefill's 38.4 ms (bench/results/qwen35_prefill_profile_20261205T0538Z.txt), and the steps
-after it most of the ~5 ms of elementwise kernels and copies there.
+a transposed copy, a float32 copy and norm of each of q and k and a float32 copy of v: at
+Qwen3.5-9B's shapes on an H200 the convolution alone took 3.6 ms of a 4k-token prefill's 38.4 ms
+(bench/results/qwen35_prefill_profile_20261205T0538Z.txt), and the steps after it most of the ~5 ms
+of elementwise kernels and copies there.
 
 On NVIDIA GPUs with Triton it is one kernel (causal_conv_triton.py), a program per block of rows
-and value head: it reads
-the inputs [T, C] where they are (the window for the first kernel - 1 rows), sums the taps in
-float32, rounds where the eager ops round (the convolution's output and silu's, in the model's
-dtype), and writes the three float32 tensors once. The window's update (a [C, kernel - 1] copy)
-stays with the caller, after the op: the op's programs read the old window. Elsewhere
-`reference` runs, the eager math op for op.
+and key head: it reads the inputs [T, C] where they are (the window for the first kernel - 1 rows),
+sums the taps in float32, rounds where the eager ops round (the convolution's output and silu's, in
+the model's dtype), and writes the three float32 tensors once. q and k stay per key head (the delta
+rule's kernels index a value head's key head; repeating them to the value heads would write and
+read twice the bytes where there are twice as many value heads). The window's update (a [C,
+kernel - 1] copy) stays with the caller, after the op: the op's programs read the old window.
+Elsewhere `reference` runs, the eager math op for op.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ SWITCH = Switch(
     lambda where: nvidia(where) and _triton_kernel() is not None,
 )
 
-BLOCK_T = 16  # a program's rows
+# A program's rows: 8 at 4 warps ran Qwen3.5-9B's 4,096 rows in 172 µs on an H100, against 214 µs
+# at 16 and 193-828 µs at the other sizes and warps swept (16 or 32 rows at 2 or 8 warps, 64 at any).
+BLOCK_T = 8
 
 
 def enabled(where: Where) -> bool:
@@ -52,13 +55,10 @@ def conv_heads(
     key_dim: int,
     value_heads: int,
     value_dim: int,
-    interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """inputs [T, C] after window [C, K - 1], weight [C, K] (tap K - 1 on the current row), C =
-    2 key_heads key_dim + value_heads value_dim: (q, k [T, value_heads, key_dim], v [T, value_heads,
-    value_dim]), float32. Value head h reads key head h // (value_heads / key_heads) where
-    `interleaved` (Hugging Face's order), else h % key_heads (a GGUF's). The window is read, not
-    updated. Always the custom op (see `enabled`)."""
+    2 key_heads key_dim + value_heads value_dim: (q, k [T, key_heads, key_dim], v [T, value_heads,
+    value_dim]), float32. The window is read, not updated. Always the custom op (see `enabled`)."""
     channels = 2 * key_heads * key_dim + value_heads * value_dim
     if inputs.dim() != 2 or inputs.shape[1] != channels or weight.shape[0] != channels or weight.dim() != 2:
         raise ValueError(
@@ -75,7 +75,7 @@ def conv_heads(
         )
     if key_heads <= 0 or value_heads % key_heads:
         raise ValueError(f"{value_heads} value heads are no multiple of {key_heads} key heads")
-    return _fused_op(inputs, window, weight, key_heads, key_dim, value_heads, value_dim, interleaved)
+    return _fused_op(inputs, window, weight, key_heads, key_dim, value_heads, value_dim)
 
 
 def reference(
@@ -86,35 +86,24 @@ def reference(
     key_dim: int,
     value_heads: int,
     value_dim: int,
-    interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """linear_attention's `_convolve` (more than one row), then `heads`, op for op."""
+    """linear_attention's `_convolve` (more than one row), then `per_key_head`, op for op."""
     extended = torch.cat((window, inputs.t()), dim=1)  # [C, kept + T]
     out = F.conv1d(extended[None], weight[:, None, :], groups=extended.shape[0])[0]
     mixed = F.silu(out).t().contiguous()
-    return heads(mixed, key_heads, key_dim, value_heads, value_dim, interleaved)
+    return per_key_head(mixed, key_heads, key_dim, value_heads, value_dim)
 
 
-def heads(
-    mixed: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int, interleaved: bool
+def per_key_head(
+    mixed: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The convolved channels [T, C] as the delta rule reads them, float32: per value head the query
-    and key of its key head, scaled to unit length (the query also by dk^-1/2), and its value. The
-    model's eager path (any row count, padding too) calls this as well."""
+    """The convolved channels [T, C] as the delta rule reads them, float32: per key head the query and
+    key, scaled to unit length (the query also by dk^-1/2), and per value head the value."""
     count = mixed.shape[0]
-    key_width, repeat = key_heads * key_dim, value_heads // key_heads
+    key_width = key_heads * key_dim
     q, k, v = mixed.split([key_width, key_width, value_heads * value_dim], dim=1)
     q = unit_rows(q.view(count, key_heads, key_dim)) * key_dim**-0.5
     k = unit_rows(k.view(count, key_heads, key_dim))
-    if repeat > 1 and not interleaved:
-        # llama.cpp's order (a GGUF's): value head h reads key head h % key heads.
-        q, k = q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)
-    elif repeat > 1:
-        # Hugging Face's, h // repeat: repeat_interleave as an expand, no sizes to learn on the
-        # device (graph-safe).
-        shape = (count, value_heads, key_dim)
-        q = q[:, :, None].expand(count, key_heads, repeat, key_dim).reshape(shape)
-        k = k[:, :, None].expand(count, key_heads, repeat, key_dim).reshape(shape)
     return q, k, v.reshape(count, value_heads, value_dim).float()
 
 
@@ -127,17 +116,16 @@ def _fused_op(
     key_dim: int,
     value_heads: int,
     value_dim: int,
-    interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kernel = _triton_kernel() if SWITCH.kernel_runs_on(inputs) else None
     run = reference if kernel is None else kernel
-    return run(inputs, window, weight, key_heads, key_dim, value_heads, value_dim, interleaved)
+    return run(inputs, window, weight, key_heads, key_dim, value_heads, value_dim)
 
 
 @_fused_op.register_fake
-def _(inputs, window, weight, key_heads, key_dim, value_heads, value_dim, interleaved):
+def _(inputs, window, weight, key_heads, key_dim, value_heads, value_dim):
     count = inputs.shape[0]
-    q = inputs.new_empty((count, value_heads, key_dim), dtype=torch.float32)
+    q = inputs.new_empty((count, key_heads, key_dim), dtype=torch.float32)
     return q, torch.empty_like(q), inputs.new_empty((count, value_heads, value_dim), dtype=torch.float32)
 
 
@@ -157,24 +145,23 @@ def _triton_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Te
         key_dim: int,
         value_heads: int,
         value_dim: int,
-        interleaved: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, taps = inputs.shape[0], weight.shape[1]
         # Rows of contiguous channels (a row stride is fine); the window and weight are tiny.
         inputs = inputs if inputs.stride(1) == 1 else inputs.contiguous()
         window = window if taps == 1 or window.stride(1) == 1 else window.contiguous()
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
-        q = torch.empty((rows, value_heads, key_dim), dtype=torch.float32, device=inputs.device)
+        q = torch.empty((rows, key_heads, key_dim), dtype=torch.float32, device=inputs.device)
         k = torch.empty_like(q)
         v = torch.empty((rows, value_heads, value_dim), dtype=torch.float32, device=inputs.device)
         if rows:
-            grid = (-(-rows // BLOCK_T), value_heads)
+            grid = (-(-rows // BLOCK_T), key_heads)
             kernel[grid](
                 inputs, window, weight, q, k, v, rows,
                 inputs.stride(0), window.stride(0), weight.stride(0), key_dim**-0.5, NORM_EPS,
                 KEY_HEADS=key_heads, HEADS=value_heads, DK=key_dim, DV=value_dim,
                 BLOCK_DK=next_power_of_two(key_dim), BLOCK_DV=next_power_of_two(value_dim),
-                K=taps, INTERLEAVED=interleaved, BLOCK_T=BLOCK_T, num_warps=4,
+                K=taps, BLOCK_T=BLOCK_T, num_warps=4,
             )  # fmt: skip
         return q, k, v
 

@@ -41,9 +41,9 @@ def conv_heads_kernel(
     inputs,  # [T, C], rows apart by in_stride
     window,  # [C, K - 1], rows apart by window_stride
     weight,  # [C, K], rows apart by weight_stride
-    q_out,  # [T, H, DK] float32
-    k_out,  # [T, H, DK] float32
-    v_out,  # [T, H, DV] float32
+    q_out,  # [T, KEY_HEADS, DK] float32
+    k_out,  # [T, KEY_HEADS, DK] float32
+    v_out,  # [T, HEADS, DV] float32
     rows,
     in_stride,
     window_stride,
@@ -57,20 +57,18 @@ def conv_heads_kernel(
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     K: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """A program per block of BLOCK_T rows and value head h: the query and key of h's key head
-    (h // (H / KEY_HEADS) where INTERLEAVED, else h % KEY_HEADS) scaled to unit length, the query
-    also by q_scale, and h's value."""
+    """A program per block of BLOCK_T rows and key head j: j's query and key scaled to unit length (the
+    query also by q_scale), and the values of value heads j R .. j R + R - 1 (R = HEADS / KEY_HEADS;
+    which value head reads which key head is the delta rule's business, not this kernel's)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
-    key_head = h // (HEADS // KEY_HEADS) if INTERLEAVED else h % KEY_HEADS
+    key_head = tl.program_id(1)
     row_in = t < rows
     dtype = inputs.dtype.element_ty
     d = tl.arange(0, BLOCK_DK)
     d_in = d < DK
-    at = t[:, None] * (HEADS * DK) + h * DK + d[None, :]
+    at = t[:, None] * (KEY_HEADS * DK) + key_head * DK + d[None, :]
     keep = row_in[:, None] & d_in[None, :]
     q = conv_silu(inputs, window, weight, t, row_in, key_head * DK + d, d_in, in_stride, window_stride,
                   weight_stride, K, dtype, BLOCK_T, BLOCK_DK)  # fmt: skip
@@ -80,6 +78,9 @@ def conv_heads_kernel(
     tl.store(k_out + at, k * tl.rsqrt(tl.sum(k * k, axis=1) + eps)[:, None], mask=keep)
     e = tl.arange(0, BLOCK_DV)
     e_in = e < DV
-    v = conv_silu(inputs, window, weight, t, row_in, 2 * KEY_HEADS * DK + h * DV + e, e_in, in_stride,
-                  window_stride, weight_stride, K, dtype, BLOCK_T, BLOCK_DV)  # fmt: skip
-    tl.store(v_out + t[:, None] * (HEADS * DV) + h * DV + e[None, :], v, mask=row_in[:, None] & e_in[None, :])
+    for r in tl.static_range(HEADS // KEY_HEADS):
+        h = key_head * (HEADS // KEY_HEADS) + r
+        v = conv_silu(inputs, window, weight, t, row_in, 2 * KEY_HEADS * DK + h * DV + e, e_in, in_stride,
+                      window_stride, weight_stride, K, dtype, BLOCK_T, BLOCK_DV)  # fmt: skip
+        tl.store(v_out + t[:, None] * (HEADS * DV) + h * DV + e[None, :], v,
+                 mask=row_in[:, None] & e_in[None, :])  # fmt: skip

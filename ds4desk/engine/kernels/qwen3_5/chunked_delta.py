@@ -25,7 +25,9 @@ from it; per head and block of state columns, the state carried from chunk to ch
 column block, the outputs.
 
 Everything runs in float32 whatever the model's dtype: the state is a long running sum. Shapes: heads
-first, [H, T, d], batch dropped; any strides with the last dimension contiguous.
+first, [H, T, d], batch dropped; any strides with the last dimension contiguous. q and k may come per
+key head (fewer heads than v, as the convolution's op gives them): value head h then reads key head
+h // (value heads / key heads) in Hugging Face's order, h % key heads in llama.cpp's (`interleaved`).
 """
 
 from __future__ import annotations
@@ -65,21 +67,38 @@ def chunked(
     beta: torch.Tensor,
     state: torch.Tensor,
     tf32: bool = False,
+    interleaved: bool = True,
 ) -> torch.Tensor:
-    """A run of tokens: q, k [H, T, dk], v [H, T, dv], g, beta [H, T] (float32); `state`
-    [H, dk, dv] float32 holds the state before the first token and is updated in place to the
-    state after the last. Returns o [H, T, dv] float32 (on the kernels a view of [T, H, dv]
-    memory). `tf32`: the kernels' matmuls may round
-    their inputs to TF32 (for a 16-bit model, whose output is rounded coarser than that; IEEE
-    float32 otherwise, as the reference's)."""
-    heads, length, dk = k.shape
-    if q.shape != k.shape or v.shape[:2] != (heads, length) or g.shape != (heads, length):
+    """A run of tokens: q, k [H or key heads, T, dk], v [H, T, dv], g, beta [H, T] (float32);
+    `state` [H, dk, dv] float32 holds the state before the first token and is updated in place to
+    the state after the last. Returns o [H, T, dv] float32 (on the kernels a view of [T, H, dv]
+    memory). `tf32`: the kernels' matmuls may round their inputs to TF32 (for a 16-bit model, whose
+    output is rounded coarser than that; IEEE float32 otherwise, as the reference's).
+    `interleaved`: the key-head order (the module's docstring), where q and k have fewer heads."""
+    key_heads, length, dk = k.shape
+    heads = v.shape[0]
+    if q.shape != k.shape or v.shape[1] != length or g.shape != (heads, length) or heads % key_heads:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}")
     if beta.shape != g.shape or state.shape != (heads, dk, v.shape[2]) or state.dtype != torch.float32:
         raise ValueError(f"beta {tuple(beta.shape)}, state {tuple(state.shape)} {state.dtype}")
     if not enabled(q):
-        return reference(q, k, v, g, beta, state)
-    return _fused_op(q, k, v, g, beta, state, tf32)
+        return reference(q, k, v, g, beta, state, interleaved=interleaved)
+    return _fused_op(q, k, v, g, beta, state, tf32, interleaved)
+
+
+def to_value_heads(x: torch.Tensor, value_heads: int, interleaved: bool) -> torch.Tensor:
+    """Per-key-head rows [..., key heads, d] as each value head reads them [..., value_heads, d]: value
+    head h reads key head h // (value_heads / key heads) where `interleaved` (Hugging Face's order),
+    else h % key heads (llama.cpp's, a GGUF's)."""
+    key_heads = x.shape[-2]
+    repeat = value_heads // key_heads
+    if repeat == 1:
+        return x
+    if not interleaved:
+        return x.repeat(*([1] * (x.dim() - 2)), repeat, 1)
+    # repeat_interleave as an expand, no sizes to learn on the device (graph-safe).
+    shape = (*x.shape[:-2], value_heads, x.shape[-1])
+    return x.unsqueeze(-2).expand(*x.shape[:-1], repeat, x.shape[-1]).reshape(shape)
 
 
 def reference(
@@ -90,9 +109,11 @@ def reference(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk: int = CHUNK,
+    interleaved: bool = True,
 ) -> torch.Tensor:
     """`chunked` in torch ops (see the module's docstring)."""
-    heads, length = k.shape[:2]
+    heads, length = v.shape[:2]
+    q, k = (to_value_heads(t.transpose(0, 1), heads, interleaved).transpose(0, 1) for t in (q, k))
     chunk = min(chunk, length)  # a short run (a small prefill chunk) pays for its own length only
     dv = v.shape[-1]
     pad = -length % chunk
@@ -155,15 +176,16 @@ def _fused_op(
     beta: torch.Tensor,
     state: torch.Tensor,
     tf32: bool,
+    interleaved: bool,
 ) -> torch.Tensor:
     kernel = _triton_kernel() if SWITCH.kernel_runs_on(state) else None
     if kernel is None:
-        return reference(q, k, v, g, beta, state).contiguous()
-    return kernel(q, k, v, g, beta, state, tf32)
+        return reference(q, k, v, g, beta, state, interleaved=interleaved).contiguous()
+    return kernel(q, k, v, g, beta, state, tf32, interleaved)
 
 
 @_fused_op.register_fake
-def _(q, k, v, g, beta, state, tf32):
+def _(q, k, v, g, beta, state, tf32, interleaved):
     return v.new_empty(v.shape, dtype=torch.float32)
 
 
@@ -207,9 +229,10 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         beta: torch.Tensor,
         state: torch.Tensor,
         tf32: bool,
+        interleaved: bool,
     ) -> torch.Tensor:
-        heads, length, dk = k.shape
-        dv = v.shape[2]
+        key_heads, length, dk = k.shape
+        heads, dv = v.shape[0], v.shape[2]
         q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
         state_was = state
         state = state.contiguous()
@@ -227,6 +250,8 @@ def _triton_kernel() -> Callable[..., torch.Tensor] | None:
         # input), which a transposed view of this is without a copy.
         out = torch.empty((length, heads, dv), **scratch).transpose(0, 1)
         settings = {"PRECISION": "tf32" if tf32 else "ieee", "num_warps": WARPS, "num_stages": 1}
+        # Value head h reads key head (h // KEY_DIV) % KEY_HEADS: h // repeat interleaved, else h % key heads.
+        settings |= {"KEY_HEADS": key_heads, "KEY_DIV": heads // key_heads if interleaved else 1}
         source.prepare_kernel[(chunks, heads)](
             k,
             v,

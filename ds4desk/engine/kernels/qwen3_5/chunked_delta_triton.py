@@ -1,6 +1,7 @@
 """Triton source of the chunked gated delta rule (chunked_delta.py holds the math and the op).
 
-Three kernels, C tokens a chunk, everything float32:
+Three kernels, C tokens a chunk, everything float32; value head h reads the queries and keys of key
+head (h // KEY_DIV) % KEY_HEADS:
 - `prepare_kernel`, a program per (chunk, head), all in parallel: the running log-decay γ, the
   chunk's unit lower-triangular system I + A inverted in blocks of 16 (forward substitution inside
   the diagonal blocks, small matmuls below them), and the writes' two parts W = (I + A)⁻¹ (β e^γ K)
@@ -61,9 +62,12 @@ def prepare_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     PRECISION: tl.constexpr,
+    KEY_HEADS: tl.constexpr,
+    KEY_DIV: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
+    key_head = (head // KEY_DIV) % KEY_HEADS
     rows = tl.arange(0, C)
     t = chunk * C + rows
     real = t < length
@@ -76,7 +80,7 @@ def prepare_kernel(
     dots = tl.zeros((C, C), dtype=tl.float32)
     for start in range(0, DK, BK):
         cols = start + tl.arange(0, BK)
-        block = _token_rows(k, head, stride_kh, stride_kt, t, length, cols, DK)
+        block = _token_rows(k, key_head, stride_kh, stride_kt, t, length, cols, DK)
         dots += tl.dot(block, tl.trans(block), input_precision=PRECISION)
     earlier = rows[None, :] < rows[:, None]
     decay = tl.exp(tl.where(earlier, gamma[:, None] - gamma[None, :], 0.0))
@@ -122,7 +126,7 @@ def prepare_kernel(
     key_scale = strength * tl.exp(gamma)
     for start in range(0, DK, BK):
         cols = start + tl.arange(0, BK)
-        block = _token_rows(k, head, stride_kh, stride_kt, t, length, cols, DK)
+        block = _token_rows(k, key_head, stride_kh, stride_kt, t, length, cols, DK)
         part = tl.dot(inverse, block * key_scale[:, None], input_precision=PRECISION)
         tl.store(w + (head * padded + t[:, None]) * DK + cols[None, :], part, mask=cols[None, :] < DK)
     for start in range(0, DV, BV):
@@ -151,8 +155,11 @@ def state_kernel(
     BKF: tl.constexpr,
     BV: tl.constexpr,
     PRECISION: tl.constexpr,
+    KEY_HEADS: tl.constexpr,
+    KEY_DIV: tl.constexpr,
 ):
     head = tl.program_id(1).to(tl.int64)
+    key_head = (head // KEY_DIV) % KEY_HEADS
     rows = tl.arange(0, C)
     keys = tl.arange(0, BKF)
     values = tl.program_id(0) * BV + tl.arange(0, BV)
@@ -171,7 +178,7 @@ def state_kernel(
         u_at = u + (head * padded + t[:, None]) * DV + values[None, :]
         writes = tl.load(u_at, mask=values[None, :] < DV) - tl.dot(w_part, carried, input_precision=PRECISION)
         tl.store(u_at, writes, mask=values[None, :] < DV)
-        block = _token_rows(k, head, stride_kh, stride_kt, t, length, keys, DK)
+        block = _token_rows(k, key_head, stride_kh, stride_kt, t, length, keys, DK)
         to_end = block * tl.exp(last - gamma)[:, None]
         carried = carried * tl.exp(last) + tl.dot(tl.trans(to_end), writes, input_precision=PRECISION)
         chunk += 1
@@ -201,9 +208,12 @@ def output_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     PRECISION: tl.constexpr,
+    KEY_HEADS: tl.constexpr,
+    KEY_DIV: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
+    key_head = (head // KEY_DIV) % KEY_HEADS
     rows = tl.arange(0, C)
     t = chunk * C + rows
     real = t < length
@@ -213,8 +223,8 @@ def output_kernel(
     start_state = starts + (head * chunks + chunk) * DK * DV
     for start in range(0, DK, BK):
         cols = start + tl.arange(0, BK)
-        q_part = _token_rows(q, head, stride_qh, stride_qt, t, length, cols, DK)
-        k_part = _token_rows(k, head, stride_kh, stride_kt, t, length, cols, DK)
+        q_part = _token_rows(q, key_head, stride_qh, stride_qt, t, length, cols, DK)
+        k_part = _token_rows(k, key_head, stride_kh, stride_kt, t, length, cols, DK)
         scores += tl.dot(q_part, tl.trans(k_part), input_precision=PRECISION)
         s_part = tl.load(
             start_state + cols[:, None] * DV + values[None, :],

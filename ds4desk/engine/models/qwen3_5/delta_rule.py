@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from ds4desk.engine.kernels.qwen3_5 import chunked_delta
+from ds4desk.engine.kernels.qwen3_5.chunked_delta import to_value_heads  # key heads to value heads
 from ds4desk.engine.kernels.qwen3_5.linear_decode import unit_rows  # q and k scaled to unit length
 
-__all__ = ["CHUNK", "chunked", "step", "unit_rows"]
+__all__ = ["CHUNK", "chunked", "step", "to_value_heads", "unit_rows"]
 
 # Tokens per chunk of the chunked form (a Qwen3.5 prompt piece is one chunk).
 CHUNK = chunked_delta.CHUNK
@@ -55,9 +56,12 @@ def chunked(
     beta: torch.Tensor,
     state: torch.Tensor,
     model_dtype: torch.dtype,
+    interleaved: bool = True,
 ) -> torch.Tensor:
-    """A run of tokens: q, k [H, T, dk], v [H, T, dv], g, beta [H, T] (float32); `state`
+    """A run of tokens: q, k [H, T, dk] (or per key head, value head h reading key head h // repeat
+    where `interleaved`, else h % key heads), v [H, T, dv], g, beta [H, T] (float32); `state`
     [H, dk, dv] float32 holds the state before the first token and is updated in place to the
     state after the last. Returns o [H, T, dv] float32. A 16-bit model lets the GPU kernels'
     matmuls round their inputs to TF32."""
-    return chunked_delta.chunked(q, k, v, g, beta, state, tf32=model_dtype != torch.float32)
+    tf32 = model_dtype != torch.float32
+    return chunked_delta.chunked(q, k, v, g, beta, state, tf32=tf32, interleaved=interleaved)

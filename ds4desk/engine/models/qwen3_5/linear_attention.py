@@ -133,6 +133,7 @@ def forward(
     if count > 1 and real is None and causal_conv.enabled(x):
         # One kernel from the projection's rows to the heads (kernels/qwen3_5/causal_conv.py); the
         # window moves after it, since the kernel reads the old one.
+        # q and k per key head: the delta rule's kernels find each value head's.
         q, k, v = causal_conv.conv_heads(
             conv_inputs,
             plan.conv_state,
@@ -141,7 +142,6 @@ def forward(
             cfg.linear_key_dim,
             heads,
             cfg.linear_value_dim,
-            interleaved=not cfg.gguf_layout,
         )
         _keep_window(plan.conv_state, conv_inputs)
     else:
@@ -152,8 +152,11 @@ def forward(
         # Padding writes nothing (zero strength) and decays nothing (log-decay 0), as in chunked's own.
         is_real = (torch.arange(count, device=x.device) < real)[:, None]
         beta, decay = beta * is_real, decay * is_real
+    interleaved = not cfg.gguf_layout
     if plan.written is not None:
-        plan.written.append(Written(conv_inputs, k, v, decay, beta))
+        plan.written.append(
+            Written(conv_inputs, delta_rule.to_value_heads(k, heads, interleaved), v, decay, beta)
+        )
     if count == 1:
         core = delta_rule.step(q[0], k[0], v[0], decay[0], beta[0], plan.recurrent)[None]
     else:
@@ -165,6 +168,7 @@ def forward(
             beta.t(),
             plan.recurrent,
             x.dtype,
+            interleaved,
         ).transpose(0, 1)
     z = plan.z(x).view(count, heads, cfg.linear_value_dim)
     if gated_norm.enabled(x):  # one kernel for the prefill's rows (the float32 core rounded inside)
@@ -199,16 +203,18 @@ def _fused_step(cfg: Qwen35Config, plan: LinearPlan, x: torch.Tensor) -> torch.T
 
 
 def _heads(cfg: Qwen35Config, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The convolved channels [T, C] as the delta rule reads them (causal_conv.heads): value head h
-    reads key head h // repeat in Hugging Face's order, h % key heads in a GGUF's
-    (config.GGUF_LAYOUT_KEY)."""
-    return causal_conv.heads(
-        mixed,
-        cfg.linear_key_heads,
-        cfg.linear_key_dim,
-        cfg.linear_value_heads,
-        cfg.linear_value_dim,
-        interleaved=not cfg.gguf_layout,
+    """The convolved channels [T, C] as the delta rule reads them (causal_conv.per_key_head), q and k
+    repeated to the value heads: value head h reads key head h // repeat in Hugging Face's order,
+    h % key heads in a GGUF's (config.GGUF_LAYOUT_KEY)."""
+    heads = cfg.linear_value_heads
+    q, k, v = causal_conv.per_key_head(
+        mixed, cfg.linear_key_heads, cfg.linear_key_dim, heads, cfg.linear_value_dim
+    )
+    interleaved = not cfg.gguf_layout
+    return (
+        delta_rule.to_value_heads(q, heads, interleaved),
+        delta_rule.to_value_heads(k, heads, interleaved),
+        v,
     )
 
 

@@ -47,45 +47,42 @@ def test_the_op_is_one_op_with_the_reference_result() -> None:
     window_before = window.clone()
     seen = OpNames()
     with torch.inference_mode(), seen:
-        ours = causal_conv.conv_heads(inputs, window, weight, **sizes, interleaved=True)
+        ours = causal_conv.conv_heads(inputs, window, weight, **sizes)
     assert seen.names == ["qwen35_conv_heads"]  # what a graph capture or an op counter sees
-    expected = causal_conv.reference(inputs, window, weight, **sizes, interleaved=True)
+    expected = causal_conv.reference(inputs, window, weight, **sizes)
     for got, want in zip(ours, expected, strict=True):
         assert torch.equal(got, want) and got.dtype == torch.float32
-    assert [tuple(t.shape) for t in ours] == [(6, 4, 8), (6, 4, 8), (6, 4, 12)]
+    assert [tuple(t.shape) for t in ours] == [(6, 2, 8), (6, 2, 8), (6, 4, 12)]  # q, k per key head
     assert torch.equal(window, window_before)  # read only: the caller moves the window
 
 
-@pytest.mark.parametrize("interleaved", [True, False])
-def test_the_reference_convolves_from_the_window_and_gives_each_value_head_its_key_head(
-    interleaved: bool,
-) -> None:
-    """Position t sums tap j times input t - (K - 1) + j, the window standing in before the chunk;
-    value head h reads key head h // 2 (interleaved) or h % 2 (a GGUF's order) of the tiny shape's 2."""
+def test_the_reference_convolves_from_the_window_and_splits_the_heads() -> None:
+    """Position t sums tap j times input t - (K - 1) + j, the window standing in before the chunk; q
+    and k come per key head (the tiny shape's 2), v per value head (4)."""
     inputs, window, weight, sizes = conv_inputs(5, "tiny", torch.float64, seed=2, device=torch.device("cpu"))
     history = torch.cat((window.t(), inputs))  # [K - 1 + T, C]
     mixed = F.silu(torch.stack([(history[t : t + 4] * weight.t()).sum(0) for t in range(5)]))
-    q, k, v = causal_conv.reference(inputs, window, weight, **sizes, interleaved=interleaved)
+    q, k, v = causal_conv.reference(inputs, window, weight, **sizes)
+    close = {"rtol": 1e-5, "atol": 1e-6}  # the reference's heads are float32
+    for j in range(2):
+        query = mixed[:, j * 8 : (j + 1) * 8]
+        key = mixed[:, 16 + j * 8 : 16 + (j + 1) * 8]
+        torch.testing.assert_close(q[:, j], (F.normalize(query, dim=-1, eps=0) * 8**-0.5).float(), **close)
+        torch.testing.assert_close(k[:, j], F.normalize(key, dim=-1, eps=0).float(), **close)
     for h in range(4):
-        key_head = h // 2 if interleaved else h % 2
-        query = mixed[:, key_head * 8 : (key_head + 1) * 8]
-        key = mixed[:, 16 + key_head * 8 : 16 + (key_head + 1) * 8]
-        close = {"rtol": 1e-5, "atol": 1e-6}  # the reference's heads are float32
-        torch.testing.assert_close(q[:, h], (F.normalize(query, dim=-1, eps=0) * 8**-0.5).float(), **close)
-        torch.testing.assert_close(k[:, h], F.normalize(key, dim=-1, eps=0).float(), **close)
         torch.testing.assert_close(v[:, h], mixed[:, 32 + h * 12 : 32 + (h + 1) * 12].float(), **close)
 
 
 def test_bad_arguments_get_a_clear_error() -> None:
     inputs, window, weight, sizes = conv_inputs(4, "tiny", torch.float32, seed=3, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="window"):
-        causal_conv.conv_heads(inputs, window[:, :2], weight, **sizes, interleaved=True)
+        causal_conv.conv_heads(inputs, window[:, :2], weight, **sizes)
     with pytest.raises(ValueError, match=r"\[T, 80\]"):
-        causal_conv.conv_heads(inputs[:, :79], window, weight, **sizes, interleaved=True)
+        causal_conv.conv_heads(inputs[:, :79], window, weight, **sizes)
     with pytest.raises(ValueError, match="dtype"):
-        causal_conv.conv_heads(inputs, window.double(), weight, **sizes, interleaved=True)
+        causal_conv.conv_heads(inputs, window.double(), weight, **sizes)
     with pytest.raises(ValueError, match="multiple"):
-        causal_conv.conv_heads(inputs, window, weight, 3, 8, 2, 16, interleaved=True)  # 80 channels too
+        causal_conv.conv_heads(inputs, window, weight, 3, 8, 2, 16)  # 80 channels too
 
 
 def test_the_cpu_takes_the_eager_path_by_default() -> None:
@@ -125,13 +122,13 @@ def check_kernel(device: torch.device) -> None:
     launch = causal_conv._triton_kernel()
     assert launch is not None
     for shape, rows in (("9b", 37), ("equal-heads", 2), ("tiny", 5), ("odd", 19)):
-        for dtype, interleaved in itertools.product((torch.float32, torch.bfloat16), (True, False)):
+        for dtype in (torch.float32, torch.bfloat16):
             inputs, window, weight, sizes = conv_inputs(rows, shape, dtype, seed=rows, device=device)
-            got = launch(inputs, window, weight, *sizes.values(), interleaved)
-            expected = causal_conv.reference(inputs, window, weight, *sizes.values(), interleaved)
+            got = launch(inputs, window, weight, *sizes.values())
+            expected = causal_conv.reference(inputs, window, weight, *sizes.values())
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             for name, ours, want in zip("qkv", got, expected, strict=True):
-                where = (shape, rows, dtype, interleaved, name)
+                where = (shape, rows, dtype, name)
                 assert ours.dtype == torch.float32 and ours.shape == want.shape, where
                 assert relative_error(ours, want) < tol, (where, relative_error(ours, want))
 

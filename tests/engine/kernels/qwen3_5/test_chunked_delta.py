@@ -1,7 +1,8 @@
 """Qwen3.5's chunked gated delta rule as one op (qwen35_chunked_delta): the op is one op whose CPU body
 is the reference, the Triton kernels (on CUDA, or Triton's CPU interpreter) equal the reference at
 Qwen3.5-9B's head shapes and small odd ones, over runs shorter than, equal to and longer than a chunk,
-from a carried state and with the model's strided inputs; the model's prefill through the kernels
+from a carried state and with the model's strided inputs, with queries and keys per key head in both
+orders; the model's prefill through the kernels
 equals its eager prefill; and the kernels compile for Hopper without spills."""
 
 from __future__ import annotations
@@ -42,6 +43,36 @@ def test_the_op_is_one_op_with_the_reference_result() -> None:
     assert torch.equal(ours, expected) and torch.equal(carried, expected_state)
 
 
+def repeated(x: torch.Tensor, heads: int, interleaved: bool) -> torch.Tensor:
+    """Per-key-head [KH, T, d] spelled out per value head: h reads h // repeat or h % KH."""
+    repeat = heads // x.shape[0]
+    return x.repeat_interleave(repeat, dim=0) if interleaved else x.repeat(repeat, 1, 1)
+
+
+def key_head_inputs(
+    length: int, heads: int, key_heads: int, dk: int, dv: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """`inputs` whose q and k hold only `key_heads` heads (the first ones drawn)."""
+    q, k, v, g, beta, state = inputs(length, heads, dk, dv, seed)
+    return q[:key_heads], k[:key_heads], v, g, beta, state
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_queries_and_keys_per_key_head_equal_them_repeated_to_the_value_heads(interleaved: bool) -> None:
+    """Fewer q/k heads than value heads: value head h reads key head h // repeat (Hugging Face's order)
+    or h % key heads (a GGUF's), the same result as the repeated tensors, and different orders differ."""
+    q, k, v, g, beta, state = key_head_inputs(70, heads=6, key_heads=2, dk=8, dv=6, seed=4)
+    ours, expected_state = state.clone(), state.clone()
+    got = chunked_delta.chunked(q, k, v, g, beta, ours, interleaved=interleaved)
+    full = (repeated(q, 6, interleaved), repeated(k, 6, interleaved))
+    expected = chunked_delta.reference(*full, v, g, beta, expected_state)
+    assert torch.equal(got, expected) and torch.equal(ours, expected_state)
+    other = chunked_delta.reference(q, k, v, g, beta, state.clone(), interleaved=not interleaved)
+    assert relative_error(other, expected) > 0.1
+    with pytest.raises(ValueError, match="q"):
+        chunked_delta.chunked(q[:1].expand(4, -1, -1), k[:1].expand(4, -1, -1), v, g, beta, state)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -75,6 +106,14 @@ CASES = [
     (40, 1, 256, 96, 1.0),
 ]
 
+# (length, value heads, key heads, dk, dv, interleaved): q and k per key head, in both orders.
+KEY_HEAD_CASES = [
+    (100, 4, 2, 8, 6, True),
+    (100, 4, 2, 8, 6, False),
+    (130, 4, 2, 128, 128, True),
+    (70, 6, 3, 16, 8, False),
+]
+
 
 def check_kernels(device: torch.device) -> None:
     """The kernels against the reference: outputs and the carried state; IEEE float32 products tight,
@@ -87,10 +126,20 @@ def check_kernels(device: torch.device) -> None:
             arguments = inputs(length, heads, dk, dv, seed=length, decay=decay)
             q, k, v, g, beta, state = (t.to(device) for t in arguments)
             ours, expected_state = state.clone(), state.clone()
-            got = kernel(q, k, v, g, beta, ours, tf32)
+            got = kernel(q, k, v, g, beta, ours, tf32, True)
             expected = chunked_delta.reference(q, k, v, g, beta, expected_state)
             where = (length, heads, dk, dv, decay, tf32)
             assert got.shape == expected.shape and torch.isfinite(got).all(), where
+            assert relative_error(got, expected) < tol, (where, relative_error(got, expected))
+            assert relative_error(ours, expected_state) < tol, (where, relative_error(ours, expected_state))
+        for length, heads, key_heads, dk, dv, interleaved in KEY_HEAD_CASES:
+            arguments = key_head_inputs(length, heads, key_heads, dk, dv, seed=length)
+            q, k, v, g, beta, state = (t.to(device) for t in arguments)
+            ours, expected_state = state.clone(), state.clone()
+            got = kernel(q, k, v, g, beta, ours, tf32, interleaved)
+            full = (repeated(q, heads, interleaved), repeated(k, heads, interleaved))
+            expected = chunked_delta.reference(*full, v, g, beta, expected_state)
+            where = (length, heads, key_heads, dk, dv, interleaved, tf32)
             assert relative_error(got, expected) < tol, (where, relative_error(got, expected))
             assert relative_error(ours, expected_state) < tol, (where, relative_error(ours, expected_state))
 
@@ -211,7 +260,7 @@ def test_the_kernels_compile_for_hopper(tmp_path: Path, dk: int, dv: int, precis
     """Qwen3.5-9B's heads (128 wide) and twice that, at a full chunk. A 16-bit model's products (TF32
     inputs) do not spill registers at 128; the float32 model's (IEEE, on the FMA units) compile."""
     length = 4096
-    precision = {"PRECISION": precision}
+    precision = {"PRECISION": precision, "KEY_HEADS": 16, "KEY_DIV": 2}  # 32 value heads read 16 key heads
     pointers = {"k": "*fp32", "gam": "*fp32"}
     prepare = {"k": "*fp32", "v": "*fp32", "g": "*fp32", "beta": "*fp32", "gam": "*fp32"}
     prepare |= {"w": "*fp32", "u": "*fp32", "lower_buf": "*fp32", "inverse_buf": "*fp32", "length": "i32"}
