@@ -32,6 +32,7 @@ KERNEL_MODULES = (
     "qwen3_5.causal_conv",
     "qwen3_5.chunked_delta",
     "qwen3_5.gated_norm",
+    "qwen3_5.gates",
     "qwen3_5.linear_decode",
 )
 

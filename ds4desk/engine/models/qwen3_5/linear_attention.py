@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4desk.engine.kernels.dense import gemv as dense_gemv
-from ds4desk.engine.kernels.qwen3_5 import causal_conv, gated_norm, linear_decode
+from ds4desk.engine.kernels.qwen3_5 import causal_conv, gated_norm, gates, linear_decode
 from ds4desk.engine.models.packed import Projection, linear, projection_of
 from ds4desk.engine.models.qwen3_5 import delta_rule
 from ds4desk.engine.models.qwen3_5.config import Qwen35Config
@@ -130,9 +130,10 @@ def forward(
         return plan.out.add_into(residual, _fused_step(cfg, plan, x)[None])
     conv_inputs = plan.qkv(x)
     heads = cfg.linear_value_heads
-    if count > 1 and real is None and causal_conv.enabled(x):
+    if count > 1 and causal_conv.enabled(x):
         # One kernel from the projection's rows to the heads (kernels/qwen3_5/causal_conv.py); the
-        # window moves after it, since the kernel reads the old one.
+        # window moves after it, since the kernel reads the old one. Padding rows (past `real`) get
+        # heads too, which their zero gates keep out of the state.
         # q and k per key head: the delta rule's kernels find each value head's.
         q, k, v = causal_conv.conv_heads(
             conv_inputs,
@@ -143,15 +144,13 @@ def forward(
             heads,
             cfg.linear_value_dim,
         )
-        _keep_window(plan.conv_state, conv_inputs)
+        _keep_window(plan.conv_state, conv_inputs, real)
     else:
         q, k, v = _heads(cfg, _convolve(plan, conv_inputs, real))
-    beta = torch.sigmoid(plan.b(x)).float()  # [T, heads]
-    decay = plan.neg_rate * F.softplus(plan.a(x).float() + plan.dt_bias)  # log-decay, <= 0
-    if real is not None:
-        # Padding writes nothing (zero strength) and decays nothing (log-decay 0), as in chunked's own.
-        is_real = (torch.arange(count, device=x.device) < real)[:, None]
-        beta, decay = beta * is_real, decay * is_real
+    # Write strengths and log-decays [T, heads]; padding writes nothing (zero strength) and decays
+    # nothing (log-decay 0), as in chunked's own.
+    make_gates = gates.gates if count > 1 and gates.enabled(x) else gates.reference
+    beta, decay = make_gates(plan.b(x), plan.a(x), plan.neg_rate, plan.dt_bias, real)
     interleaved = not cfg.gguf_layout
     if plan.written is not None:
         plan.written.append(
@@ -218,10 +217,14 @@ def _heads(cfg: Qwen35Config, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.
     )
 
 
-def _keep_window(window: torch.Tensor, inputs: torch.Tensor) -> None:
-    """The convolution's window [C, kept] after the rows inputs [T, C]: their last `kept` inputs."""
+def _keep_window(window: torch.Tensor, inputs: torch.Tensor, real: torch.Tensor | None = None) -> None:
+    """The convolution's window [C, kept] after the rows inputs [T, C]: their last `kept` inputs (of
+    the first `real` rows, found on the device)."""
     count, kept = inputs.shape[0], window.shape[1]
-    if count >= kept:
+    if real is not None:
+        extended = torch.cat((window, inputs.t()), dim=1)  # [C, kept + T]
+        window.copy_(extended.index_select(1, real + torch.arange(kept, device=real.device)))
+    elif count >= kept:
         window.copy_(inputs[count - kept :].t())
     else:
         window.copy_(torch.cat((window[:, count:], inputs.t()), dim=1))
