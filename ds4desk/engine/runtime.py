@@ -214,10 +214,11 @@ class Runtime:
                 f"{self.context}",
             )
         vocab = self.model.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
+        # min and max in C: a comprehension over a long conversation's ids cost ~0.15 ms a request.
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise EngineFailure(
-                ErrorCode.BAD_REQUEST, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+                ErrorCode.BAD_REQUEST, f"token id {bad} is outside the vocabulary (0..{vocab - 1})"
             )
         check_sampling(sampling)
         can_roll_back = rollback_of(self.model) is not None
@@ -475,7 +476,8 @@ class Runtime:
                     start, logits = self._graphed_prefill(ids, start, should_cancel)
                     if start == len(ids):
                         return logits
-                all_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+                # Only the ids still to prefill: a long conversation's whole list cost ~0.2 ms.
+                rest = torch.tensor(ids[start:], dtype=torch.long, device=self.device)
                 bounds = sorted(
                     {*range(start, len(ids), self.chunk), len(ids)} | ({split_at} if split_at else set())
                 )
@@ -485,7 +487,9 @@ class Runtime:
                         return None
                     # Only the chunk that ends the prompt or a snapshot position computes logits.
                     wanted = stop in (len(ids), split_at)
-                    logits = self.model.forward(all_ids[begin:stop], begin, "last" if wanted else "none")
+                    logits = self.model.forward(
+                        rest[begin - start : stop - start], begin, "last" if wanted else "none"
+                    )
                     if stop == split_at and at_split is not None:
                         assert logits is not None
                         at_split(stop, logits)

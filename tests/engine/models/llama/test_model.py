@@ -385,15 +385,17 @@ def test_seeded_generate_is_reproducible_and_state_does_not_leak(runtime: Runtim
 
 def test_request_errors(runtime: Runtime) -> None:
     cases = [
-        (dict(prompt_ids=prompt(40), max_new_tokens=9), ErrorCode.CONTEXT_OVERFLOW),
-        (dict(prompt_ids=[], max_new_tokens=4), ErrorCode.BAD_REQUEST),
-        (dict(prompt_ids=[1, 256], max_new_tokens=4), ErrorCode.BAD_REQUEST),
+        (dict(prompt_ids=prompt(40), max_new_tokens=9), ErrorCode.CONTEXT_OVERFLOW, "exceed the context"),
+        (dict(prompt_ids=[], max_new_tokens=4), ErrorCode.BAD_REQUEST, "empty"),
+        (dict(prompt_ids=[1, 256], max_new_tokens=4), ErrorCode.BAD_REQUEST, "token id 256 is outside"),
+        (dict(prompt_ids=[3, -1, 300], max_new_tokens=4), ErrorCode.BAD_REQUEST, "token id -1 is outside"),
         (
             dict(prompt_ids=[1, 2], max_new_tokens=4, sampling=SamplingParams(1.0, top_p=0.0)),
             ErrorCode.BAD_REQUEST,
+            "top_p",
         ),
     ]
-    for kwargs, code in cases:
+    for kwargs, code, message in cases:
         args = {
             "sampling": GREEDY,
             "stop_ids": set(),
@@ -403,6 +405,7 @@ def test_request_errors(runtime: Runtime) -> None:
         with pytest.raises(EngineFailure) as info:
             runtime.generate(**{**args, **kwargs})
         assert info.value.error.code == code, kwargs
+        assert message in info.value.error.detail, (kwargs, info.value.error.detail)
     # Exactly filling the context is fine.
     assert len(greedy_run(runtime, prompt(40), 8)) == 8
 
