@@ -47,8 +47,14 @@ def sample(
     and truncation, so it describes the model rather than the sampler.
     """
     token = torch.argmax(logits) if params.greedy else _draw(logits, params, generator)
-    logprob = logits[token] - torch.logsumexp(logits, dim=0)
-    return token, logprob
+    return token, logprob_of(logits, token)
+
+
+def logprob_of(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """The 0-d token's log-probability under float32 logits [V], as a 0-d tensor. A gather, not
+    logits[token]: indexing with a 0-d tensor reads it back to the host first (a wait for the
+    device, in the middle of the launches that follow a forward)."""
+    return logits.gather(0, token.view(1))[0] - torch.logsumexp(logits, dim=0)
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -67,4 +73,4 @@ def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
     probs = torch.softmax(scaled, dim=0)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     choice = torch.argmax(probs / noise)
-    return choice if indices is None else indices[choice]
+    return choice if indices is None else indices.gather(0, choice.view(1))[0]  # no host read

@@ -21,7 +21,7 @@ import torch
 from ds4desk.engine.api import GenerateStats, SamplingParams
 from ds4desk.engine.budget import ThinkingGate
 from ds4desk.engine.models.base import CausalLM
-from ds4desk.engine.sampling import sample
+from ds4desk.engine.sampling import logprob_of, sample
 from ds4desk.engine.speculative.accept import accept_flags, draw, probabilities, residual
 from ds4desk.engine.speculative.adaptive import AdaptiveK
 from ds4desk.engine.speculative.drafter import Drafter
@@ -70,7 +70,7 @@ class SpeculativeDecode:
             preset = None
             token_t = self._pick(logits, forced, rejected)
             rejected = None
-            logprob_t = logits[token_t] - torch.logsumexp(logits, dim=0)
+            logprob_t = logprob_of(logits, token_t)
             token_f, logprob = torch.stack((token_t.double(), logprob_t.double())).tolist()
             token = int(token_f)
             if self.emit(token, logprob):
