@@ -131,10 +131,10 @@ def forward(
     conv_inputs = plan.qkv(x)
     heads = cfg.linear_value_heads
     if count > 1 and causal_conv.enabled(x):
-        # One kernel from the projection's rows to the heads (kernels/qwen3_5/causal_conv.py); the
-        # window moves after it, since the kernel reads the old one. Padding rows (past `real`) get
-        # heads too, which their zero gates keep out of the state.
-        # q and k per key head: the delta rule's kernels find each value head's.
+        # One kernel from the projection's rows to the heads (kernels/qwen3_5/causal_conv.py), q and
+        # k per key head (the delta rule's kernels find each value head's); the window moves after
+        # it, since the kernel reads the old one. Padding rows (past `real`) get heads too, which
+        # their zero gates keep out of the state.
         q, k, v = causal_conv.conv_heads(
             conv_inputs,
             plan.conv_state,
@@ -221,31 +221,33 @@ def _keep_window(window: torch.Tensor, inputs: torch.Tensor, real: torch.Tensor 
     """The convolution's window [C, kept] after the rows inputs [T, C]: their last `kept` inputs (of
     the first `real` rows, found on the device)."""
     count, kept = inputs.shape[0], window.shape[1]
-    if real is not None:
-        extended = torch.cat((window, inputs.t()), dim=1)  # [C, kept + T]
-        window.copy_(extended.index_select(1, real + torch.arange(kept, device=real.device)))
-    elif count >= kept:
+    if real is None and count >= kept:
         window.copy_(inputs[count - kept :].t())
     else:
-        window.copy_(torch.cat((window[:, count:], inputs.t()), dim=1))
+        _keep_from(window, torch.cat((window, inputs.t()), dim=1), real)
+
+
+def _keep_from(window: torch.Tensor, extended: torch.Tensor, real: torch.Tensor | None) -> None:
+    """The window [C, kept] set to the `kept` columns of extended [C, kept + T] (the window, then the
+    inputs) that end at its last column, or at the last real input."""
+    kept = window.shape[1]
+    if real is None:
+        window.copy_(extended[:, -kept:])
+    else:
+        window.copy_(extended.index_select(1, real + torch.arange(kept, device=real.device)))
 
 
 def _convolve(plan: LinearPlan, mixed: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """The depthwise causal convolution and silu over [T, channels], continuing from the kept window
     (zeros at position 0), which then holds the last kernel - 1 inputs (of the first `real` rows)."""
     assert plan.conv_state is not None
-    window = plan.conv_state
-    kept = window.shape[1]
-    extended = torch.cat((window, mixed.t()), dim=1)  # [channels, kept + T]
+    extended = torch.cat((plan.conv_state, mixed.t()), dim=1)  # [channels, kept + T]
     if mixed.shape[0] == 1:
         # One token: a multiply-add over the taps, no conv launch (and shapes a graph can keep).
         out = (extended * plan.conv_weight).sum(dim=1, keepdim=True)
     else:
         out = F.conv1d(extended[None], plan.conv_weight[:, None, :], groups=extended.shape[0])[0]
-    if real is None:
-        window.copy_(extended[:, -kept:])
-    else:  # the window ends at the last real input, found on the device
-        window.copy_(extended.index_select(1, real + torch.arange(kept, device=real.device)))
+    _keep_from(plan.conv_state, extended, real)
     # Contiguous rows, as causal_conv.reference makes them: the q/k norms after it then sum in the
     # same order on both paths.
     return F.silu(out).t().contiguous()
