@@ -23,7 +23,7 @@ from tests.engine.kernels.qwen3_5.test_linear_decode import (
     write_tiny_gguf,
 )
 from tests.engine.op_names import OpNames
-from tests.engine.triton_check import run_triton_check
+from tests.engine.triton_check import hopper_ptxas_report, run_triton_check
 
 
 def conv_inputs(
@@ -145,3 +145,25 @@ print("triton ok")
 def test_the_triton_kernel_equals_the_reference() -> None:
     """On CUDA the real kernel; without a GPU, Triton's interpreter. Skipped without Triton."""
     assert "triton ok" in run_triton_check(_KERNEL_CHECK)
+
+
+def test_the_kernel_compiles_for_hopper_without_spills(tmp_path: Path) -> None:
+    """The interpreter never compiles: the bf16 launch at Qwen3.5-9B's shapes (a key head's query and
+    key, then its two value heads' values), compiled for sm_90 ahead of time (no GPU needed), then
+    ptxas: no register spills."""
+    from ds4desk.engine.kernels.qwen3_5.causal_conv_triton import conv_heads_kernel
+
+    key_heads, heads, dk, dv, taps = SHAPES["9b"]
+    signature = {"inputs": "*bf16", "window": "*bf16", "weight": "*bf16"}
+    signature |= {"q_out": "*fp32", "k_out": "*fp32", "v_out": "*fp32", "rows": "i32"}
+    signature |= {
+        "in_stride": "i32",
+        "window_stride": "i32",
+        "weight_stride": "i32",
+        "q_scale": "fp32",
+        "eps": "fp32",
+    }
+    constants = {"KEY_HEADS": key_heads, "HEADS": heads, "DK": dk, "DV": dv, "BLOCK_DK": dk, "BLOCK_DV": dv}
+    constants |= {"K": taps, "BLOCK_T": causal_conv.BLOCK_T}
+    report = hopper_ptxas_report(tmp_path, conv_heads_kernel, signature, constants, warps=4)
+    assert "0 bytes spill stores" in report, report

@@ -14,7 +14,7 @@ import torch
 from ds4desk.engine.kernels.qwen3_5 import gates
 from tests.engine.kernels.qwen3_5.test_linear_decode import relative_error
 from tests.engine.op_names import OpNames
-from tests.engine.triton_check import run_triton_check
+from tests.engine.triton_check import hopper_ptxas_report, run_triton_check
 
 
 def gate_inputs(
@@ -146,3 +146,20 @@ def test_a_padded_prompt_piece_through_the_kernels_equals_the_eager_ops(tmp_path
     script = "from tests.engine.kernels.qwen3_5.test_gates import check_padded_piece\n"
     script += f"check_padded_piece({str(folder)!r})\nprint('piece ok')\n"
     assert "piece ok" in run_triton_check(script)
+
+
+@pytest.mark.parametrize("has_real", [False, True])
+def test_the_kernel_compiles_for_hopper_without_spills(tmp_path: Path, has_real: bool) -> None:
+    """The interpreter never compiles: the bf16 launch at Qwen3.5-9B's 32 value heads, compiled for
+    sm_90 ahead of time (no GPU needed), then ptxas: no register spills."""
+    signature = {"b": "*bf16", "a": "*bf16", "neg_rate": "*fp32", "dt_bias": "*fp32", "real": "*i64"}
+    signature |= {
+        "beta_out": "*fp32",
+        "decay_out": "*fp32",
+        "rows": "i32",
+        "b_stride": "i32",
+        "a_stride": "i32",
+    }
+    constants = {"H": 32, "BLOCK_H": 32, "BLOCK_T": gates.BLOCK_T, "HAS_REAL": has_real, "THRESHOLD": 20.0}
+    report = hopper_ptxas_report(tmp_path, gates._jit_kernel(), signature, constants, warps=4)
+    assert "0 bytes spill stores" in report, report
