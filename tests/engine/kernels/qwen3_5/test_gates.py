@@ -92,7 +92,7 @@ def check_kernel(device: torch.device) -> None:
                     assert not ours[real:].any(), where
 
 
-def check_padded_piece(folder: str) -> None:
+def check_padded_piece(path: str) -> None:
     """The tiny model's padded prompt piece (prefill_graphable: 16 rows, 9 real, continuing a prefill)
     with the convolution, gates and delta-rule kernels forced on (the interpreter on the CPU) against
     the same on the eager ops: logits at the last real token and the state it leaves."""
@@ -110,7 +110,7 @@ def check_padded_piece(folder: str) -> None:
     piece = torch.cat((ids[30:], ids[:9]))  # 7 real tokens, then junk
     results = []
     for flag in (True, False):
-        model = load_model(read_source(Path(folder)), device, torch.float32).model
+        model = load_model(read_source(Path(path)), device, torch.float32).model
         model.allocate_cache(CONTEXT)
         with launch.force(dict.fromkeys(switches, flag)), torch.inference_mode():
             model.forward(ids[:30], 0, "none")
@@ -139,12 +139,14 @@ def test_the_triton_kernel_equals_the_reference() -> None:
     assert "triton ok" in run_triton_check(_KERNEL_CHECK)
 
 
-def test_a_padded_prompt_piece_through_the_kernels_equals_the_eager_ops(tmp_path: Path) -> None:
-    from tests.engine.kernels.qwen3_5.test_linear_decode import write_tiny_folder
+@pytest.mark.parametrize("layout", ["folder", "gguf"])
+def test_a_padded_prompt_piece_through_the_kernels_equals_the_eager_ops(tmp_path: Path, layout: str) -> None:
+    """Both key-head orders: a folder's (value heads grouped by key head) and a GGUF's (tiled)."""
+    from tests.engine.kernels.qwen3_5.test_linear_decode import write_tiny_folder, write_tiny_gguf
 
-    folder = write_tiny_folder(tmp_path / "hf")
+    path = write_tiny_folder(tmp_path / "hf") if layout == "folder" else write_tiny_gguf(tmp_path)
     script = "from tests.engine.kernels.qwen3_5.test_gates import check_padded_piece\n"
-    script += f"check_padded_piece({str(folder)!r})\nprint('piece ok')\n"
+    script += f"check_padded_piece({str(path)!r})\nprint('piece ok')\n"
     assert "piece ok" in run_triton_check(script)
 
 
