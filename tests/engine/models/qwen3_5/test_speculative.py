@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from ds4desk.engine import runtime as runtime_module
+from ds4desk.engine.kernels import launch
+from ds4desk.engine.kernels.qwen3_5 import causal_conv, gates
 from ds4desk.engine.loader import load_model
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.models.qwen3_5.model import Qwen35Model
@@ -67,12 +69,24 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("kept", [0, 1, 3, 6])
-@pytest.mark.parametrize("one_forward", [True, False], ids=["verify", "draft-steps"])
-def test_a_rollback_leaves_the_state_of_the_kept_positions(dense, kept: int, one_forward: bool) -> None:
+@pytest.mark.parametrize(
+    ("one_forward", "ops"),
+    [(True, False), (True, True), (False, False)],
+    ids=["verify", "verify-on-the-prefill-ops", "draft-steps"],
+)
+def test_a_rollback_leaves_the_state_of_the_kept_positions(
+    dense, kept: int, one_forward: bool, ops: bool
+) -> None:
     """Checkpoint, write 6 positions (one verify forward, or six one-token steps as a draft model
     does), keep `kept`: the state equals a run that only ever fed the kept positions, and the model
-    continues from there as that run does."""
-    model = dense["target"]
+    continues from there as that run does. `ops`: the forwards of more than one token through the
+    prefill's custom ops, as on a GPU (the convolution's gives the keys per key head, which the
+    verify's record repeats to the value heads)."""
+    with launch.force({causal_conv.SWITCH: ops or None, gates.SWITCH: ops or None}):
+        check_rollback(dense["target"], kept, one_forward)
+
+
+def check_rollback(model: Qwen35Model, kept: int, one_forward: bool) -> None:
     hooks = rollback_of(model)
     assert hooks is not None and hooks.max_verify_tokens() is None
     prompt, tail = REPEATING[:20], torch.tensor([5, 9, 77, 120, 3, 250])
