@@ -29,11 +29,17 @@ def run_triton_check(script: str) -> str:
 
 
 def hopper_ptxas_report(
-    tmp_path: Path, kernel: object, signature: dict[str, str], constants: dict[str, object], warps: int
+    tmp_path: Path,
+    kernel: object,
+    signature: dict[str, str],
+    constants: dict[str, object],
+    warps: int,
+    stages: int | None = None,
 ) -> str:
     """A real sm_90 compile of one launch of `kernel`, ahead of time (no GPU needed), then ptxas:
     its report (registers, spills). `signature` names the arguments' types, `constants` the
-    constexprs. Skips where Triton is not installed."""
+    constexprs, `stages` the launch's num_stages where it sets one. Skips where Triton is not
+    installed."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
@@ -43,7 +49,8 @@ def hopper_ptxas_report(
     source = ASTSource(
         fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()}
     )
-    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     ptx_file = tmp_path / "kernel.ptx"

@@ -7,7 +7,6 @@ equals its eager prefill; and the kernels compile for Hopper without spills."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from ds4desk.engine.kernels.qwen3_5 import chunked_delta
 from tests.engine.models.qwen3_5.test_delta_rule import inputs as head_first_inputs
 from tests.engine.op_names import OpNames
-from tests.engine.triton_check import run_triton_check
+from tests.engine.triton_check import hopper_ptxas_report, run_triton_check
 
 
 def inputs(
@@ -228,37 +227,14 @@ def test_a_run_of_any_length_reuses_the_compiled_kernels() -> None:
 # --- ahead of time: the kernels as an H200 runs them ----------------------------------------------
 
 
-def hopper_compile(tmp_path: Path, name: str, signature: dict[str, str], constants: dict[str, object]) -> str:
-    """ptxas's report of one kernel compiled for sm_90 at the launcher's warps."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    from ds4desk.engine.kernels.qwen3_5 import chunked_delta_triton
-
-    kernel = getattr(chunked_delta_triton, name)
-    signature = signature | dict.fromkeys(constants, "constexpr")
-    names = list(signature)
-    source = ASTSource(
-        fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()}
-    )
-    compiled = compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": chunked_delta.WARPS, "num_stages": 1}
-    )
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    ptx_file = tmp_path / f"{name}.ptx"
-    ptx_file.write_text(compiled.asm["ptx"])
-    args = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_file), "-o", str(tmp_path / f"{name}.o")]
-    report = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert report.returncode == 0, report.stderr
-    return report.stderr + report.stdout
-
-
 @pytest.mark.parametrize("dk,dv", [(128, 128), (256, 256)])
 @pytest.mark.parametrize("precision", ["tf32", "ieee"])
 def test_the_kernels_compile_for_hopper(tmp_path: Path, dk: int, dv: int, precision: str) -> None:
     """Qwen3.5-9B's heads (128 wide) and twice that, at a full chunk. A 16-bit model's products (TF32
     inputs) do not spill registers at 128; the float32 model's (IEEE, on the FMA units) compile."""
+    pytest.importorskip("triton")
+    from ds4desk.engine.kernels.qwen3_5 import chunked_delta_triton
+
     length = 4096
     precision = {"PRECISION": precision, "KEY_HEADS": 16, "KEY_DIV": 2}  # 32 value heads read 16 key heads
     pointers = {"k": "*fp32", "gam": "*fp32"}
@@ -278,6 +254,7 @@ def test_the_kernels_compile_for_hopper(tmp_path: Path, dk: int, dv: int, precis
         ("state_kernel", state, along),
         ("output_kernel", output, constants),
     ):
-        report = hopper_compile(tmp_path, name, signature, values)
+        kernel = getattr(chunked_delta_triton, name)
+        report = hopper_ptxas_report(tmp_path, kernel, signature, values, chunked_delta.WARPS, stages=1)
         if precision["PRECISION"] == "tf32" and dk == 128:
             assert "0 bytes spill stores" in report, (name, report)
