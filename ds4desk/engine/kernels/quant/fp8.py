@@ -84,6 +84,15 @@ def reference_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight float8_e4m3fn [N, K] times its block scale [ceil(N/128), ceil(K/128)] -> [N, K] in dtype."""
     n, k = weight.shape
+    if n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0 and dtype.is_floating_point and dtype.itemsize >= 2:
+        # Whole blocks: the values widened (e4m3 is exact in any 16-bit float), then one multiply
+        # in float32 by the broadcast scales, rounded into the same tensor: the bits of the general
+        # form below with a fifth of its memory traffic (what a prefill chunk's weight pays).
+        out = weight.to(dtype)
+        blocks = out.view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+        factor = scale.to(torch.float32)[:, None, :, None]
+        torch.mul(blocks, factor, out=blocks)
+        return out
     factor = scale.to(torch.float32).repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)
     return (weight.to(torch.float32) * factor[:, :k]).to(dtype)
 
@@ -105,6 +114,19 @@ def fp8_row_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> 
     )
 
 
+def fp8_grouped_row_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int) -> bool:
+    """Whether fp8_row_ runs with `groups` (x [1, groups K]): every group's rows whole 128-row blocks,
+    so no tile or scale row spans two groups."""
+    n, k = weight.shape
+    return (
+        n % (groups * FP8_BLOCK) == 0
+        and x.dim() == 2
+        and x.shape[1] == groups * k
+        and fp8_row_fits(x[:, :k], weight, scale)
+        and x.is_contiguous()
+    )
+
+
 def fp8_row_(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -112,13 +134,16 @@ def fp8_row_(
     out: torch.Tensor,
     swiglu_limit: float | None = None,
     residual: bool = False,
+    groups: int = 1,
 ) -> torch.Tensor:
     """out [1, N] = x @ Wᵀ (residual: out += x @ Wᵀ, rounded once) in one kernel, where fp8_row_fits.
     With swiglu_limit, x is [1, 2K] gate | up and the input is SiLU(min(gate, limit)) · clamp(up,
-    ±limit), rounded to x.dtype: the shared expert's activation is never stored."""
+    ±limit), rounded to x.dtype: the shared expert's activation is never stored. With `groups` (where
+    fp8_grouped_row_fits), x is [1, groups K] and rows g N/groups .. (g + 1) N/groups take its g-th K
+    columns: DeepSeek-V4's grouped output projection as one launch."""
     kernels = _kernels()
     assert kernels is not None
-    return kernels.fp8_row(x, weight, scale, out, swiglu_limit, residual)
+    return kernels.fp8_row(x, weight, scale, out, swiglu_limit, residual, groups)
 
 
 def _check_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -320,12 +345,16 @@ def _kernels() -> _Kernels | None:
         BLOCK_K: tl.constexpr,
         SWIGLU: tl.constexpr,
         RESIDUAL: tl.constexpr,
+        GROUP_ROWS: tl.constexpr,
         PDL: tl.constexpr,
     ):
         # out[n] = Σ_kb scale[n // 128, kb] Σ_{k in kb} x[k] w[n, k] for one row x: a [BLOCK_N, G, 128]
-        # tile a step, each 128-column block's sums times its scale.
+        # tile a step, each 128-column block's sums times its scale. GROUP_ROWS > 0: rows
+        # g GROUP_ROWS .. (g + 1) GROUP_ROWS read x's g-th run of K columns (BLOCK_N divides it).
         G: tl.constexpr = BLOCK_K // 128
         first = tl.program_id(0) * BLOCK_N
+        if GROUP_ROWS > 0:
+            x += (first // GROUP_ROWS) * K
         n = first + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, G)[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
         rows = w + n.to(tl.int64)[:, None, None] * K + cols[None, :, :]
@@ -403,6 +432,7 @@ def _kernels() -> _Kernels | None:
         out: torch.Tensor | None = None,
         swiglu_limit: float | None = None,
         residual: bool = False,
+        groups: int = 1,
     ) -> torch.Tensor:
         n, k = weight.shape
         block_n, block_k, warps = fp8_row_config(n, k)
@@ -421,6 +451,7 @@ def _kernels() -> _Kernels | None:
             BLOCK_K=block_k,
             SWIGLU=swiglu_limit is not None,
             RESIDUAL=residual,
+            GROUP_ROWS=n // groups if groups > 1 else 0,
             PDL=use_pdl,
             num_warps=warps,
             launch_pdl=use_pdl,

@@ -61,6 +61,7 @@ from ds4desk.engine.models.deepseek_v4.modules import (
     Compressor,
     Layer,
     MtpBlock,
+    SharedExpert,
     check_hash_table,
     linear_weight,
 )
@@ -136,11 +137,15 @@ class DeepseekV4Model(
         it), keeping its dtype."""
         split = self._split
         # The compressors the loader fills: kv_proj and gate_proj become the row halves of one
-        # tensor, so a decode step projects once (v4_compress_step.projections).
+        # tensor, so a decode step projects once (v4_compress_step.projections); the shared
+        # experts' gate_proj and up_proj likewise (SharedExpert.gate_up).
         fresh = [m for m in self.modules() if isinstance(m, Compressor) and m.kv_proj.weight.is_meta]
+        shared = [m for m in self.modules() if isinstance(m, SharedExpert) and m.gate_proj.weight.is_meta]
         materialize_parameters(self, device, split)
         for comp in fresh:
             v4_compress_step.fuse_projections(comp)
+        for expert in shared:
+            expert.fuse_gate_up()
 
     def finish_loading(self) -> None:
         """After the weights are in: check the hash tables and derive the rope frequencies."""

@@ -145,10 +145,10 @@ class Attention(nn.Module):
         self.q_b_proj = linear_weight(q_b, dtype, fp8, packed, f"{prefix}.q_b_proj")
         self.kv_proj = linear_weight((dim, hidden), dtype, fp8, packed, f"{prefix}.kv_proj")
         self.kv_norm = Weight((dim,), torch.float32)
-        # Grouped (ops.grouped_low_rank): bf16 even in quantized models, as the official converter
-        # leaves it; a GGUF's blocks where the file holds it so.
+        # Grouped (ops.grouped_low_rank); FP8 as the official checkpoint stores it (the official
+        # inference converter widens it to bf16, twice the bytes a decode step reads).
         o_a = (cfg.o_groups * cfg.o_lora_rank, heads * dim // cfg.o_groups)
-        self.o_a_proj = linear_weight(o_a, dtype, False, packed, f"{prefix}.o_a_proj")
+        self.o_a_proj = linear_weight(o_a, dtype, fp8, packed, f"{prefix}.o_a_proj")
         o_rank = cfg.o_groups * cfg.o_lora_rank
         self.o_b_proj = linear_weight((hidden, o_rank), dtype, fp8, packed, f"{prefix}.o_b_proj")
         self.sinks = _param((heads,), torch.float32)
@@ -239,6 +239,45 @@ class SharedExpert(nn.Module):
         self.gate_proj = linear_weight(inner, dtype, fp8, packed, f"{prefix}.gate_proj")
         self.up_proj = linear_weight(inner, dtype, fp8, packed, f"{prefix}.up_proj")
         self.down_proj = linear_weight(outer, dtype, fp8, packed, f"{prefix}.down_proj")
+        self._fused: tuple[torch.Tensor, ...] = ()
+
+    def _fused_names(self) -> tuple[str, ...]:
+        """The tensors fuse_gate_up joins: the weights, and an FP8 pair's scales where the rows are
+        whole 128-row blocks (so the scale rows split where the weight rows do); none for a GGUF's
+        blocks (their own kernels)."""
+        gate = self.gate_proj
+        if isinstance(gate, PackedLinear) or isinstance(self.up_proj, PackedLinear):
+            return ()
+        if isinstance(gate, Fp8Weight):
+            return ("weight", "weight_scale_inv") if gate.weight.shape[0] % FP8_BLOCK == 0 else ()
+        return ("weight",)
+
+    def fuse_gate_up(self) -> None:
+        """Point gate_proj's and up_proj's tensors at the two row halves of one new tensor each, so a
+        decode step runs one GEMV for both (gate_up). For the model's materialize: the contents are
+        undefined until the loader copies the weights in (in place)."""
+        fused = []
+        for name in self._fused_names():
+            gate, up = getattr(self.gate_proj, name), getattr(self.up_proj, name)
+            shape = (gate.shape[0] + up.shape[0], *gate.shape[1:])
+            both = torch.empty(shape, device=gate.device, dtype=gate.dtype)
+            setattr(self.gate_proj, name, nn.Parameter(both[: gate.shape[0]], requires_grad=False))
+            setattr(self.up_proj, name, nn.Parameter(both[gate.shape[0] :], requires_grad=False))
+            fused.append(both)
+        self._fused = tuple(fused)
+
+    def gate_up(self) -> tuple[torch.Tensor, ...]:
+        """gate | up as one tensor (the weight, then an FP8 pair's scale) where fuse_gate_up joined
+        them and nothing has replaced them since; else ()."""
+        names = self._fused_names()
+        if len(self._fused) != len(names) or not names:
+            return ()
+        for both, name in zip(self._fused, names, strict=True):
+            gate, up = getattr(self.gate_proj, name), getattr(self.up_proj, name)
+            after_gate = both.data_ptr() + gate.numel() * gate.element_size()
+            if gate.data_ptr() != both.data_ptr() or up.data_ptr() != after_gate:
+                return ()
+        return self._fused
 
 
 class Moe(nn.Module):

@@ -298,9 +298,11 @@ class MixtureOfExperts:
 
     def _add_shared_expert(self, shared: SharedExpert, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """routed [1, D] plus the shared expert's output for x; on the GEMV kernels (bf16, or FP8 on
-        the one-row FP8 kernel) three kernels, the SwiGLU and the sum inside the down projection."""
+        the one-row FP8 kernel) two kernels where gate and up are one tensor (SharedExpert.gate_up),
+        else three; the SwiGLU and the sum run inside the down projection."""
         limit = self.config.swiglu_limit
         gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        fused = shared.gate_up()
         if gate.dtype == torch.float8_e4m3fn:
             scales = [m.weight_scale_inv for m in (shared.gate_proj, shared.up_proj, shared.down_proj)]
             width = gate.shape[0]
@@ -312,13 +314,19 @@ class MixtureOfExperts:
                 and routed.dtype == x.dtype
             ):
                 gate_up = x.new_empty((1, 2 * width))
-                fp8_row_(x, gate, scales[0], gate_up[:, :width])
-                fp8_row_(x, up, scales[1], gate_up[:, width:])
+                if fused:
+                    fp8_row_(x, *fused, gate_up)
+                else:
+                    fp8_row_(x, gate, scales[0], gate_up[:, :width])
+                    fp8_row_(x, up, scales[1], gate_up[:, width:])
                 return fp8_row_(gate_up, down, scales[2], routed, swiglu_limit=limit, residual=True)
         if decode_kernels.one_row(x, gate) and decode_kernels.one_row(x, up) and decode_kernels.fits(down):
             width = gate.shape[0]
             gate_up = x.new_empty((1, 2 * width))
-            decode_kernels.gemv(x, gate, gate_up[:, :width])
-            decode_kernels.gemv(x, up, gate_up[:, width:])
+            if fused and decode_kernels.one_row(x, fused[0]):
+                decode_kernels.gemv(x, fused[0], gate_up)
+            else:
+                decode_kernels.gemv(x, gate, gate_up[:, :width])
+                decode_kernels.gemv(x, up, gate_up[:, width:])
             return decode_kernels.gemv_add_(routed, gate_up, down, None, silu=True, swiglu_limit=limit)
         return routed + ops.shared_expert(shared, x, limit)

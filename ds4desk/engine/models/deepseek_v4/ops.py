@@ -15,8 +15,8 @@ from torch import nn
 from ds4desk.engine.formats import Q8_0_ROWS
 from ds4desk.engine.kernels.deepseek_v4 import moe_tail
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
-from ds4desk.engine.kernels.quant import gguf_experts, gguf_triton
-from ds4desk.engine.kernels.quant.fp8 import fp8_linear
+from ds4desk.engine.kernels.quant import fp8, gguf_experts, gguf_triton
+from ds4desk.engine.kernels.quant.fp8 import fp8_dequantize, fp8_linear
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
 from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
 from ds4desk.engine.models.packed import PackedLinear
@@ -112,9 +112,30 @@ def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch
     by side) times rows g R .. (g + 1) R of the weight [G R, H d / G], [T, G R]. A GGUF's blocks
     (PackedLinear) at one row go through one kernel with the groups as its stacked matrices: the
     rows GEMV for Q8_0 as a GPU holds it (Q8_0_ROWS), else the experts GEMV with the groups as its
-    slots (the blocks read in place); longer, one packed matmul a group."""
+    slots (the blocks read in place); longer, one packed matmul a group. FP8 (Fp8Weight): one row
+    on the one-row FP8 kernel with the groups, a few rows one FP8 GEMV a group; a prefill chunk
+    multiplies the weight dequantized (the reference's bf16 product, activations unquantized)."""
     count = out.shape[0]
     grouped = out.reshape(count, groups, -1)
+    weight = holder.weight
+    if weight.dtype == torch.float8_e4m3fn:
+        scale = holder.weight_scale_inv
+        flat = out.reshape(count, -1)
+        if count == 1 and fp8.fp8_grouped_row_fits(flat, weight, scale, groups):
+            return fp8.fp8_row_(flat, weight, scale, flat.new_empty((1, weight.shape[0])), groups=groups)
+        rank = weight.shape[0] // groups
+        if count <= fp8.GEMV_MAX_ROWS and rank % fp8.FP8_BLOCK == 0 and fp8.enabled(out):
+            blocks = rank // fp8.FP8_BLOCK
+            parts = [
+                fp8_linear(
+                    grouped[:, g].contiguous(),
+                    weight[g * rank : (g + 1) * rank],
+                    scale[g * blocks : (g + 1) * blocks],
+                )
+                for g in range(groups)
+            ]
+            return torch.cat(parts, dim=1)
+        weight = fp8_dequantize(weight, scale, out.dtype)
     if isinstance(holder, PackedLinear):
         rank, cols, type_id = holder.out_features // groups, holder.in_features, holder.type_id
         stacked = holder.weight.view(groups, rank, -1)
@@ -126,7 +147,7 @@ def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch
             return gguf_experts.experts_gemv(grouped[0], ids, stacked, type_id, cols, low).view(1, -1)
         parts = [gguf_matmul(grouped[:, g].contiguous(), stacked[g], type_id, cols) for g in range(groups)]
         return torch.cat(parts, dim=1)
-    weight = holder.weight.view(groups, -1, holder.weight.shape[-1])
+    weight = weight.view(groups, -1, weight.shape[-1])
 
     def by_group(rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]

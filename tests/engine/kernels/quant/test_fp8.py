@@ -32,6 +32,17 @@ def test_fp8_linear_on_the_cpu_equals_the_reference(n: int, k: int) -> None:
     assert rel_error(outb, xb.float() @ reference.t()) < 1e-2
 
 
+def test_whole_blocks_dequantize_to_the_bits_of_the_general_form() -> None:
+    """fp8_dequantize's whole-block form (widen, then one float32 multiply rounded in place) gives
+    the general form's bits, also for scales that are not powers of two (rounding after the product)."""
+    q, _, _ = fp8_weight(256, 384, seed=3)
+    scale = torch.rand(2, 3, generator=torch.Generator().manual_seed(2)) * 3 + 0.01
+    factor = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = fp8_dequantize(q, scale, dtype)
+        assert got.dtype == dtype and torch.equal(got, (q.float() * factor).to(dtype)), dtype
+
+
 def test_fp8_linear_rejects_shapes_that_do_not_fit() -> None:
     q, scale, _ = fp8_weight(200, 300, seed=0)
     with pytest.raises(ValueError, match="columns"):
