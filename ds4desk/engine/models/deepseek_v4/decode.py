@@ -173,11 +173,10 @@ class GraphableDecode:
         if v4_norm_rope.enabled(x):
             # One kernel each, reading the table rows at pos itself (turn is for attention's rotation).
             rope = 2 * cos.shape[-1]
-            q_a = ops.linear(x, attn.q_a_proj)
+            q_a, kv = ops.q_a_kv(x, attn)
             q_res = v4_norm_rope.norm_rope(q_a, attn.q_a_norm.weight, eps, cos, sin, pos, 0, q_a.dtype)
             q = ops.linear(q_res, attn.q_b_proj).view(heads, dim)
             q = v4_norm_rope.norm_rope(q, None, eps, cos, sin, pos, rope, q.dtype)  # [H, d]
-            kv = ops.linear(x, attn.kv_proj)
             kv = v4_norm_rope.norm_rope(kv, attn.kv_norm.weight, eps, cos, sin, pos, rope, kv.dtype)
         else:
             q_res = ops.rms_norm(ops.linear(x, attn.q_a_proj), attn.q_a_norm.weight, eps)

@@ -57,6 +57,7 @@ from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.decode import GraphableDecode
 from ds4desk.engine.models.deepseek_v4.hyper import HyperConnectionSites
 from ds4desk.engine.models.deepseek_v4.modules import (
+    Attention,
     Backbone,
     Compressor,
     Layer,
@@ -137,15 +138,19 @@ class DeepseekV4Model(
         it), keeping its dtype."""
         split = self._split
         # The compressors the loader fills: kv_proj and gate_proj become the row halves of one
-        # tensor, so a decode step projects once (v4_compress_step.projections); the shared
-        # experts' gate_proj and up_proj likewise (SharedExpert.gate_up).
+        # tensor, so a decode step projects once (v4_compress_step.projections); likewise the
+        # shared experts' gate_proj and up_proj (SharedExpert.gate_up) and attention's q_a_proj
+        # and kv_proj (Attention.q_a_kv).
         fresh = [m for m in self.modules() if isinstance(m, Compressor) and m.kv_proj.weight.is_meta]
         shared = [m for m in self.modules() if isinstance(m, SharedExpert) and m.gate_proj.weight.is_meta]
+        attention = [m for m in self.modules() if isinstance(m, Attention) and m.q_a_proj.weight.is_meta]
         materialize_parameters(self, device, split)
         for comp in fresh:
             v4_compress_step.fuse_projections(comp)
         for expert in shared:
-            expert.fuse_gate_up()
+            expert.join_gate_up()
+        for attn in attention:
+            attn.join_q_a_kv()
 
     def finish_loading(self) -> None:
         """After the weights are in: check the hash tables and derive the rope frequencies."""

@@ -56,6 +56,56 @@ def linear_weight(
     return Fp8Weight(shape) if fp8 else Weight(shape, dtype)
 
 
+def _joinable(holders: tuple[nn.Module, ...]) -> tuple[str, ...]:
+    """The tensors join_rows joins for these linears of one input width: the weights, and FP8
+    scales where every weight's rows are whole 128-row blocks (so the scale rows split where the
+    weight rows do); none for a GGUF's blocks (their own kernels) or a mix of kinds."""
+    first = holders[0]
+    if any(type(h) is not type(first) or h.weight.dtype != first.weight.dtype for h in holders):
+        return ()
+    if isinstance(first, PackedLinear):
+        return ()
+    if isinstance(first, Fp8Weight):
+        whole = all(h.weight.shape[0] % FP8_BLOCK == 0 for h in holders)
+        return ("weight", "weight_scale_inv") if whole else ()
+    return ("weight",)
+
+
+def join_rows(*holders: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Point the tensors of linears that read one input at consecutive rows of one new tensor each
+    (the weight, then an FP8 scale), which a decode step multiplies once; returns those tensors, or
+    () where they cannot join. For the model's materialize: the contents are undefined until the
+    loader copies the weights in (in place)."""
+    joined_tensors = []
+    for name in _joinable(holders):
+        parts = [getattr(h, name) for h in holders]
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        both = torch.empty(shape, device=parts[0].device, dtype=parts[0].dtype)
+        start = 0
+        for holder, part in zip(holders, parts, strict=True):
+            view = both[start : start + part.shape[0]]
+            setattr(holder, name, nn.Parameter(view, requires_grad=False))
+            start += part.shape[0]
+        joined_tensors.append(both)
+    return tuple(joined_tensors)
+
+
+def joined(tensors: tuple[torch.Tensor, ...], *holders: nn.Module) -> tuple[torch.Tensor, ...]:
+    """join_rows' tensors where the holders' tensors are still their consecutive rows (nothing has
+    replaced them since, as moving a module to another device does); else ()."""
+    names = _joinable(holders)
+    if not names or len(tensors) != len(names):
+        return ()
+    for both, name in zip(tensors, names, strict=True):
+        at = both.data_ptr()
+        for holder in holders:
+            part = getattr(holder, name)
+            if part.data_ptr() != at:
+                return ()
+            at += part.numel() * part.element_size()
+    return tensors
+
+
 class HyperConnection(nn.Module):
     """A hyper-connection site's weights: `fn` maps the normed streams to pre, post and comb."""
 
@@ -152,6 +202,7 @@ class Attention(nn.Module):
         o_rank = cfg.o_groups * cfg.o_lora_rank
         self.o_b_proj = linear_weight((hidden, o_rank), dtype, fp8, packed, f"{prefix}.o_b_proj")
         self.sinks = _param((heads,), torch.float32)
+        self._q_a_kv: tuple[torch.Tensor, ...] = ()
         self.compressor: Compressor | None = None
         if layer_type != SLIDING:
             compressor = f"{prefix}.compressor"
@@ -160,6 +211,15 @@ class Attention(nn.Module):
             )
             if layer_type == CSA:
                 self.compressor.indexer = Indexer(cfg, dtype, fp8, packed, f"{compressor}.indexer")
+
+    def join_q_a_kv(self) -> None:
+        """q_a_proj and kv_proj (both read the normed input) as consecutive rows of one tensor
+        (join_rows): a decode step runs one GEMV for both (q_a_kv)."""
+        self._q_a_kv = join_rows(self.q_a_proj, self.kv_proj)
+
+    def q_a_kv(self) -> tuple[torch.Tensor, ...]:
+        """q_a | kv as one weight (and an FP8 pair's scale): see joined."""
+        return joined(self._q_a_kv, self.q_a_proj, self.kv_proj)
 
 
 class Router(nn.Module):
@@ -239,45 +299,16 @@ class SharedExpert(nn.Module):
         self.gate_proj = linear_weight(inner, dtype, fp8, packed, f"{prefix}.gate_proj")
         self.up_proj = linear_weight(inner, dtype, fp8, packed, f"{prefix}.up_proj")
         self.down_proj = linear_weight(outer, dtype, fp8, packed, f"{prefix}.down_proj")
-        self._fused: tuple[torch.Tensor, ...] = ()
+        self._gate_up: tuple[torch.Tensor, ...] = ()
 
-    def _fused_names(self) -> tuple[str, ...]:
-        """The tensors fuse_gate_up joins: the weights, and an FP8 pair's scales where the rows are
-        whole 128-row blocks (so the scale rows split where the weight rows do); none for a GGUF's
-        blocks (their own kernels)."""
-        gate = self.gate_proj
-        if isinstance(gate, PackedLinear) or isinstance(self.up_proj, PackedLinear):
-            return ()
-        if isinstance(gate, Fp8Weight):
-            return ("weight", "weight_scale_inv") if gate.weight.shape[0] % FP8_BLOCK == 0 else ()
-        return ("weight",)
-
-    def fuse_gate_up(self) -> None:
-        """Point gate_proj's and up_proj's tensors at the two row halves of one new tensor each, so a
-        decode step runs one GEMV for both (gate_up). For the model's materialize: the contents are
-        undefined until the loader copies the weights in (in place)."""
-        fused = []
-        for name in self._fused_names():
-            gate, up = getattr(self.gate_proj, name), getattr(self.up_proj, name)
-            shape = (gate.shape[0] + up.shape[0], *gate.shape[1:])
-            both = torch.empty(shape, device=gate.device, dtype=gate.dtype)
-            setattr(self.gate_proj, name, nn.Parameter(both[: gate.shape[0]], requires_grad=False))
-            setattr(self.up_proj, name, nn.Parameter(both[gate.shape[0] :], requires_grad=False))
-            fused.append(both)
-        self._fused = tuple(fused)
+    def join_gate_up(self) -> None:
+        """gate_proj and up_proj as the row halves of one tensor (join_rows): a decode step runs one
+        GEMV for both (gate_up)."""
+        self._gate_up = join_rows(self.gate_proj, self.up_proj)
 
     def gate_up(self) -> tuple[torch.Tensor, ...]:
-        """gate | up as one tensor (the weight, then an FP8 pair's scale) where fuse_gate_up joined
-        them and nothing has replaced them since; else ()."""
-        names = self._fused_names()
-        if len(self._fused) != len(names) or not names:
-            return ()
-        for both, name in zip(self._fused, names, strict=True):
-            gate, up = getattr(self.gate_proj, name), getattr(self.up_proj, name)
-            after_gate = both.data_ptr() + gate.numel() * gate.element_size()
-            if gate.data_ptr() != both.data_ptr() or up.data_ptr() != after_gate:
-                return ()
-        return self._fused
+        """gate | up as one weight (and an FP8 pair's scale): see joined."""
+        return joined(self._gate_up, self.gate_proj, self.up_proj)
 
 
 class Moe(nn.Module):

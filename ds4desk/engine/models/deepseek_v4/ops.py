@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds4desk.engine.formats import Q8_0_ROWS
+from ds4desk.engine.formats import FP8_BLOCK, Q8_0_ROWS
 from ds4desk.engine.kernels.deepseek_v4 import moe_tail
 from ds4desk.engine.kernels.dense import gemv as decode_kernels
 from ds4desk.engine.kernels.quant import fp8, gguf_experts, gguf_triton
 from ds4desk.engine.kernels.quant.fp8 import fp8_dequantize, fp8_linear
 from ds4desk.engine.kernels.quant.gguf_matmul import gguf_matmul
-from ds4desk.engine.models.deepseek_v4.modules import Indexer, SharedExpert
+from ds4desk.engine.models.deepseek_v4.modules import Attention, Indexer, SharedExpert
 from ds4desk.engine.models.packed import PackedLinear
 from ds4desk.engine.models.row_buckets import bucketed
 
@@ -101,6 +101,25 @@ def linear(x: torch.Tensor, holder: nn.Module) -> torch.Tensor:
     return product(x, lambda rows: decode_kernels.linear(rows, weight))
 
 
+def joined_linear(x: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x @ Wᵀ for the joined rows of several linears (modules.join_rows: a weight, and an FP8
+    weight's scale)."""
+    weight = tensors[0]
+    if weight.dtype == torch.float8_e4m3fn:
+        return fp8_linear(x, weight, tensors[1])
+    return product(x, lambda rows: decode_kernels.linear(rows, weight))
+
+
+def q_a_kv(x: torch.Tensor, attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ q_a_projᵀ and x @ kv_projᵀ: one product where the two weights are joined
+    (Attention.q_a_kv), else two."""
+    tensors = attn.q_a_kv()
+    if not tensors:
+        return linear(x, attn.q_a_proj), linear(x, attn.kv_proj)
+    both = joined_linear(x, tensors)
+    return both.split([attn.q_a_proj.weight.shape[0], attn.kv_proj.weight.shape[0]], dim=-1)
+
+
 @functools.cache
 def _group_ids(groups: int, device: torch.device) -> torch.Tensor:
     """0 .. groups - 1 on `device`: the groups as experts_gemv's slots, made once, not every step."""
@@ -124,8 +143,8 @@ def grouped_low_rank(out: torch.Tensor, holder: nn.Module, groups: int) -> torch
         if count == 1 and fp8.fp8_grouped_row_fits(flat, weight, scale, groups):
             return fp8.fp8_row_(flat, weight, scale, flat.new_empty((1, weight.shape[0])), groups=groups)
         rank = weight.shape[0] // groups
-        if count <= fp8.GEMV_MAX_ROWS and rank % fp8.FP8_BLOCK == 0 and fp8.enabled(out):
-            blocks = rank // fp8.FP8_BLOCK
+        if count <= fp8.GEMV_MAX_ROWS and rank % FP8_BLOCK == 0 and fp8.enabled(out):
+            blocks = rank // FP8_BLOCK
             parts = [
                 fp8_linear(
                     grouped[:, g].contiguous(),

@@ -1,7 +1,8 @@
-"""DeepSeek-V4's shared expert with gate_proj and up_proj joined at materialize (SharedExpert.
-fuse_gate_up): one tensor holds both (and an FP8 pair's scales), the decode step runs one GEMV for
-them, and its output equals the unjoined expert's; a GGUF's blocks, FP8 rows in partial 128-row
-blocks, and weights replaced after the join stay apart."""
+"""DeepSeek-V4's linears that read one input, joined at materialize (modules.join_rows): the
+shared expert's gate_proj and up_proj, attention's q_a_proj and kv_proj. One tensor holds their
+rows (and an FP8 pair's scales), the decode step runs one GEMV for them, and its output equals the
+unjoined linears'; a GGUF's blocks, FP8 rows in partial 128-row blocks, and weights replaced after
+the join stay apart."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from ds4desk.engine.make_tiny import TINY_CONFIG
 from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
-from ds4desk.engine.models.deepseek_v4.modules import SharedExpert
+from ds4desk.engine.models.deepseek_v4.modules import Fp8Weight, SharedExpert, Weight, join_rows, joined
 from tests.engine.triton_check import run_triton_check
 
 CONFIG = DeepseekV4Config.from_hf(TINY_CONFIG | {"moe_intermediate_size": 128, "hidden_size": 256})
@@ -23,7 +24,7 @@ def expert(fp8: bool, packed: dict[str, int] | None = None, device: str = "cpu")
     with torch.device("meta"):
         shared = SharedExpert(CONFIG, torch.float32, fp8, packed, "s")
     shared = shared.to_empty(device=device)
-    shared.fuse_gate_up()
+    shared.join_gate_up()
     return shared
 
 
@@ -49,15 +50,29 @@ def test_blocks_and_partial_fp8_blocks_stay_apart() -> None:
     with torch.device("meta"):
         shared = SharedExpert(narrow, torch.float32, True, None, "s")
     shared = shared.to_empty(device="cpu")
-    shared.fuse_gate_up()
+    shared.join_gate_up()
     assert shared.gate_up() == ()
 
 
-def test_a_materialized_model_joins_its_shared_experts() -> None:
+def test_a_materialized_model_joins_its_shared_experts_and_q_a_with_kv() -> None:
     with torch.device("meta"):
         model = DeepseekV4Model(DeepseekV4Config.from_hf(TINY_CONFIG), torch.float32)
     model.materialize(torch.device("cpu"))
     assert all(layer.mlp.shared_experts.gate_up() for layer in model.model.layers)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        (both,) = attn.q_a_kv()
+        assert both.shape[0] == attn.q_a_proj.weight.shape[0] + attn.kv_proj.weight.shape[0]
+
+
+def test_three_fp8_linears_join_in_order_and_a_mix_of_kinds_does_not() -> None:
+    holders = [Fp8Weight((rows, 256)) for rows in (128, 256, 128)]
+    tensors = join_rows(*holders)
+    assert [t.shape for t in tensors] == [(512, 256), (4, 2)]
+    assert holders[1].weight.data_ptr() == tensors[0][128:].data_ptr()
+    assert holders[2].weight_scale_inv.data_ptr() == tensors[1][3:].data_ptr()
+    assert joined(tensors, *holders) == tensors and joined(tensors, holders[0], holders[2]) == ()
+    assert join_rows(Fp8Weight((128, 256)), Weight((128, 256), torch.bfloat16)) == ()
 
 
 _DECODE_CHECK = """
@@ -66,8 +81,9 @@ from types import SimpleNamespace
 from ds4desk.engine.kernels.dense import gemv
 from ds4desk.engine.kernels.quant import fp8
 from ds4desk.engine.models.deepseek_v4 import moe, ops
-from tests.engine.models.deepseek_v4.test_shared_gate_up import CONFIG, expert
+from tests.engine.models.deepseek_v4.test_joined_rows import CONFIG, expert
 from tests.engine.kernels.quant.samples import fp8_weight, rel_error
+from tests.engine.op_names import OpNames
 
 gemv.SWITCH.forced = True
 fp8.SWITCH.forced = True
@@ -101,11 +117,29 @@ for fp8_weights in (False, True):
     launches.clear()
     got = moe.MixtureOfExperts._add_shared_expert(mixin, shared, x, routed.clone())
     print("fp8" if fp8_weights else "plain", launches, rel_error(got, want) < 1e-5)
+
+# Attention's q_a and kv: one product, split, equal to the two.
+from ds4desk.engine.models.deepseek_v4.modules import Fp8Weight, join_rows, joined
+holders = [Fp8Weight((rows, 256)).to(device) for rows in (256, 128)]
+tensors = join_rows(*holders)  # on the device, as materialize joins
+with torch.no_grad():
+    for seed, holder in enumerate(holders):
+        q, scale, _ = fp8_weight(*holder.weight.shape, seed=10 + seed)
+        holder.weight.copy_(q)
+        holder.weight_scale_inv.copy_(scale)
+attn = SimpleNamespace(q_a_proj=holders[0], kv_proj=holders[1], q_a_kv=lambda: joined(tensors, *holders))
+x = torch.randn(1, 256, generator=gen).to(device, torch.bfloat16)
+seen = OpNames()
+with seen:
+    q_a, kv = ops.q_a_kv(x, attn)
+separate = [ops.linear(x, holder) for holder in holders]
+print("q_a_kv", seen.names.count("fp8_gemv"), torch.equal(q_a, separate[0]) and torch.equal(kv, separate[1]))
 """
 
 
-def test_one_decode_gemv_runs_gate_and_up_and_equals_the_expert() -> None:
+def test_one_decode_gemv_runs_joined_linears_and_equals_them() -> None:
     stdout = run_triton_check(_DECODE_CHECK)
     # gate | up as one launch of 256 rows; FP8's down projection (256 rows, the SwiGLU inside) runs
     # on the same row kernel, bf16's on gemv_add_ (not recorded).
     assert "plain [256] True" in stdout and "fp8 [256, 256] True" in stdout, stdout
+    assert "q_a_kv 1 True" in stdout, stdout  # one FP8 GEMV, the same bits as two
