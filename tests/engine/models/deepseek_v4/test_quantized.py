@@ -4,6 +4,7 @@ shards, for prefill, eager decode and the shard-by-shard decode step the per-sha
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from ds4desk.engine import Engine, ErrorCode, GenerateRequest, LoadRequest, load
 from ds4desk.engine.api import EngineFailure
 from ds4desk.engine.loader import keeps_quantized, load_model
 from ds4desk.engine.loading.detect import inspect_folder
-from ds4desk.engine.loading.quantized import ShardReader
+from ds4desk.engine.loading.quantized import ShardReader, dequantize_fp8_block128
 from ds4desk.engine.make_tiny import TINY_CONFIG, make_tiny
 from ds4desk.engine.models.deepseek_v4.config import DeepseekV4Config
 from ds4desk.engine.models.deepseek_v4.model import DeepseekV4Model
@@ -175,6 +176,43 @@ def test_an_official_checkpoint_loads_packed_with_the_logits_of_the_dequantized_
     for model in (packed.model, plain.model):
         model.allocate_cache(CONTEXT)
     got, want = run(packed.model, prompt, 4, graphable=True), run(plain.model, prompt, 4, graphable=False)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_checkpoint_with_o_a_widened_to_bf16_loads_dequantized(
+    official: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The official inference converter widens wo_a to bf16. The packed model keeps o_a in FP8, so
+    such a file is not stored packed: it loads with every weight dequantized (nothing refused,
+    nothing rounded again), with the FP8 file's logits."""
+    widened = tmp_path / "widened"
+    shutil.copytree(official, widened)
+    for shard in widened.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        if "layers.0.attn.wo_a.weight" in tensors:
+            scale = tensors.pop("layers.0.attn.wo_a.scale")
+            weight = dequantize_fp8_block128(tensors["layers.0.attn.wo_a.weight"], scale)
+            tensors["layers.0.attn.wo_a.weight"] = weight.to(torch.bfloat16)
+            save_file(tensors, str(shard), {"format": "pt"})
+    index = widened / "model.safetensors.index.json"
+    entries = json.loads(index.read_text())
+    del entries["weight_map"]["layers.0.attn.wo_a.scale"]
+    index.write_text(json.dumps(entries))
+    monkeypatch.setattr(loader, "KEEP_QUANTIZED", True)
+    source = inspect_folder(widened)
+    assert keeps_quantized(inspect_folder(official), [torch.device("cpu")])
+    assert not keeps_quantized(source, [torch.device("cpu")])
+    loaded = load_model(source, torch.device("cpu"), torch.float32)
+    reference = load_model(inspect_folder(official), torch.device("cpu"), torch.float32, quantized=True)
+    assert reference.model.model.layers[0].self_attn.o_a_proj.weight.dtype == torch.float8_e4m3fn
+    prompt = ids(10, seed=8)
+    for model in (loaded.model, reference.model):
+        model.allocate_cache(CONTEXT)
+    got, want = (
+        run(loaded.model, prompt, 2, graphable=False),
+        run(reference.model, prompt, 2, graphable=False),
+    )
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
