@@ -3,9 +3,10 @@
     python3 bench/qwen35_conv_sweep.py [--rows 4096]
 
 Launches kernels/qwen3_5/causal_conv_triton.py's `conv_heads_kernel` directly on bf16 inputs of
-Qwen3.5-9B's linear layers (16 key heads, 32 value heads, 128 wide, 4 taps): for each setting three
-launches, then the mean of 50 between CUDA events, and the bytes it moves (inputs read once, the
-float32 outputs written once) over that time. The setting in use is causal_conv.BLOCK_T at 4 warps.
+Qwen3.5-9B's linear layers (16 key heads, 32 value heads, 128 wide, 4 taps): for each setting one
+launch, then the mean of 50 between CUDA events (bench/gguf_gemv.py's event_time), and the bytes it
+moves (inputs read once, the float32 outputs written once) over that time. The setting in use is
+causal_conv.BLOCK_T at 4 warps.
 Needs a CUDA GPU.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,20 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ds4desk.engine.kernels.qwen3_5 import causal_conv
 from ds4desk.engine.kernels.qwen3_5.causal_conv_triton import conv_heads_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_gemv import event_time  # a sibling script
+
 KEY_HEADS, HEADS, DK, DV, TAPS = 16, 32, 128, 128, 4
-
-
-def timed_us(run: Callable[[], None], count: int = 50) -> float:
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(count):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / count * 1e3
 
 
 def main() -> None:
@@ -65,7 +55,7 @@ def main() -> None:
                     BLOCK_DK=DK, BLOCK_DV=DV, K=TAPS, BLOCK_T=block, num_warps=warps,
                 )  # fmt: skip
 
-            us = timed_us(run)
+            us = event_time(run, reps=50) * 1e6
             print(f"rows {block:3d}, warps {warps}: {us:8.1f} µs, {moved / us / 1e6:.2f} TB/s")
 
 
