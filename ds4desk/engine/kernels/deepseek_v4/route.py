@@ -7,6 +7,10 @@ microseconds however little it does. `route` does the router in one program (the
 few hundred at most: top-k is k arg-max passes over a register-resident row), `mix` sums the picks
 weighted into one row. Elsewhere (CPU, ROCm, no Triton) the same math runs eagerly.
 
+`route` can also copy the token's row x into the order in which the experts' kernel reads it
+(gguf_experts.experts_input): the router's one program does it in passing, where a separate gather
+was a kernel of its own in every layer of the step.
+
 The fused path goes through torch custom ops, so an op counter (bench/count_ops.py) sees one op.
 """
 
@@ -52,6 +56,11 @@ def reference_route(
     return chosen.view(-1), weights.view(-1)
 
 
+def reference_reorder(x: torch.Tensor, order: torch.Tensor, x_read: torch.Tensor) -> None:
+    """x_read [1, D] = x [1, D] with its columns taken in `order` (int64 [D])."""
+    x_read.copy_(x.reshape(-1).index_select(0, order).view_as(x_read))
+
+
 def reference_mix(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Row t: Σ_i weights[t, i] y[t k + i] for float32 weights [T, k] (or [k]: T = 1) and y [T k, D],
     [T, D] in y's dtype (summed in float32, rounded once)."""
@@ -60,7 +69,7 @@ def reference_mix(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.bmm(rows.unsqueeze(1), y.view(count, picks, -1).float()).squeeze(1).to(y.dtype)
 
 
-@torch.library.custom_op("ds4desk::v4_route", mutates_args=())
+@torch.library.custom_op("ds4desk::v4_route", mutates_args=("x_read",))
 def _route_op(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -68,16 +77,22 @@ def _route_op(
     token: torch.Tensor,
     k: int,
     scale: float,
+    x: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
+    x_read: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = _kernels() if SWITCH.kernel_runs_on(logits) else None
     if kernels is None:
         chosen, weights = reference_route(logits, bias, table, token, k, scale)
+        if x_read is not None:
+            assert x is not None and order is not None
+            reference_reorder(x, order, x_read)
         return chosen.contiguous(), weights.contiguous()
-    return kernels.route(logits, bias, table, token, k, scale)
+    return kernels.route(logits, bias, table, token, k, scale, x, order, x_read)
 
 
 @_route_op.register_fake
-def _(logits, bias, table, token, k, scale):
+def _(logits, bias, table, token, k, scale, x=None, order=None, x_read=None):
     return logits.new_empty((k,), dtype=torch.int64), logits.new_empty((k,), dtype=torch.float32)
 
 
@@ -106,10 +121,23 @@ def route(
     token: torch.Tensor,
     k: int,
     scale: float,
+    reorder: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See reference_route; one kernel where it can be (see SWITCH)."""
+    """See reference_route; one kernel where it can be (see SWITCH). reorder (x, order, x_read):
+    also fill x_read [1, D] with x [1, D] (both contiguous) taken in `order` (int64 [D])."""
+    x, order, x_read = reorder if reorder is not None else (None, None, None)
+    if reorder is not None:
+        assert x is not None and order is not None and x_read is not None
+        if x.shape != x_read.shape or x.shape[0] != 1 or order.shape != (x.shape[1],):
+            raise ValueError(
+                f"reorder: x {tuple(x.shape)}, order {tuple(order.shape)}, x_read {tuple(x_read.shape)}"
+            )
+        if not (x.is_contiguous() and x_read.is_contiguous() and order.dtype == torch.int64):
+            raise ValueError("reorder needs contiguous rows and an int64 order")
     if enabled(logits):
-        return _route_op(logits.contiguous(), bias, table, token, k, scale)
+        return _route_op(logits.contiguous(), bias, table, token, k, scale, x, order, x_read)
+    if x_read is not None:
+        reference_reorder(x, order, x_read)
     return reference_route(logits, bias, table, token, k, scale)
 
 
@@ -145,15 +173,26 @@ def _kernels() -> _Kernels | None:
         weights_out,
         experts,
         scale,
+        x,
+        order,
+        x_read,
         K: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_E: tl.constexpr,
         HASHED: tl.constexpr,
         PDL: tl.constexpr,
+        X_COLS: tl.constexpr,  # 0: no reorder
+        BLOCK_X: tl.constexpr = 1024,
     ):
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        if X_COLS > 0:  # x's columns in the experts kernel's read order (a few thousand values)
+            for start in range(0, X_COLS, BLOCK_X):
+                c = start + tl.arange(0, BLOCK_X)
+                inside = c < X_COLS
+                source = tl.load(order + c, mask=inside, other=0)
+                tl.store(x_read + c, tl.load(x + source, mask=inside), mask=inside)
         e = tl.arange(0, BLOCK_E)
         live = e < experts
         z = tl.load(logits + e, mask=live, other=0.0).to(tl.float32)
@@ -201,6 +240,9 @@ def _kernels() -> _Kernels | None:
         token: torch.Tensor,
         k: int,
         scale: float,
+        x: torch.Tensor | None = None,
+        order: torch.Tensor | None = None,
+        x_read: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         experts = logits.shape[-1]
         chosen = torch.empty((k,), device=logits.device, dtype=torch.int64)
@@ -215,11 +257,15 @@ def _kernels() -> _Kernels | None:
             weights,
             experts,
             scale,
+            x if x is not None else logits,
+            order if order is not None else chosen,
+            x_read if x_read is not None else logits,
             K=k,
             BLOCK_K=triton.next_power_of_2(k),
             BLOCK_E=max(16, triton.next_power_of_2(experts)),
             HASHED=table is not None,
             PDL=use_pdl,
+            X_COLS=0 if x is None else x.shape[1],
             launch_pdl=use_pdl,
         )
         return chosen, weights

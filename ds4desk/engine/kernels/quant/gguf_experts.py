@@ -131,8 +131,15 @@ def _positions(cols: int, groups: int | None, device: torch.device) -> torch.Ten
 def experts_input(x: torch.Tensor, type_id: int, cols: int) -> torch.Tensor:
     """x [r, cols] as experts_gemv's kernel for this type reads it: in gguf_experts_triton's read
     order (one index_select) where that kernel runs, else x itself. Pass it with ordered=True."""
+    order = input_order(type_id, cols, x)
+    return x if order is None else x.index_select(1, order)
+
+
+def input_order(type_id: int, cols: int, x: torch.Tensor) -> torch.Tensor | None:
+    """The columns of inputs like x in the order experts_gemv's kernel reads a `type_id` matrix of
+    `cols` columns (int64 [cols]; experts_input takes x in it), None where it reads x as it is."""
     config = experts_one_row_config(gguf_type(type_id).name, cols, x.is_cuda)
-    return x if config is None else x.index_select(1, read_order(cols, config[1], x.device))
+    return None if config is None else read_order(cols, config[1], x.device)
 
 
 @functools.cache

@@ -57,19 +57,21 @@ BY_ID_MAX_PAIRS = 256
 
 
 def _gguf_experts_by_id(
-    experts: Experts, x: torch.Tensor, chosen: torch.Tensor, limit: float
+    experts: Experts, x: torch.Tensor, chosen: torch.Tensor, limit: float, gate_in: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Each (token, slot) pair's clamped SwiGLU through its expert, [T k, D] in (token, slot) order,
     for x [T, D] and the experts chosen [T, k]: the blocks read in place by id (experts_gemv, no copy,
     no host read), the same kernels whatever T: gate and up as one kernel with the SwiGLU folded in
-    where gguf_experts.swiglu_fits, then down."""
+    where gguf_experts.swiglu_fits, then down. gate_in: the gate's input as experts_input gives it,
+    where the caller made it already (the decode router does)."""
     k = chosen.shape[1]
     ids = chosen.reshape(-1).long()
     pairs, hidden, width = ids.shape[0], x.shape[1], experts.gate_proj.shape[1]
     inputs = x if x.shape[0] == 1 else x.repeat_interleave(k, dim=0)  # one row for all, or a row a pair
     types = experts.type_ids
     # The input as the experts' kernel reads it, prepared once for gate and up where their types agree.
-    gate_in = gguf_experts.experts_input(inputs, types["gate_proj"], hidden)
+    if gate_in is None:
+        gate_in = gguf_experts.experts_input(inputs, types["gate_proj"], hidden)
     out = x.new_empty((pairs, hidden))
     if gguf_experts.swiglu_fits(types["gate_proj"], types["up_proj"], hidden, x):
         act = x.new_empty((pairs, width))
@@ -252,13 +254,24 @@ class MixtureOfExperts:
         gate = moe.gate
         tid2eid = getattr(gate, "tid2eid", None)
         bias = None if tid2eid is not None else gate.e_score_correction_bias
-        picked, weights = v4_route.route(
-            ops.linear(x, gate), bias, tid2eid, token, cfg.experts_per_token, cfg.routed_scaling_factor
-        )  # [k], float32 [k]
         experts, limit = moe.experts, cfg.swiglu_limit
-        if self._reads_by_id(moe, x):
+        by_id = self._reads_by_id(moe, x)
+        order = gguf_experts.input_order(experts.type_ids["gate_proj"], x.shape[1], x) if by_id else None
+        # The router's kernel also lays x out as the experts' kernel reads it (no gather kernel).
+        reorder = None if order is None or not x.is_contiguous() else (x, order, torch.empty_like(x))
+        picked, weights = v4_route.route(
+            ops.linear(x, gate),
+            bias,
+            tid2eid,
+            token,
+            cfg.experts_per_token,
+            cfg.routed_scaling_factor,
+            reorder,
+        )  # [k], float32 [k]
+        if by_id:
             # The picked experts' blocks read in place by id (no host sync, no copy): three kernels.
-            y = _gguf_experts_by_id(experts, x, picked.view(1, -1), limit)
+            gate_in = None if reorder is None else reorder[2]
+            y = _gguf_experts_by_id(experts, x, picked.view(1, -1), limit, gate_in)
             return self._add_shared_expert(moe.shared_experts, x, v4_route.mix(weights, y))
         if cfg.gguf_experts:
             # The picked experts' blocks gathered on the device (no host sync), one SwiGLU each.

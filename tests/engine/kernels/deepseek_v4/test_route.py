@@ -86,6 +86,29 @@ def test_the_custom_ops_are_one_op_each() -> None:
     assert mixed.shape == (1, 32)
 
 
+def test_the_router_lays_out_the_experts_input_in_passing() -> None:
+    logits, bias, _ = inputs(16, 3, seed=4)
+    x = torch.randn(1, 300).to(torch.bfloat16)
+    order = torch.randperm(300)
+    want = v4_route.reference_route(logits, bias, None, torch.tensor([0]), 3, 1.5)
+    for forced in (True, False):
+        x_read, seen = torch.full_like(x, float("nan")), OpNames()
+        with v4_route.SWITCH.force(forced), torch.inference_mode(), seen:
+            chosen, weights = v4_route.route(
+                logits, bias, None, torch.tensor([0]), 3, 1.5, (x, order, x_read)
+            )
+        assert (
+            torch.equal(x_read, x[:, order])
+            and torch.equal(chosen, want[0])
+            and torch.equal(weights, want[1])
+        )
+        assert ("index_select" in seen.names) != forced  # the custom op does it inside
+    with pytest.raises(ValueError, match="reorder"):
+        v4_route.route(logits, bias, None, torch.tensor([0]), 3, 1.5, (x, order[:-1], x_read))
+    with pytest.raises(ValueError, match="contiguous"):
+        v4_route.route(logits, bias, None, torch.tensor([0]), 3, 1.5, (x, order.int(), x_read))
+
+
 def test_the_cpu_runs_the_eager_form_by_default() -> None:
     assert v4_route.SWITCH.forced is None and not v4_route.enabled(torch.zeros(1))
 
@@ -109,6 +132,13 @@ for experts, k in ((8, 6), (256, 6), (16, 3), (64, 8)):
             want_chosen, want_weights = v4_route.reference_route(logits, *args)
             assert chosen.tolist() == want_chosen.tolist(), (experts, k, hashed, chosen, want_chosen)
             torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+            # With the experts' input order written in passing (2,500 columns: a partial last block).
+            x = torch.randn(1, 2500, device=device).to(torch.bfloat16)
+            order = torch.randperm(2500, device=device)
+            x_read = torch.full_like(x, float("nan"))
+            again = kernels.route(logits, *args, x, order, x_read)
+            assert torch.equal(again[0], chosen) and torch.equal(again[1], weights)
+            assert torch.equal(x_read, x[:, order])
             cases += 1
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         y = torch.randn(k, 3000, device=device).to(dtype)  # a partial last block

@@ -102,6 +102,7 @@ def test_the_model_on_its_blocks_equals_its_twin_on_floats() -> None:
 
 _BY_ID_CHECK = """
 import torch
+from ds4desk.engine.kernels.deepseek_v4 import route as v4_route
 from ds4desk.engine.kernels.quant import gguf_triton as gt
 from ds4desk.engine.kernels.quant import gguf_experts
 from ds4desk.engine.kernels.quant import gguf_tiles
@@ -117,7 +118,8 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 model = build_gguf_experts(SMALL, torch.device(device), TYPES, dtype=torch.float32)
 ids = torch.randint(0, SMALL.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).to(device)
 # The picked blocks gathered (the switch off); read in place by id on the general GEMV (three
-# kernels a layer); on the low-bit experts kernel, gate and up as one kernel with the SwiGLU.
+# kernels a layer); on the low-bit experts kernel, gate and up as one kernel with the SwiGLU, its
+# input laid out by the router's kernel.
 RUNS = {"gathered": (False, None), "general": (True, None), "low_bit": (True, (64, 4, 1))}
 if device == "cuda":
     del RUNS["general"]  # a GPU takes the low-bit kernel for Q2_K / Q3_K whatever the override
@@ -126,7 +128,7 @@ with torch.inference_mode():
     for run, (forced, setting) in RUNS.items():
         gguf_tiles.EXPERTS_OVERRIDE = setting
         calls.clear()
-        with gt.SWITCH.force(forced):
+        with gt.SWITCH.force(forced), v4_route.SWITCH.force(forced or None):
             model.allocate_cache(32)
             model.forward(ids[:8], 0, "none")
             pos = torch.tensor([0], device=device)
