@@ -77,9 +77,9 @@ def _route_op(
     token: torch.Tensor,
     k: int,
     scale: float,
-    x: torch.Tensor | None = None,
-    order: torch.Tensor | None = None,
-    x_read: torch.Tensor | None = None,
+    x: torch.Tensor | None,
+    order: torch.Tensor | None,
+    x_read: torch.Tensor | None,  # no default: a dispatcher drops trailing defaults, then cannot find it
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = _kernels() if SWITCH.kernel_runs_on(logits) else None
     if kernels is None:
@@ -92,7 +92,7 @@ def _route_op(
 
 
 @_route_op.register_fake
-def _(logits, bias, table, token, k, scale, x=None, order=None, x_read=None):
+def _(logits, bias, table, token, k, scale, x, order, x_read):
     return logits.new_empty((k,), dtype=torch.int64), logits.new_empty((k,), dtype=torch.float32)
 
 
