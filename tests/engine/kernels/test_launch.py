@@ -121,4 +121,4 @@ def test_no_custom_op_gives_a_mutated_argument_a_default() -> None:
             if argument.alias_info is not None and argument.alias_info.is_write:
                 assert not argument.has_default_value(), f"{schema.name}: {argument.name}"
                 checked += 1
-    assert checked >= 3  # decode_attention's ordered, v4_route's x_read, v4_norm_rope's ring at least
+    assert checked >= 2  # decode_attention's ordered and v4_route's x_read at least
