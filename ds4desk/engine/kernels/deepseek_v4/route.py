@@ -83,12 +83,27 @@ def _route_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = _kernels() if SWITCH.kernel_runs_on(logits) else None
     if kernels is None:
-        chosen, weights = reference_route(logits, bias, table, token, k, scale)
-        if x_read is not None:
-            assert x is not None and order is not None
-            reference_reorder(x, order, x_read)
+        chosen, weights = _eager_route(logits, bias, table, token, k, scale, x, order, x_read)
         return chosen.contiguous(), weights.contiguous()
     return kernels.route(logits, bias, table, token, k, scale, x, order, x_read)
+
+
+def _eager_route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    table: torch.Tensor | None,
+    token: torch.Tensor,
+    k: int,
+    scale: float,
+    x: torch.Tensor | None,
+    order: torch.Tensor | None,
+    x_read: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference_route, and reference_reorder where x_read is given."""
+    if x_read is not None:
+        assert x is not None and order is not None
+        reference_reorder(x, order, x_read)
+    return reference_route(logits, bias, table, token, k, scale)
 
 
 @_route_op.register_fake
@@ -125,9 +140,9 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See reference_route; one kernel where it can be (see SWITCH). reorder (x, order, x_read):
     also fill x_read [1, D] with x [1, D] (both contiguous) taken in `order` (int64 [D])."""
-    x, order, x_read = reorder if reorder is not None else (None, None, None)
+    x = order = x_read = None
     if reorder is not None:
-        assert x is not None and order is not None and x_read is not None
+        x, order, x_read = reorder
         if x.shape != x_read.shape or x.shape[0] != 1 or order.shape != (x.shape[1],):
             raise ValueError(
                 f"reorder: x {tuple(x.shape)}, order {tuple(order.shape)}, x_read {tuple(x_read.shape)}"
@@ -136,9 +151,7 @@ def route(
             raise ValueError("reorder needs contiguous rows and an int64 order")
     if enabled(logits):
         return _route_op(logits.contiguous(), bias, table, token, k, scale, x, order, x_read)
-    if x_read is not None:
-        reference_reorder(x, order, x_read)
-    return reference_route(logits, bias, table, token, k, scale)
+    return _eager_route(logits, bias, table, token, k, scale, x, order, x_read)
 
 
 def mix(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
