@@ -1,6 +1,6 @@
 """Where a decode step's time goes on the GPU (the dense model of bench/gpu_speed.py).
 
-    python3 bench/profile_decode.py --model DIR [--depth 512] [--prefill 4096]
+    python3 bench/profile_decode.py --model DIR [--depth 512] [--prefill 4096] [--weights q4]
 
 Prints: the time of one replayed graph step with nothing else around it (the GPU's share), the
 time of a full Runtime decode step (graph + sampling + the host's share), and torch.profiler's
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ds4desk.engine.api import SamplingParams
-from ds4desk.engine.loader import load_model
+from ds4desk.engine.loader import fill, load_model, plan_load
 from ds4desk.engine.loading.detect import read_source
 from ds4desk.engine.runtime import Runtime
 
@@ -30,11 +30,17 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--depth", type=int, default=512)
     parser.add_argument("--prefill", type=int, default=0, help="also profile a prefill of this many tokens")
+    parser.add_argument(
+        "--weights", default="as-stored", choices=("as-stored", "q8", "q4"), help="quantized on load"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     source = read_source(args.model)
-    model = load_model(source, device, torch.bfloat16).model
     context = max(args.depth + 300, args.prefill)
+    if args.weights == "as-stored":
+        model = load_model(source, device, torch.bfloat16).model
+    else:
+        model = fill(plan_load(source, device, torch.bfloat16, context, weights=args.weights)).model
     runtime = Runtime(model, device, context=context, chunk=max(4096, args.prefill), graphs=True)
     graphs = runtime.graphs
     assert graphs is not None
